@@ -1,0 +1,247 @@
+"""The runbus wire contract v1: key names, entry fields, kinds and their validation.
+
+Both sides import this module and nothing else spells a key name; docs/wire.md is its prose twin.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+VERSION = "1"
+PREFIX = "runbus"
+DEFAULT_GROUP = "runbus"
+DEAD_LETTER_KEY = f"{PREFIX}:dead"
+# Every stream a producer creates is announced here (a set of stream keys), so ingesters find
+# it within a poll instead of a keyspace scan.
+REGISTRY_KEY = f"{PREFIX}:streams"
+
+KINDS = frozenset({"start", "metric", "log", "system", "heartbeat", "finish"})
+LOG_STREAMS = frozenset({"stdout", "stderr", "logging"})
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_NAME = re.compile(NAME_PATTERN)
+_STREAM_KEY = re.compile(rf"{PREFIX}:\{{({NAME_PATTERN})\}}:({NAME_PATTERN})")
+
+# Biggest `data` field accepted, encoded. A log line or config larger than this is an error at
+# the producer and a dead letter at the ingester, never a silent truncation.
+MAX_DATA_BYTES = 1 << 20
+
+NON_FINITE_TO_WIRE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+WIRE_TO_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+class InvalidName(ValueError):
+    """A run id or label that does not match NAME_PATTERN."""
+
+
+class InvalidEntry(ValueError):
+    """A stream entry that breaks the wire contract; its message is the dead-letter reason."""
+
+
+def check_name(what: str, name: object) -> str:
+    """Return `name` if it is a valid run id or label, else raise InvalidName saying why."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidName(
+            f"invalid {what} {name!r}: must match {NAME_PATTERN} "
+            "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 128)"
+        )
+    return name
+
+
+def stream_key(run: str, label: str) -> str:
+    """The stream of one run and label; `{run}` is a Redis Cluster hash tag."""
+    return f"{PREFIX}:{{{run}}}:{label}"
+
+
+def epoch_key(run: str, label: str) -> str:
+    """The counter a producer INCRs at init to take its label's epoch."""
+    return f"{PREFIX}:{{{run}}}:epoch:{label}"
+
+
+def primary_key(run: str) -> str:
+    """Holds the label of the run's live primary (with a TTL its heartbeats refresh)."""
+    return f"{PREFIX}:{{{run}}}:meta:primary"
+
+
+def parse_stream_key(key: str) -> tuple[str, str] | None:
+    """(run, label) of a stream key, or None if `key` is not a runbus event stream."""
+    match = _STREAM_KEY.fullmatch(key)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def scan_pattern() -> str:
+    """A SCAN MATCH pattern covering every event stream (also other keys: parse to filter)."""
+    return f"{PREFIX}:{{*}}:*"
+
+
+def finite_to_wire(value: float) -> float | str:
+    """A float as the wire writes it: non-finite values become 'NaN', 'Infinity', '-Infinity'."""
+    if math.isfinite(value):
+        return value
+    return NON_FINITE_TO_WIRE[repr(value)]
+
+
+def number_from_wire(value: object) -> float | int:
+    """A metric value as read from the wire; raises InvalidEntry if it is no number."""
+    if type(value) is int or type(value) is float:
+        return value
+    if isinstance(value, str) and value in WIRE_TO_NON_FINITE:
+        return WIRE_TO_NON_FINITE[value]
+    raise InvalidEntry(f"value {value!r} is not a number")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decoded, validated stream entry."""
+
+    run: str
+    label: str
+    kind: str
+    epoch: int
+    seq: int
+    ts: float
+    data: dict[str, Any]
+    step: int | None = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where this event stands in its label's history: (epoch, seq)."""
+        return (self.epoch, self.seq)
+
+
+def encode_fields(
+    kind: str, run: str, label: str, epoch: int, seq: int, ts: float, data: bytes, step: int | None
+) -> dict[str, bytes | str | int | float]:
+    """The flat XADD fields of one event; `data` is already JSON-encoded."""
+    fields: dict[str, bytes | str | int | float] = {
+        "v": VERSION,
+        "kind": kind,
+        "run": run,
+        "label": label,
+        "epoch": epoch,
+        "seq": seq,
+        "ts": repr(ts),
+        "data": data,
+    }
+    if step is not None:
+        fields["step"] = step
+    return fields
+
+
+def _text(fields: dict[bytes, bytes], name: str) -> str:
+    raw = fields.get(name.encode())
+    if raw is None:
+        raise InvalidEntry(f"missing field {name!r}")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise InvalidEntry(f"field {name!r} is not UTF-8") from None
+
+
+def _int(fields: dict[bytes, bytes], name: str, minimum: int) -> int:
+    text = _text(fields, name)
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidEntry(f"field {name!r} is not an integer: {text[:40]!r}") from None
+    if value < minimum:
+        raise InvalidEntry(f"field {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_data(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    if kind == "metric":
+        if not data:
+            raise InvalidEntry("metric data is empty")
+        return {_metric_key(k): _metric_value(k, v) for k, v in data.items()}
+    if kind == "system":
+        return {_metric_key(k): _metric_value(k, v) for k, v in data.items()}
+    if kind == "log":
+        if data.get("stream") not in LOG_STREAMS:
+            raise InvalidEntry(f"log stream must be one of {sorted(LOG_STREAMS)}")
+        if not isinstance(data.get("text"), str):
+            raise InvalidEntry("log text must be a string")
+        level = data.get("level", "INFO")
+        if not isinstance(level, str):
+            raise InvalidEntry("log level must be a string")
+        return data
+    if kind == "start":
+        if not isinstance(data.get("primary"), bool):
+            raise InvalidEntry("start data needs a boolean 'primary'")
+        if not isinstance(data.get("config", {}), dict):
+            raise InvalidEntry("start config must be an object")
+        return data
+    if kind == "finish":
+        exit_code = data.get("exit_code")
+        if type(exit_code) is not int:
+            raise InvalidEntry("finish data needs an integer 'exit_code'")
+        return data
+    return data  # heartbeat: any object (drop counters and the like ride along)
+
+
+def _metric_key(key: object) -> str:
+    if not isinstance(key, str) or not key or len(key) > 256:
+        raise InvalidEntry(f"metric name {key!r} must be a non-empty string of at most 256")
+    return key
+
+
+def _metric_value(key: str, value: object) -> float | int:
+    if type(value) is bool:
+        return int(value)
+    try:
+        return number_from_wire(value)
+    except InvalidEntry:
+        raise InvalidEntry(f"metric {key!r}: value {value!r} is not a number") from None
+
+
+def decode_entry(key: str, fields: dict[bytes, bytes]) -> Event:
+    """Validate one raw stream entry read from `key`; raises InvalidEntry with the reason."""
+    names = parse_stream_key(key)
+    if names is None:
+        raise InvalidEntry(f"key {key!r} is not a runbus stream")
+    version = _text(fields, "v")
+    if version != VERSION:
+        raise InvalidEntry(f"unknown wire version {version[:16]!r}")
+    kind = _text(fields, "kind")
+    if kind not in KINDS:
+        raise InvalidEntry(f"unknown kind {kind[:32]!r}")
+    run, label = _text(fields, "run"), _text(fields, "label")
+    if (run, label) != names:
+        raise InvalidEntry(f"run/label {run[:140]!r}/{label[:140]!r} do not match key {key!r}")
+    epoch, seq = _int(fields, "epoch", 1), _int(fields, "seq", 1)
+    ts_text = _text(fields, "ts")
+    try:
+        ts = float(ts_text)
+    except ValueError:
+        raise InvalidEntry(f"field 'ts' is not a number: {ts_text[:40]!r}") from None
+    if not math.isfinite(ts):
+        raise InvalidEntry("field 'ts' must be finite")
+    step = None
+    if b"step" in fields:
+        if kind != "metric":
+            raise InvalidEntry(f"field 'step' is only for metric events, not {kind}")
+        step = _int(fields, "step", 0)
+    raw = fields.get(b"data")
+    if raw is None:
+        raise InvalidEntry("missing field 'data'")
+    if len(raw) > MAX_DATA_BYTES:
+        raise InvalidEntry(f"data is {len(raw)} bytes, over the limit of {MAX_DATA_BYTES}")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEntry(f"data is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidEntry("data must be a JSON object")
+    return Event(run, label, kind, epoch, seq, ts, _check_data(kind, data), step)
+
+
+LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
+
+
+def level_number(level: str) -> int:
+    """The `logging` number of a level name (unknown names count as INFO)."""
+    return LEVELS.get(level.upper(), 20)

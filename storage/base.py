@@ -1,0 +1,121 @@
+"""The storage interface every backend implements, and the records it reads back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from producer.wire import Event
+
+
+@dataclass(frozen=True, slots=True)
+class LabelSummary:
+    """One label of a run, as `runbus show` prints it."""
+
+    label: str
+    primary: bool
+    state: str
+    exit_code: int | None
+    epoch: int
+    last_seq: int
+    events: int
+    missing: int
+    first_ts: float | None = None
+    last_ts: float | None = None
+    start: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run, with its labels' summaries when read with `Store.run`."""
+
+    run_id: str
+    state: str
+    primary: str | None
+    exit_code: int | None
+    started_ts: float | None
+    ended_ts: float | None
+    last_ts: float | None
+    label_count: int
+    counts: dict[str, int] = field(default_factory=dict)
+    labels: list[LabelSummary] = field(default_factory=list)
+    config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One stored metric or system value."""
+
+    label: str
+    key: str
+    step: int | None
+    epoch: int
+    seq: int
+    ts: float
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    """One stored log event."""
+
+    label: str
+    epoch: int
+    seq: int
+    ts: float
+    stream: str
+    level: str
+    text: str
+
+
+class StoreError(Exception):
+    """A storage operation failed (and may be retried)."""
+
+
+class Store(Protocol):
+    """What the ingester writes through and the CLI and API read through."""
+
+    url: str
+
+    async def connect(self) -> None:
+        """Open connections and create or migrate the schema."""
+
+    async def close(self) -> None:
+        """Release every connection."""
+
+    async def write(self, events: Sequence[Event]) -> int:
+        """Store a batch in one transaction, applying storage.rules; return how many were new.
+
+        An event already stored (same run, label, epoch, seq) is ignored.
+        """
+
+    async def runs(self) -> list[RunSummary]:
+        """Every run, newest first (labels not filled in)."""
+
+    async def run(self, run_id: str) -> RunSummary | None:
+        """One run with its labels and event counts, or None if unknown."""
+
+    async def metric_keys(self, run_id: str) -> list[str]:
+        """The metric names logged in a run."""
+
+    async def metrics(
+        self, run_id: str, key: str | None = None, label: str | None = None
+    ) -> list[Point]:
+        """Metric values ordered by label, key, step (then epoch, seq)."""
+
+    async def system(
+        self, run_id: str, key: str | None = None, label: str | None = None
+    ) -> list[Point]:
+        """System samples ordered by label, key, ts."""
+
+    async def logs(
+        self,
+        run_id: str,
+        label: str | None = None,
+        level: str | None = None,
+        grep: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[LogLine]:
+        """Log lines ordered by ts (then label, epoch, seq), filtered and paged."""

@@ -1,0 +1,109 @@
+"""Conversions between events, rule records and table rows that every backend shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
+
+from producer.wire import Event, level_number
+from storage.base import LabelSummary, RunSummary
+from storage.rules import LabelState, RunState, missing_count, primary_label
+
+KINDS_COUNTED = ("metric", "log", "system")
+
+
+def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]]:
+    """Events grouped by (run, label), each group in (epoch, seq) order."""
+    groups: dict[tuple[str, str], list[Event]] = {}
+    for event in events:
+        groups.setdefault((event.run, event.label), []).append(event)
+    for group in groups.values():
+        group.sort(key=lambda e: e.position)
+    return groups
+
+
+def label_columns(label: LabelState) -> tuple:
+    """The mutable label columns, in the order both backends' UPDATE statements name them."""
+    return (
+        label.state,
+        label.exit_code,
+        label.state_pos[0],
+        label.state_pos[1],
+        label.state_ts,
+        label.primary,
+        label.start_pos[0],
+        label.start_pos[1],
+        None if label.start_data is None else orjson.dumps(label.start_data).decode(),
+        label.epoch,
+        label.last_seq,
+        label.first_ts,
+        label.last_ts,
+    )
+
+
+def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
+    """(state, primary, exit_code, ended_ts, started_ts, last_ts, config JSON) of a run."""
+    labels = list(labels)
+    firsts = [lab.first_ts for lab in labels if lab.first_ts is not None]
+    lasts = [lab.last_ts for lab in labels if lab.last_ts is not None]
+    primary = primary_label(labels)
+    config = None
+    if primary is not None and primary.start_data is not None:
+        config = orjson.dumps(primary.start_data.get("config") or {}).decode()
+    return (
+        derived.state,
+        derived.primary,
+        derived.exit_code,
+        derived.ended_ts,
+        min(firsts, default=None),
+        max(lasts, default=None),
+        config,
+    )
+
+
+def log_columns(event: Event) -> tuple[str, str, int, str]:
+    """(stream, level, levelno, text) of a log event."""
+    level = str(event.data.get("level", "INFO"))
+    return event.data["stream"], level, level_number(level), event.data["text"]
+
+
+def label_summary(label: LabelState, epochs: Iterable[tuple[int, int, int]]) -> LabelSummary:
+    """A label's summary from its rule record and (epoch, max seq, distinct seqs) per epoch."""
+    epochs = list(epochs)
+    return LabelSummary(
+        label=label.label,
+        primary=label.primary,
+        state=label.state,
+        exit_code=label.exit_code,
+        epoch=label.epoch,
+        last_seq=label.last_seq,
+        events=sum(seen for _, _, seen in epochs),
+        missing=missing_count({e: top for e, top, _ in epochs}, {e: seen for e, _, seen in epochs}),
+        first_ts=label.first_ts,
+        last_ts=label.last_ts,
+        start=label.start_data,
+    )
+
+
+def run_summary(
+    row: dict[str, Any],
+    labels: list[LabelSummary] | None = None,
+    counts: dict[str, int] | None = None,
+) -> RunSummary:
+    """A RunSummary from a `runs` row (with a label_count column)."""
+    config = row.get("config")
+    return RunSummary(
+        run_id=row["run_id"],
+        state=row["state"],
+        primary=row["primary_label"],
+        exit_code=row["exit_code"],
+        started_ts=row["started_ts"],
+        ended_ts=row["ended_ts"],
+        last_ts=row["last_ts"],
+        label_count=row["label_count"],
+        counts={kind: (counts or {}).get(kind, 0) for kind in KINDS_COUNTED},
+        labels=labels or [],
+        config=orjson.loads(config) if isinstance(config, (str, bytes)) else config,
+    )

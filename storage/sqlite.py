@@ -1,0 +1,398 @@
+"""The embedded SQLite backend (WAL), driven from one dedicated thread per store."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import orjson
+
+from producer.wire import Event, level_number
+from storage import rows
+from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
+from storage.rules import LabelState, apply_events, run_state
+
+T = TypeVar("T")
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE runs (
+        run_id TEXT PRIMARY KEY,
+        state TEXT NOT NULL DEFAULT 'running',
+        primary_label TEXT,
+        exit_code INTEGER,
+        started_ts REAL,
+        ended_ts REAL,
+        last_ts REAL,
+        config TEXT
+    );
+    CREATE TABLE labels (
+        id INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        label TEXT NOT NULL,
+        state TEXT NOT NULL DEFAULT 'running',
+        exit_code INTEGER,
+        state_epoch INTEGER NOT NULL DEFAULT 0,
+        state_seq INTEGER NOT NULL DEFAULT 0,
+        state_ts REAL,
+        is_primary INTEGER NOT NULL DEFAULT 0,
+        start_epoch INTEGER NOT NULL DEFAULT 0,
+        start_seq INTEGER NOT NULL DEFAULT 0,
+        start_data TEXT,
+        epoch INTEGER NOT NULL DEFAULT 0,
+        last_seq INTEGER NOT NULL DEFAULT 0,
+        first_ts REAL,
+        last_ts REAL,
+        UNIQUE (run_id, label)
+    );
+    CREATE TABLE events (
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        ts REAL NOT NULL,
+        PRIMARY KEY (label_id, epoch, seq)
+    ) WITHOUT ROWID;
+    CREATE TABLE metrics (
+        label_id INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        step INTEGER,
+        ts REAL NOT NULL,
+        value REAL,
+        PRIMARY KEY (label_id, key, epoch, seq)
+    ) WITHOUT ROWID;
+    CREATE TABLE system (
+        label_id INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        value REAL,
+        PRIMARY KEY (label_id, key, epoch, seq)
+    ) WITHOUT ROWID;
+    CREATE TABLE logs (
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        stream TEXT NOT NULL,
+        level TEXT NOT NULL,
+        levelno INTEGER NOT NULL,
+        text TEXT NOT NULL,
+        PRIMARY KEY (label_id, epoch, seq)
+    ) WITHOUT ROWID;
+    CREATE INDEX logs_by_ts ON logs (label_id, ts);
+    """,
+]
+
+_LABEL_COLUMNS = (
+    "id, label, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
+    "start_seq, start_data, epoch, last_seq, first_ts, last_ts"
+)
+
+
+def _path(url: str) -> str:
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or len(url) == len(prefix):
+        raise ValueError(
+            f"sqlite store URL {url!r} names no file: use sqlite:///relative.db or "
+            "sqlite:////absolute/path.db"
+        )
+    return unquote(urlsplit(url).path[1:])
+
+
+def _label_state(run: str, row: sqlite3.Row) -> LabelState:
+    return LabelState(
+        run=run,
+        label=row["label"],
+        state=row["state"],
+        exit_code=row["exit_code"],
+        state_pos=(row["state_epoch"], row["state_seq"]),
+        state_ts=row["state_ts"],
+        primary=bool(row["is_primary"]),
+        start_pos=(row["start_epoch"], row["start_seq"]),
+        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
+        epoch=row["epoch"],
+        last_seq=row["last_seq"],
+        first_ts=row["first_ts"],
+        last_ts=row["last_ts"],
+    )
+
+
+def _real(value: float) -> float | None:
+    # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _unreal(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+class SQLiteStore:
+    """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.path = _path(url)
+        self._con: sqlite3.Connection | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runbus-sqlite")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._thread, fn, *args)
+        except sqlite3.Error as exc:
+            raise StoreError(f"sqlite {self.path}: {exc}") from exc
+
+    async def connect(self) -> None:
+        await self._call(self._connect)
+
+    def _connect(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        con.row_factory = sqlite3.Row
+        con.execute("PRAGMA busy_timeout = 30000")
+        con.execute("PRAGMA journal_mode = WAL")
+        con.execute("PRAGMA synchronous = NORMAL")
+        self._con = con
+        self._migrate()
+
+    def _migrate(self) -> None:
+        con = self._db()
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            version = con.execute("PRAGMA user_version").fetchone()[0]
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for statement in script.split(";"):
+                    if statement.strip():
+                        con.execute(statement)
+                con.execute(f"PRAGMA user_version = {int(number)}")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def _db(self) -> sqlite3.Connection:
+        if self._con is None:
+            raise StoreError("store is not connected: call connect() first")
+        return self._con
+
+    async def close(self) -> None:
+        if self._con is not None:
+            await self._call(self._con.close)
+            self._con = None
+        self._thread.shutdown(wait=True)
+
+    async def write(self, events: Sequence[Event]) -> int:
+        if not events:
+            return 0
+        return await self._call(self._write, events)
+
+    def _write(self, events: Sequence[Event]) -> int:
+        con = self._db()
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            new = self._write_in_transaction(con, events)
+            con.execute("COMMIT")
+            return new
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def _write_in_transaction(self, con: sqlite3.Connection, events: Sequence[Event]) -> int:
+        by_label = rows.group_by_label(events)
+        runs = {run for run, _ in by_label}
+        con.executemany("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", [(r,) for r in runs])
+        con.executemany("INSERT OR IGNORE INTO labels (run_id, label) VALUES (?, ?)", by_label)
+        ids: dict[tuple[str, str], int] = {}
+        for run, label in by_label:
+            row = con.execute(
+                f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? AND label = ?", (run, label)
+            ).fetchone()
+            ids[run, label] = row["id"]
+            folded = apply_events(_label_state(run, row), by_label[run, label])
+            con.execute(
+                "UPDATE labels SET state = ?, exit_code = ?, state_epoch = ?, state_seq = ?, "
+                "state_ts = ?, is_primary = ?, start_epoch = ?, start_seq = ?, start_data = ?, "
+                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ? WHERE id = ?",
+                (*rows.label_columns(folded), row["id"]),
+            )
+        before = con.total_changes
+        con.executemany(
+            "INSERT OR IGNORE INTO events (label_id, epoch, seq, kind, ts) VALUES (?, ?, ?, ?, ?)",
+            [(ids[e.run, e.label], e.epoch, e.seq, e.kind, e.ts) for e in events],
+        )
+        new = con.total_changes - before
+        con.executemany(
+            "INSERT OR IGNORE INTO metrics (label_id, key, epoch, seq, step, ts, value) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (ids[e.run, e.label], key, e.epoch, e.seq, e.step, e.ts, _real(value))
+                for e in events
+                if e.kind == "metric"
+                for key, value in e.data.items()
+            ],
+        )
+        con.executemany(
+            "INSERT OR IGNORE INTO system (label_id, key, epoch, seq, ts, value) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (ids[e.run, e.label], key, e.epoch, e.seq, e.ts, _real(value))
+                for e in events
+                if e.kind == "system"
+                for key, value in e.data.items()
+            ],
+        )
+        con.executemany(
+            "INSERT OR IGNORE INTO logs (label_id, epoch, seq, ts, stream, level, levelno, text) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (ids[e.run, e.label], e.epoch, e.seq, e.ts, *rows.log_columns(e))
+                for e in events
+                if e.kind == "log"
+            ],
+        )
+        for run in runs:
+            self._update_run(con, run)
+        return new
+
+    def _update_run(self, con: sqlite3.Connection, run: str) -> None:
+        labels = [
+            _label_state(run, row)
+            for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
+        ]
+        derived = run_state(labels)
+        con.execute(
+            "UPDATE runs SET state = ?, primary_label = ?, exit_code = ?, ended_ts = ?, "
+            "started_ts = ?, last_ts = ?, config = ? WHERE run_id = ?",
+            (*rows.run_columns(derived, labels), run),
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def runs(self) -> list[RunSummary]:
+        return await self._call(self._runs)
+
+    def _runs(self) -> list[RunSummary]:
+        query = (
+            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
+            "FROM runs r ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
+        )
+        return [rows.run_summary(dict(row)) for row in self._db().execute(query)]
+
+    async def run(self, run_id: str) -> RunSummary | None:
+        return await self._call(self._run, run_id)
+
+    def _run(self, run_id: str) -> RunSummary | None:
+        con = self._db()
+        row = con.execute(
+            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
+            "FROM runs r WHERE r.run_id = ?",
+            (run_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        epochs = con.execute(
+            "SELECT e.label_id, e.epoch, max(e.seq) AS top, count(*) AS seen FROM events e "
+            "JOIN labels l ON l.id = e.label_id WHERE l.run_id = ? GROUP BY e.label_id, e.epoch",
+            (run_id,),
+        ).fetchall()
+        counts = con.execute(
+            "SELECT e.kind, count(*) FROM events e JOIN labels l ON l.id = e.label_id "
+            "WHERE l.run_id = ? GROUP BY e.kind",
+            (run_id,),
+        ).fetchall()
+        labels: list[LabelSummary] = []
+        for label_row in con.execute(
+            f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
+        ):
+            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
+            labels.append(rows.label_summary(_label_state(run_id, label_row), mine))
+        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
+
+    async def metric_keys(self, run_id: str) -> list[str]:
+        return await self._call(self._metric_keys, run_id)
+
+    def _metric_keys(self, run_id: str) -> list[str]:
+        query = (
+            "SELECT DISTINCT m.key FROM metrics m JOIN labels l ON l.id = m.label_id "
+            "WHERE l.run_id = ? ORDER BY m.key"
+        )
+        return [row[0] for row in self._db().execute(query, (run_id,))]
+
+    async def metrics(
+        self, run_id: str, key: str | None = None, label: str | None = None
+    ) -> list[Point]:
+        return await self._call(self._points, "metrics", run_id, key, label)
+
+    async def system(
+        self, run_id: str, key: str | None = None, label: str | None = None
+    ) -> list[Point]:
+        return await self._call(self._points, "system", run_id, key, label)
+
+    def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
+        step = "m.step" if table == "metrics" else "NULL"
+        order = "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
+        where, args = ["l.run_id = ?"], [run_id]
+        if key is not None:
+            where.append("m.key = ?")
+            args.append(key)
+        if label is not None:
+            where.append("l.label = ?")
+            args.append(label)
+        query = (
+            f"SELECT l.label, m.key, {step} AS step, m.epoch, m.seq, m.ts, m.value "
+            f"FROM {table} m JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
+            f"ORDER BY l.label, m.key, {order}"
+        )
+        return [
+            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6]))
+            for r in self._db().execute(query, args)
+        ]
+
+    async def logs(
+        self,
+        run_id: str,
+        label: str | None = None,
+        level: str | None = None,
+        grep: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[LogLine]:
+        return await self._call(self._logs, run_id, label, level, grep, limit, offset)
+
+    def _logs(
+        self,
+        run_id: str,
+        label: str | None,
+        level: str | None,
+        grep: str | None,
+        limit: int | None,
+        offset: int,
+    ) -> list[LogLine]:
+        where, args = ["l.run_id = ?"], [run_id]
+        if label is not None:
+            where.append("l.label = ?")
+            args.append(label)
+        if level is not None:
+            where.append("g.levelno >= ?")
+            args.append(level_number(level))
+        if grep is not None:
+            where.append("instr(g.text, ?) > 0")
+            args.append(grep)
+        query = (
+            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
+            "ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ? OFFSET ?"
+        )
+        args += [-1 if limit is None else limit, offset]
+        return [LogLine(*row) for row in self._db().execute(query, args)]
