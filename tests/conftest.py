@@ -1,0 +1,101 @@
+"""Shared fixtures: a real Redis for every test that needs one, never a fake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from ingester.localredis import LocalRedis, RedisServerNotFound
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing_server(what: str) -> None:
+    """Fail under CI=true (nothing skips silently there), else skip with the reason."""
+    if IN_CI:
+        pytest.fail(f"{what} is required under CI=true but none could be started", pytrace=False)
+    pytest.skip(f"{what} is not available")
+
+
+def docker_answers() -> bool:
+    """Whether a Docker engine answers, so testcontainers can run a server."""
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    """RUNBUS_TEST_REDIS_URL; else a testcontainers Redis; else a throwaway redis-server."""
+    url = os.environ.get("RUNBUS_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    if docker_answers():
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7") as container:
+            host = container.get_container_host_ip()
+            yield f"redis://{host}:{container.get_exposed_port(6379)}/0"
+        return
+    try:
+        server = LocalRedis().start()
+    except RedisServerNotFound:
+        missing_server("a Redis server")
+        return
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> Iterator[str]:
+    """The test Redis, emptied before each test."""
+    client = redis.Redis.from_url(redis_server_url)
+    client.flushdb()
+    client.close()
+    yield redis_server_url
+
+
+@pytest.fixture
+def local_redis() -> Iterator[LocalRedis]:
+    """A private redis-server this test may kill and restart (AOF on)."""
+    try:
+        server = LocalRedis(appendonly=True).start()
+    except RedisServerNotFound:
+        missing_server("redis-server")
+        return
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def store_url(tmp_path) -> str:
+    """A fresh SQLite store in the test's temp dir."""
+    return f"sqlite:///{tmp_path / 'runbus.db'}"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
+    """Run `python -m ingester ARGS` and return the CompletedProcess (text mode)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ingester", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"runbus {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
