@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from storage.base import LogLine, Point, RunSummary, LabelSummary, Store, StoreError
+from producer.urls import safe_url
+from storage.base import LabelSummary, LogLine, Point, RunSummary, Store, StoreError
 
 DEFAULT_URL = "sqlite:///runbus.db"
 BACKENDS = {
@@ -42,13 +43,3 @@ def open_store(url: str | None = None) -> Store:
         )
     module_name, class_name = target.split(":")
     return getattr(importlib.import_module(module_name), class_name)(url)
-
-
-def safe_url(url: str) -> str:
-    """`url` with any password replaced by '***', for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    userinfo = netloc[0].split(":", 1)[0] + ":***"
-    return urlunsplit(parts._replace(netloc=f"{userinfo}@{netloc[1]}"))

@@ -1,0 +1,108 @@
+"""`runbus demo`: a small multi-rank job logs into one run, is ingested, and the run is printed.
+
+Each rank is a real OS process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK). Where
+no Redis answers, a private redis-server is started for the demo and stopped after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+
+import redis
+
+import storage
+from ingester import output
+from ingester.localredis import LocalRedis
+from ingester.worker import Worker, WorkerSettings
+from producer.environment import new_run_id
+
+RANK_SCRIPT = "from ingester.demo import train_rank; train_rank()"
+
+
+def train_rank() -> None:
+    """The body of one demo rank: a simulated training loop (no torch needed)."""
+    import producer
+
+    steps = int(os.environ.get("RUNBUS_DEMO_STEPS", "40"))
+    with producer.init(config={"lr": 3e-4, "batch_size": 32, "steps": steps}, system_interval=0.5) as run:
+        rank = run.identity.rank or 0
+        rng = random.Random(rank)
+        if run.primary:
+            print(f"demo: {run.identity.world_size} ranks logging into run {run.run_id}", flush=True)
+        for step in range(steps):
+            loss = 2.5 * math.exp(-step / 15) + 0.05 * rng.random() + 0.02 * rank
+            run.log({"loss": loss, "lr": 3e-4 * min(1.0, (step + 1) / 10)}, step=step)
+            if step % 10 == 0:
+                run.log_text(f"step {step}: loss {loss:.3f}")
+            time.sleep(0.02)
+        if rank == 1:
+            run.log_text("this rank saw a slow batch", level="WARNING")
+
+
+def _redis_answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def run_demo(redis_url: str, store_url: str, ranks: int = 4, steps: int = 40) -> int:
+    private = None
+    if not _redis_answers(redis_url):
+        private = LocalRedis().start()
+        print(f"no Redis at {redis_url}: started a private redis-server at {private.url}")
+        redis_url = private.url
+    try:
+        return asyncio.run(_demo(redis_url, store_url, ranks, steps))
+    finally:
+        if private is not None:
+            private.cleanup()
+
+
+async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
+    run_id = new_run_id().replace("run-", "demo-", 1)
+    worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
+    ingesting = asyncio.create_task(worker.async_run())
+    env = {**os.environ, "RUNBUS_RUN_ID": run_id, "RUNBUS_REDIS_URL": redis_url,
+           "WORLD_SIZE": str(ranks), "RUNBUS_DEMO_STEPS": str(steps)}
+    processes = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RANK_SCRIPT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        )
+        for r in range(ranks)
+    ]
+    codes = [await p.wait() for p in processes]
+    worker.request_stop()
+    await ingesting
+    # Whatever arrived after the live worker's last read.
+    await Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False)).async_run()
+
+    store = storage.open_store(store_url)
+    await store.connect()
+    try:
+        run = await store.run(run_id)
+        points = await store.metrics(run_id, key="loss")
+    finally:
+        await store.close()
+    if run is None:
+        print(f"runbus demo: run {run_id} was not stored", file=sys.stderr)
+        return 1
+    print()
+    print(output.show_text(run))
+    last = {}
+    for point in points:
+        last[point.label] = point
+    print()
+    print(output.table(("LABEL", "LAST STEP", "LOSS"), [(p.label, p.step, output.number_text(p.value)) for p in last.values()]))
+    print(f"\nrank exit codes: {codes}; store: {storage.safe_url(store_url)}")
+    print(f"next: runbus show {run_id}  |  runbus logs {run_id}  |  runbus metrics {run_id} --key loss")
+    return 0 if run.state == "finished" and not any(codes) else 1

@@ -1,0 +1,332 @@
+"""The ingest loop: read a batch with XREADGROUP, validate, write it in one transaction, then ack.
+
+Acknowledging only after the commit means a worker that dies mid-batch leaves its entries
+pending, never lost; storage's (run, label, epoch, seq) identity makes the redelivery harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+import storage
+from ingester.discovery import Discovery
+from producer import wire
+from producer.environment import DEFAULT_REDIS_URL
+from producer.urls import safe_url
+from storage.base import Store, StoreError
+
+log = logging.getLogger("runbus.ingester")
+
+# Raw entries as redis-py returns them: (stream key, [(entry id, {field: value})]).
+Entries = list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]
+STREAMS_PER_READ = 256
+STATS_INTERVAL = 30.0
+
+
+def default_consumer_name() -> str:
+    """host-pid: stable for the life of a process, distinct across workers."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerSettings:
+    """How one ingester worker connects, reads and stops."""
+
+    redis_url: str = field(default_factory=lambda: os.environ.get("RUNBUS_REDIS_URL", DEFAULT_REDIS_URL))
+    store_url: str = field(default_factory=storage.default_url)
+    group: str = wire.DEFAULT_GROUP
+    consumer: str = field(default_factory=default_consumer_name)
+    batch_size: int = 1000
+    block_ms: int = 250
+    burst: bool = False
+    registry_interval: float = 0.25
+    scan_interval: float = 10.0
+    drain_timeout: float = 10.0
+    max_backoff: float = 5.0
+    handle_signals: bool = True
+
+
+@dataclass
+class WorkerStats:
+    """Counters reported in the stats and shutdown lines."""
+
+    batches: int = 0
+    entries: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    store_retries: int = 0
+    reconnects: int = 0
+
+
+@dataclass
+class DeadEntry:
+    """An entry that broke the wire contract, with the reason."""
+
+    stream: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+    reason: str
+    deliveries: int = 1
+
+
+def dead_letter_fields(dead: DeadEntry) -> dict[bytes | str, bytes | str | int]:
+    """The entry copied to runbus:dead: the reason and source, then the original fields.
+
+    An original field whose name collides with ours is kept as `orig.NAME`.
+    """
+    fields: dict[bytes | str, bytes | str | int] = {
+        "reason": dead.reason,
+        "source_stream": dead.stream,
+        "source_id": dead.entry_id,
+        "deliveries": dead.deliveries,
+    }
+    for name, value in dead.fields.items():
+        key = name.decode("utf-8", "replace")
+        fields[f"orig.{key}" if key in fields else name] = value
+    return fields
+
+
+def decode_batch(entries: Entries) -> tuple[list[wire.Event], list[DeadEntry]]:
+    """Split raw entries into valid events and dead entries with their reasons."""
+    events: list[wire.Event] = []
+    dead: list[DeadEntry] = []
+    for key, items in entries:
+        for entry_id, fields in items:
+            try:
+                events.append(wire.decode_entry(key, fields))
+            except wire.InvalidEntry as exc:
+                dead.append(DeadEntry(key, entry_id, fields, str(exc)))
+    return events, dead
+
+
+class Worker:
+    """One consumer of the group: `run()` for the CLI, `async_run()` for tests and embedding."""
+
+    def __init__(self, settings: WorkerSettings | None = None, store: Store | None = None) -> None:
+        self.settings = settings or WorkerSettings()
+        self.store = store or storage.open_store(self.settings.store_url)
+        self.stats = WorkerStats()
+        self.redis: Redis | None = None
+        self.discovery: Discovery | None = None
+        self._stop_requested = False
+        self._stop_time: float | None = None
+
+    def run(self) -> int:
+        """Run until stopped (or, with burst, until nothing is left); the exit code."""
+        asyncio.run(self.async_run())
+        return 0
+
+    def request_stop(self) -> None:
+        """Stop reading; the batch in flight is finished and acknowledged first."""
+        if not self._stop_requested:
+            log.info("stopping: finishing the batch in flight (at most %.0fs)", self.settings.drain_timeout)
+            self._stop_requested = True
+            self._stop_time = time.monotonic()
+
+    def _drain_expired(self) -> bool:
+        return self._stop_time is not None and (
+            time.monotonic() - self._stop_time > self.settings.drain_timeout
+        )
+
+    async def async_run(self) -> WorkerStats:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        if settings.handle_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self.request_stop)
+        self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
+        self.discovery = Discovery(
+            self.redis, settings.group, settings.registry_interval, settings.scan_interval
+        )
+        started = time.monotonic()
+        log.info(
+            "worker %s starting: redis %s, store %s, group %s%s",
+            settings.consumer,
+            safe_url(settings.redis_url),
+            safe_url(settings.store_url),
+            settings.group,
+            " (burst)" if settings.burst else "",
+        )
+        try:
+            await self._with_redis(self.store.connect, retry_store=True)
+            await self._with_redis(lambda: self.discovery.refresh(force=True))
+            await self._loop()
+        finally:
+            if settings.handle_signals:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(signum)
+            await self.store.close()
+            await self.redis.aclose()
+            s = self.stats
+            log.info(
+                "worker %s stopped after %.1fs: %d batches, %d entries, %d stored, %d duplicates, "
+                "%d dead-lettered, %d store retries, %d reconnects",
+                settings.consumer, time.monotonic() - started, s.batches, s.entries, s.stored,
+                s.duplicates, s.dead_lettered, s.store_retries, s.reconnects,
+            )
+        return self.stats
+
+    async def _loop(self) -> None:
+        # Our own pending entries first (a restart under the same consumer name), then new ones.
+        pending_first = True
+        next_stats = time.monotonic() + STATS_INTERVAL
+        while not self._stop_requested:
+            await self._with_redis(self.discovery.refresh)
+            entries = await self._with_redis(lambda: self._read("0" if pending_first else ">"))
+            if entries is None:
+                continue
+            if not entries:
+                if pending_first:
+                    pending_first = False
+                    continue
+                if self.settings.burst:
+                    new = await self._with_redis(lambda: self.discovery.refresh(force=True))
+                    if not new:
+                        return
+                continue
+            await self._process(entries)
+            if time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + STATS_INTERVAL
+                s = self.stats
+                log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+
+    async def _read(self, start_id: str) -> Entries:
+        streams = self.discovery.streams
+        if not streams:
+            if not self.settings.burst:
+                await asyncio.sleep(self.settings.block_ms / 1000)
+            return []
+        chunks = [streams[i : i + STREAMS_PER_READ] for i in range(0, len(streams), STREAMS_PER_READ)]
+        # Only a lone chunk may block: with several, a block on one would starve the others.
+        block = None if self.settings.burst or start_id == "0" or len(chunks) > 1 else self.settings.block_ms
+        entries: Entries = []
+        for chunk in chunks:
+            try:
+                reply = await self.redis.xreadgroup(
+                    self.settings.group,
+                    self.settings.consumer,
+                    dict.fromkeys(chunk, start_id),
+                    count=self.settings.batch_size,
+                    block=block,
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._recover_groups(chunk)
+                continue
+            for key, items in reply or []:
+                if items:
+                    entries.append((key.decode(), items))
+        if not entries and block is None and len(chunks) > 1 and not self.settings.burst:
+            await asyncio.sleep(self.settings.block_ms / 1000)
+        return entries
+
+    async def _recover_groups(self, keys: Sequence[str]) -> None:
+        """A stream was deleted (or its group destroyed): forget it or make the group again."""
+        for key in keys:
+            if await self.redis.exists(key):
+                await self.discovery._ensure_group(key)
+            else:
+                log.info("stream %s is gone; no longer reading it", key)
+                self.discovery.forget(key)
+
+    async def _process(self, entries: Entries) -> None:
+        started = time.monotonic()
+        events, dead = decode_batch(entries)
+        stored = await self._write(events)
+        if stored is None:
+            return  # draining ran out of time: left pending for another worker
+        # Stored already: keep trying through a drain, so a stop does not cause redelivery.
+        await self._with_redis(lambda: self._dead_letter(dead), drain=True)
+        await self._with_redis(lambda: self._ack(entries), drain=True)
+        count = sum(len(items) for _, items in entries)
+        s = self.stats
+        s.batches += 1
+        s.entries += count
+        s.stored += stored
+        s.duplicates += len(events) - stored
+        s.dead_lettered += len(dead)
+        log.debug(
+            "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",
+            count, len(entries), stored, len(events) - stored, len(dead),
+            (time.monotonic() - started) * 1000,
+        )
+
+    async def _write(self, events: list[wire.Event]) -> int | None:
+        delay, failing_since = 0.1, None
+        while True:
+            try:
+                stored = await self.store.write(events)
+            except StoreError as exc:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.error("store write failed, retrying without acknowledging: %s", exc)
+                self.stats.store_retries += 1
+                if self._drain_expired():
+                    return None
+                await asyncio.sleep(delay)
+                delay = min(self.settings.max_backoff, delay * 2)
+                continue
+            if failing_since is not None:
+                log.warning("store writes work again after %.1fs", time.monotonic() - failing_since)
+            return stored
+
+    async def _dead_letter(self, dead: list[DeadEntry]) -> None:
+        if not dead:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in dead:
+            pipe.xadd(wire.DEAD_LETTER_KEY, dead_letter_fields(entry))
+        await pipe.execute()
+        for entry in dead[:5]:
+            log.warning("dead-lettered %s %s: %s", entry.stream, entry.entry_id.decode(), entry.reason)
+
+    async def _ack(self, entries: Entries) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key, items in entries:
+            pipe.xack(key, self.settings.group, *[entry_id for entry_id, _ in items])
+        await pipe.execute()
+
+    async def _with_redis(self, call, retry_store: bool = False, drain: bool = False):
+        """Run `call`, retrying with capped backoff while Redis (or the store) is away.
+
+        Once a stop is requested it gives up (returning None) at once, or with `drain` when the
+        drain timeout has passed.
+        """
+        delay, down_since, what = 0.1, None, "redis"
+        while True:
+            try:
+                result = await call()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                what = "redis"
+                error = exc
+            except StoreError as exc:
+                if not retry_store:
+                    raise
+                what = "store"
+                error = exc
+            else:
+                if down_since is not None:
+                    log.warning("%s is back after %.1fs", what, time.monotonic() - down_since)
+                return result
+            if down_since is None:
+                down_since = time.monotonic()
+                log.error("%s unreachable, retrying with backoff: %s", what, error)
+            self.stats.reconnects += 1
+            if self._stop_requested and (not drain or self._drain_expired()):
+                return None
+            await asyncio.sleep(delay)
+            delay = min(self.settings.max_backoff, delay * 2)

@@ -1,0 +1,134 @@
+"""runbus producer: every rank of a distributed job logs into one run through Redis Streams.
+
+    import producer
+    run = producer.init(config={"lr": 3e-4})   # zero-config under torchrun
+    run.log({"loss": 0.25}, step=10)           # never blocks, never does I/O
+    run.finish()                               # or `with producer.init() as run:`
+
+Importing this package is cheap: redis, NVML and torch are imported lazily, off the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from producer import environment, exits
+from producer.environment import Identity
+from producer.run import Run, RunFinished, RunOptions
+from producer.shipper import PrimaryConflict, ShipperOptions
+from producer.urls import safe_url
+from producer.wire import InvalidName
+
+__all__ = ["InvalidName", "PrimaryConflict", "Run", "RunFinished", "init"]
+
+log = logging.getLogger("runbus.producer")
+
+_RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids"}
+_SHIPPER_OPTIONS = {
+    "flush_interval", "batch_size", "heartbeat_interval", "primary_ttl", "connect_timeout",
+    "socket_timeout", "max_backoff",
+}
+_active: dict[tuple[str, str], Run] = {}
+_active_lock = threading.Lock()
+
+
+def _plain_config(config: Any) -> dict[str, Any]:
+    import orjson
+
+    from producer.wire import MAX_DATA_BYTES
+
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        if hasattr(config, "__dict__"):  # argparse.Namespace, simple config objects
+            config = vars(config)
+        else:
+            raise TypeError(f"config must be a dict, not {type(config).__name__}")
+    # Values JSON cannot hold (paths, dtypes, enums) are kept as their str(); keys become str.
+    blob = orjson.dumps(
+        dict(config),
+        default=str,
+        option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY,
+    )
+    if len(blob) > MAX_DATA_BYTES // 2:
+        raise ValueError(f"config is {len(blob)} bytes as JSON, over {MAX_DATA_BYTES // 2}")
+    return orjson.loads(blob)
+
+
+def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]:
+    unknown = set(options) - _RUN_OPTIONS - _SHIPPER_OPTIONS - {"hardware"}
+    if unknown:
+        known = ", ".join(sorted(_RUN_OPTIONS | _SHIPPER_OPTIONS | {"hardware"}))
+        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {known}")
+    run_kw = {k: v for k, v in options.items() if k in _RUN_OPTIONS}
+    if run_kw.get("gpu_device_ids") is not None:
+        run_kw["gpu_device_ids"] = tuple(int(i) for i in run_kw["gpu_device_ids"])
+    if run_kw.get("max_buffer_events", 1) < 1:
+        raise ValueError("max_buffer_events must be >= 1")
+    return RunOptions(**run_kw), ShipperOptions(
+        **{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS}
+    )
+
+
+def init(
+    run_id: str | None = None,
+    label: str | None = None,
+    primary: bool | None = None,
+    redis_url: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Run:
+    """Start logging this process into a run, as one label.
+
+    Defaults come from the environment: RUNBUS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
+    label `rank{RANK}`; primary when RANK is 0; RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
+
+    Options: max_buffer_events (1,000,000), system_interval (15 s; None turns sampling off),
+    finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
+    batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
+    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event).
+
+    Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
+    primary. If Redis cannot be reached, init() returns at once and events are buffered.
+    """
+    identity: Identity = environment.resolve(run_id, label, primary, redis_url)
+    run_options, shipper_options = _split_options(options)
+    plain_config = _plain_config(config)
+    with _active_lock:
+        key = (identity.run_id, identity.label)
+        existing = _active.get(key)
+        if existing is not None and not existing.finished:
+            log.warning("runbus: init() again for %s/%s returns the live Run", *key)
+            return existing
+        hardware = None
+        if options.get("hardware", True):
+            from producer.hardware import describe
+
+            hardware = describe(list(run_options.gpu_device_ids or []) or None)
+        run = Run(identity, run_options, shipper_options, plain_config, hardware)
+        _handshake(run)
+        _active[key] = run
+    exits.track(run)
+    run._begin()
+    return run
+
+
+def _handshake(run: Run) -> None:
+    import redis
+
+    shipper = run._shipper
+    try:
+        shipper.handshake()
+    except PrimaryConflict:
+        shipper._drop_connection()
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        shipper._drop_connection()
+        log.warning(
+            "runbus: Redis at %s is not reachable (%s); logging goes on and is buffered",
+            safe_url(run.identity.redis_url),
+            exc,
+        )

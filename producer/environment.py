@@ -1,0 +1,103 @@
+"""Where a rank learns its run id, label, primary flag and world size: arguments, then env.
+
+Under torchrun nothing needs passing: TORCHELASTIC_RUN_ID names the run, RANK the label, and
+rank 0 is the primary. RUNBUS_* variables override torchrun's.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from producer.wire import check_name
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this process is within its run."""
+
+    run_id: str
+    label: str
+    primary: bool
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    restart_count: int
+    redis_url: str
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _torch_rank_and_size() -> tuple[int | None, int | None]:
+    # Only if the training script already imported torch and built a process group: never import
+    # torch ourselves, it costs seconds.
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def new_run_id() -> str:
+    """A fresh run id for a single process that was given none."""
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def resolve(
+    run_id: str | None = None,
+    label: str | None = None,
+    primary: bool | None = None,
+    redis_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Identity:
+    """The Identity from explicit arguments, then RUNBUS_* and torchrun variables, then defaults.
+
+    Raises ValueError with the reason for an invalid name, or when several ranks could not agree
+    on a run id (WORLD_SIZE > 1 and no id given nor found).
+    """
+    env = os.environ if env is None else env
+    rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    if rank is None:
+        rank, torch_world = _torch_rank_and_size()
+        world_size = world_size if world_size is not None else torch_world
+    if run_id is None:
+        run_id = env.get("RUNBUS_RUN_ID") or None
+    if run_id is None:
+        elastic = env.get("TORCHELASTIC_RUN_ID")
+        run_id = elastic if elastic and elastic != "none" else None
+    if run_id is None:
+        if world_size is not None and world_size > 1:
+            raise ValueError(
+                "no run id: with WORLD_SIZE > 1 every rank must name the same run. Pass "
+                "run_id=, set RUNBUS_RUN_ID, or launch with torchrun --rdzv-id"
+            )
+        run_id = new_run_id()
+    check_name("run id", run_id)
+    if label is None:
+        label = env.get("RUNBUS_LABEL") or f"rank{rank if rank is not None else 0}"
+    check_name("label", label)
+    if primary is None:
+        primary = (rank or 0) == 0
+    return Identity(
+        run_id=run_id,
+        label=label,
+        primary=bool(primary),
+        rank=rank,
+        local_rank=_int_env(env, "LOCAL_RANK"),
+        world_size=world_size,
+        restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+        redis_url=redis_url or env.get("RUNBUS_REDIS_URL") or DEFAULT_REDIS_URL,
+    )

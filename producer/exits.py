@@ -1,0 +1,79 @@
+"""Finishing live Runs when the process ends: normal exit, an uncaught exception, or SIGTERM.
+
+torchrun stops workers with SIGTERM, whose default action skips atexit; a handler is installed
+only where none is (SIG_DFL), finishes every Run with exit code 128+15, then lets the signal
+do what it would have done.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producer.run import Run
+
+_live: list[Run] = []
+_lock = threading.Lock()
+_installed = False
+_uncaught = False
+
+
+def track(run: Run) -> None:
+    """Finish `run` at process end unless it has finished by then."""
+    with _lock:
+        _live.append(run)
+    _install()
+
+
+def forget(run: Run) -> None:
+    with _lock:
+        if run in _live:
+            _live.remove(run)
+
+
+def live_runs() -> list[Run]:
+    with _lock:
+        return list(_live)
+
+
+def finish_all(exit_code: int) -> None:
+    """Finish every live Run (each within its own finish timeout)."""
+    for run in live_runs():
+        run.finish(exit_code=exit_code)
+
+
+def _at_exit() -> None:
+    finish_all(1 if _uncaught else 0)
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    global _uncaught
+    _uncaught = True
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def _on_sigterm(signum, frame) -> None:
+    finish_all(128 + signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _install() -> None:
+    global _installed, _previous_excepthook
+    if _installed:
+        return
+    _installed = True
+    atexit.register(_at_exit)
+    _previous_excepthook = sys.excepthook
+    sys.excepthook = _excepthook
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,34 @@
+"""A logging.Handler that ships each record as a `log` event of a Run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producer.run import Run
+
+# Records from these loggers are never shipped: they are about shipping itself, and shipping
+# them could feed back into the very outage they report.
+_OWN_LOGGERS = ("runbus", "redis")
+
+
+class RunHandler(logging.Handler):
+    """Formats records with the handler's formatter and ships them with their level name."""
+
+    def __init__(self, run: Run, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.run = run
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(_OWN_LOGGERS) or threading.current_thread().name.startswith(
+            "runbus-"
+        ):
+            return
+        if self.run.finished:
+            return
+        try:
+            self.run.log_text(self.format(record), level=record.levelname, stream="logging")
+        except Exception:
+            self.handleError(record)
