@@ -103,12 +103,7 @@ def init(
         if existing is not None and not existing.finished:
             log.warning("runbus: init() again for %s/%s returns the live Run", *key)
             return existing
-        hardware = None
-        if options.get("hardware", True):
-            from producer.hardware import describe
-
-            hardware = describe(list(run_options.gpu_device_ids or []) or None)
-        run = Run(identity, run_options, shipper_options, plain_config, hardware)
+        run = Run(identity, run_options, shipper_options, plain_config, bool(options.get("hardware", True)))
         _handshake(run)
         _active[key] = run
     exits.track(run)

@@ -101,7 +101,7 @@ class Run:
         options: RunOptions,
         shipper_options: ShipperOptions,
         config: dict[str, Any],
-        hardware: dict[str, Any] | None = None,
+        describe_hardware: bool = True,
     ) -> None:
         self.identity = identity
         self.options = options
@@ -110,6 +110,8 @@ class Run:
         self._finished = False
         self._finish_lock = threading.Lock()
         self._shipper = Shipper(identity, self._outbox, shipper_options)
+        self._shipper.describe_hardware = describe_hardware
+        self._shipper.gpu_device_ids = options.gpu_device_ids
         self._sampler: _SamplerThread | None = None
         self._put(
             "start",
@@ -123,7 +125,6 @@ class Run:
                 "world_size": identity.world_size,
                 "restart_count": identity.restart_count,
                 "config": config,
-                **({"hardware": hardware} if hardware else {}),
             },
         )
 
@@ -274,15 +275,11 @@ class _SamplerThread(threading.Thread):
         self._stopping.set()
 
     def run(self) -> None:
-        from producer.system import SystemSampler, default_sampler_ids_from_env
+        from producer.system import SystemSampler, sampled_devices
 
-        machine_wide, gpu_ids = default_sampler_ids_from_env(os.environ)
-        options = self.run_ref.options
-        if options.gpu_device_ids is not None:
-            gpu_ids = list(options.gpu_device_ids)
+        machine_wide, gpu_ids = sampled_devices(self.run_ref.options.gpu_device_ids)
         sampler = SystemSampler(machine_wide=machine_wide, gpu_device_ids=gpu_ids)
         try:
-            sampler.sample()  # primes the rate and CPU counters
             while not self._stopping.wait(self.interval):
                 figures = sampler.sample()
                 if figures and not self.run_ref.finished:

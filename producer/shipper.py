@@ -89,6 +89,8 @@ class Shipper(threading.Thread):
         self._stopping = threading.Event()
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
         self._outage_since: float | None = None
+        self.describe_hardware = True
+        self.gpu_device_ids: tuple[int, ...] | None = None
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -242,10 +244,19 @@ class Shipper(threading.Thread):
             self.shipped += len(self._inflight)
             self._inflight = []
 
+    def _hardware(self) -> dict:
+        # Here, not in init(): NVML can take a second to start on a big host.
+        from producer.hardware import describe
+        from producer.system import sampled_devices
+
+        return describe(sampled_devices(self.gpu_device_ids)[1])
+
     def _fields(self, pending: Pending) -> dict | None:
         kind, seq, ts, step, data = pending
         if kind == "start":
             data = {**data, "primary": self.primary}
+            if self.describe_hardware:
+                data["hardware"] = self._hardware()
         try:
             blob = encode_data(kind, data)
         except Exception as exc:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -24,13 +22,21 @@ def missing_server(what: str) -> None:
 
 def docker_answers() -> bool:
     """Whether a Docker engine answers, so testcontainers can run a server."""
-    try:
-        import docker  # type: ignore[import-untyped]
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if host.startswith("unix://") and not os.path.exists(host[len("unix://"):]):
+        return False
+    import docker  # type: ignore[import-untyped]
 
-        docker.from_env(timeout=3).ping()
-        return True
+    try:
+        client = docker.from_env(timeout=3)
     except Exception:
         return False
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")
@@ -85,17 +91,3 @@ def local_redis() -> Iterator[LocalRedis]:
 def store_url(tmp_path) -> str:
     """A fresh SQLite store in the test's temp dir."""
     return f"sqlite:///{tmp_path / 'runbus.db'}"
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
-    """Run `python -m ingester ARGS` and return the CompletedProcess (text mode)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "ingester", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"runbus {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
-    return result

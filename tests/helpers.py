@@ -1,0 +1,70 @@
+"""Small helpers the tests share: ingesting in burst mode, writing raw entries, reading a store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import orjson
+import redis
+
+import storage
+from ingester.worker import Worker, WorkerSettings
+from producer import wire
+
+
+def ingest(redis_url: str, store_url: str, **settings: Any):
+    """Run one burst worker in this process until nothing is left; its stats."""
+    worker = Worker(
+        WorkerSettings(redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False, **settings)
+    )
+    return asyncio.run(worker.async_run())
+
+
+def xadd_event(
+    client: redis.Redis,
+    run: str,
+    label: str,
+    kind: str,
+    epoch: int,
+    seq: int,
+    data: dict | None = None,
+    step: int | None = None,
+    ts: float | None = None,
+) -> bytes:
+    """Write one well-formed entry by hand, as redis-cli would."""
+    fields = wire.encode_fields(
+        kind, run, label, epoch, seq, ts if ts is not None else 1000.0 + seq, orjson.dumps(data or {}), step
+    )
+    return client.xadd(wire.stream_key(run, label), fields)
+
+
+def read_store(store_url: str, method: str, *args: Any, **kwargs: Any):
+    """Call one read method of the store (connect, call, close)."""
+
+    async def call():
+        store = storage.open_store(store_url)
+        await store.connect()
+        try:
+            return await getattr(store, method)(*args, **kwargs)
+        finally:
+            await store.close()
+
+    return asyncio.run(call())
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
+    """Run `python -m ingester ARGS` and return the CompletedProcess (text mode)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ingester", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"runbus {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result

@@ -1,0 +1,76 @@
+"""The ordering and finish rules as pure functions, without Redis or storage."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from producer.wire import Event
+from storage.rules import FAILED, FINISHED, RUNNING, LabelState, apply_events, missing_count, run_state
+
+
+def ev(label: str, kind: str, epoch: int, seq: int, **data) -> Event:
+    return Event("r", label, kind, epoch, seq, float(epoch * 1000 + seq), data)
+
+
+def fold(label: str, events: list[Event]) -> LabelState:
+    return apply_events(LabelState("r", label), events)
+
+
+def test_finish_before_start_still_finishes():
+    events = [ev("rank0", "finish", 1, 3, exit_code=0), ev("rank0", "start", 1, 1, primary=True)]
+    state = fold("rank0", events)
+    assert (state.state, state.exit_code, state.primary) == (FINISHED, 0, True)
+    assert run_state([state]).state == FINISHED
+
+
+def test_only_the_primary_finishes_the_run():
+    primary = fold("rank0", [ev("rank0", "start", 1, 1, primary=True)])
+    worker_ok = fold("rank1", [ev("rank1", "start", 1, 1, primary=False), ev("rank1", "finish", 1, 2, exit_code=0)])
+    worker_bad = fold("rank2", [ev("rank2", "start", 1, 1, primary=False), ev("rank2", "finish", 1, 2, exit_code=3)])
+    assert (worker_ok.state, worker_bad.state, worker_bad.exit_code) == (FINISHED, FAILED, 3)
+    assert run_state([primary, worker_ok, worker_bad]).state == RUNNING
+    done = apply_events(primary, [ev("rank0", "finish", 1, 9, exit_code=0)])
+    derived = run_state([done, worker_ok, worker_bad])
+    assert (derived.state, derived.primary, derived.exit_code) == (FINISHED, "rank0", 0)
+    failed = apply_events(primary, [ev("rank0", "finish", 1, 9, exit_code=2)])
+    assert run_state([failed, worker_ok]).state == FAILED
+
+
+def test_a_new_epoch_runs_again_and_an_old_finish_does_not_end_it():
+    events = [
+        ev("rank0", "start", 1, 1, primary=True),
+        ev("rank0", "finish", 1, 5, exit_code=1),
+        ev("rank0", "start", 2, 1, primary=True),
+    ]
+    for order in (events, events[::-1]):
+        state = fold("rank0", order)
+        assert (state.state, state.epoch, state.last_seq) == (RUNNING, 2, 1)
+
+
+def test_missing_counts_per_epoch():
+    assert missing_count({1: 10, 2: 3}, {1: 8, 2: 3}) == 2
+    assert missing_count({}, {}) == 0
+
+
+label_events = st.lists(
+    st.tuples(st.integers(1, 3), st.integers(1, 30), st.sampled_from(["metric", "heartbeat", "finish", "start"]),
+              st.integers(0, 2)),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(label_events, st.randoms(use_true_random=False))
+def test_state_does_not_depend_on_arrival_order_or_duplicates(raw, rnd: random.Random):
+    by_position = {}
+    for epoch, seq, kind, code in raw:
+        data = {"exit_code": code} if kind == "finish" else {"primary": True} if kind == "start" else {}
+        by_position[epoch, seq] = ev("rank0", kind, epoch, seq, **data)
+    events = list(by_position.values())
+    expected = fold("rank0", sorted(events, key=lambda e: e.position))
+    shuffled = events + rnd.sample(events, k=min(5, len(events)))
+    rnd.shuffle(shuffled)
+    assert fold("rank0", shuffled) == expected
