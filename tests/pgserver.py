@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
-from conftest import docker_answers, missing_server
 
 from ingester.localredis import free_port
+from tests.conftest import docker_answers, missing_server
 
 UNPRIVILEGED_USER = "nobody"
 
@@ -87,7 +87,9 @@ class LocalPostgres:
         try:
             entry = pwd.getpwnam(UNPRIVILEGED_USER)
         except KeyError:
-            raise PostgresNotFound(f"running as root and there is no {UNPRIVILEGED_USER!r} user")
+            raise PostgresNotFound(
+                f"running as root and there is no {UNPRIVILEGED_USER!r} user"
+            ) from None
         os.chown(self.directory, entry.pw_uid, entry.pw_gid)
         return as_unprivileged(UNPRIVILEGED_USER)
 

@@ -1,0 +1,134 @@
+"""The ingester against raw entries written by hand: ordering, the finish rule, dead letters."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+import redis
+
+from producer import wire
+from tests.helpers import ingest, read_store, xadd_event
+
+
+@pytest.fixture
+def client(redis_url):
+    with redis.Redis.from_url(redis_url) as connection:
+        yield connection
+
+
+def test_workers_finishing_first_then_the_primary(client, redis_url, store_url):
+    for label, primary in (("rank0", True), ("rank1", False), ("rank2", False)):
+        xadd_event(client, "fin", label, "start", 1, 1, {"primary": primary})
+    xadd_event(client, "fin", "rank1", "finish", 1, 2, {"exit_code": 0})
+    xadd_event(client, "fin", "rank2", "finish", 1, 2, {"exit_code": 9})
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "fin")
+    assert (run.state, run.primary, run.exit_code) == ("running", "rank0", None)
+    assert {lab.label: (lab.state, lab.exit_code) for lab in run.labels} == {
+        "rank0": ("running", None), "rank1": ("finished", 0), "rank2": ("failed", 9),
+    }
+    xadd_event(client, "fin", "rank0", "finish", 1, 2, {"exit_code": 0})
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "fin")
+    assert (run.state, run.exit_code) == ("finished", 0)
+    # Events after the run finished are still stored.
+    xadd_event(client, "fin", "rank2", "metric", 1, 3, {"late": 1.0}, step=5)
+    ingest(redis_url, store_url)
+    assert [p.value for p in read_store(store_url, "metrics", "fin", key="late")] == [1.0]
+    assert read_store(store_url, "run", "fin").state == "finished"
+
+
+def test_shuffled_and_repeated_entries_with_finish_before_start(client, redis_url, store_url):
+    rnd = random.Random(7)
+    entries = []
+    for label, primary in (("rank0", True), ("rank1", False)):
+        entries.append((label, "start", 1, 1, {"primary": primary}, None))
+        entries += [(label, "metric", 1, s + 2, {"loss": float(s)}, s) for s in range(20)]
+        entries.append((label, "finish", 1, 22, {"exit_code": 0 if primary else 4}, None))
+    shuffled = entries + rnd.sample(entries, 15)
+    rnd.shuffle(shuffled)
+    # Make sure the primary's finish arrives before its start.
+    finish = next(e for e in shuffled if e[0] == "rank0" and e[1] == "finish")
+    shuffled.remove(finish)
+    shuffled.insert(0, finish)
+    for label, kind, epoch, seq, data, step in shuffled:
+        xadd_event(client, "shuf", label, kind, epoch, seq, data, step)
+    stats = ingest(redis_url, store_url, batch_size=7)
+    assert stats.entries == len(shuffled) and stats.stored == len(entries)
+    assert stats.duplicates == len(shuffled) - len(entries)
+    run = read_store(store_url, "run", "shuf")
+    assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
+    assert {lab.label: (lab.state, lab.events, lab.missing) for lab in run.labels} == {
+        "rank0": ("finished", 22, 0), "rank1": ("failed", 22, 0),
+    }
+    assert run.counts == {"metric": 40, "log": 0, "system": 0}
+    points = read_store(store_url, "metrics", "shuf", key="loss", label="rank1")
+    assert [(p.step, p.value) for p in points] == [(s, float(s)) for s in range(20)]
+
+
+def good_fields(**overrides):
+    fields = wire.encode_fields("metric", "bad", "rank0", 1, 1, 1.0, b'{"x": 1}', 3)
+    fields.update(overrides)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+BAD_ENTRIES = {
+    "not JSON": good_fields(data=b"{nope"),
+    "unknown wire version": good_fields(v="9"),
+    "unknown kind": good_fields(kind="banana"),
+    "missing field 'seq'": good_fields(seq=None),
+    "field 'epoch' is not an integer": good_fields(epoch="one"),
+    "must be >= 1": good_fields(seq=0),
+    "do not match key": good_fields(label="rank7"),
+    "not a number": good_fields(data=b'{"x": "high"}'),
+    "must be a JSON object": good_fields(data=b"[1, 2]"),
+    "only for metric events": {**good_fields(kind="log", data=b'{"stream":"stdout","text":"a"}'), "step": 1},
+    "needs an integer 'exit_code'": good_fields(kind="finish", data=b'{"exit_code": "0"}', step=None),
+    "over the limit": good_fields(data=b'{"x": 1, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'),
+    "not UTF-8": good_fields(kind=b"\xff\xfe"),
+}
+
+
+def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url, store_url):
+    key = wire.stream_key("bad", "rank0")
+    ids = {reason: client.xadd(key, fields) for reason, fields in BAD_ENTRIES.items()}
+    xadd_event(client, "bad", "rank0", "metric", 1, 2, {"ok": 2.0}, step=1)
+    # A stream whose name is not valid at all (found by the keyspace scan) is dead-lettered too.
+    odd_key = "runbus:{bad run!}:rank0"
+    client.xadd(odd_key, good_fields())
+    stats = ingest(redis_url, store_url)
+    assert stats.stored == 1 and stats.dead_lettered == len(BAD_ENTRIES) + 1
+    dead = client.xrange(wire.DEAD_LETTER_KEY)
+    by_source = {fields[b"source_id"]: fields for _, fields in dead}
+    for reason, entry_id in ids.items():
+        assert reason in by_source[entry_id][b"reason"].decode(), reason
+        assert by_source[entry_id][b"source_stream"].decode() == key
+    odd = [f for _, f in dead if f[b"source_stream"] == odd_key.encode()]
+    assert len(odd) == 1 and b"not a runbus stream" in odd[0][b"reason"]
+    # The original fields travel with the dead letter, so it can be read and replayed.
+    assert by_source[ids["unknown kind"]][b"kind"] == b"banana"
+    # Everything was acknowledged: nothing stays pending.
+    assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+    assert [p.value for p in read_store(store_url, "metrics", "bad", key="ok")] == [2.0]
+
+
+def test_non_finite_values_round_trip(client, redis_url, store_url):
+    data = {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "big": 1e308, "int": 7}
+    xadd_event(client, "nf", "rank0", "metric", 1, 1, data, step=0)
+    ingest(redis_url, store_url)
+    values = {p.key: p.value for p in read_store(store_url, "metrics", "nf")}
+    assert values["nan"] != values["nan"]
+    assert values["inf"] == float("inf") and values["ninf"] == float("-inf")
+    assert values["big"] == 1e308 and values["int"] == 7
+
+
+def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis_url, store_url):
+    client.execute_command(
+        "XADD", "runbus:{cli}:rank0", "*", "v", "1", "kind", "metric", "run", "cli", "label", "rank0",
+        "epoch", "1", "seq", "1", "ts", "12.5", "step", "0", "data", orjson.dumps({"loss": 0.5}),
+    )
+    assert not client.exists(wire.REGISTRY_KEY)
+    ingest(redis_url, store_url)
+    assert [(p.label, p.key, p.value) for p in read_store(store_url, "metrics", "cli")] == [("rank0", "loss", 0.5)]

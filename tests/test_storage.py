@@ -1,0 +1,585 @@
+"""The storage conformance suite: every behaviour is tested once and must hold on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import asyncpg
+import pytest
+
+from ingester.localredis import free_port
+from producer.wire import Event
+from storage import LogLine, RunSummary, Store, StoreError, open_store
+from storage import postgres as postgres_backend
+from storage import sqlite as sqlite_backend
+from tests.pgserver import postgres_dsn, postgres_url  # noqa: F401 (fixtures)
+
+RUN = "run-1"
+T0 = 1_700_000_000.0
+
+OpenStore = Callable[..., Awaitable[Store]]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
+    """A fresh, empty store of each backend in turn."""
+    if request.param == "sqlite":
+        return store_url
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+async def open_stores(any_store_url: str) -> AsyncIterator[OpenStore]:
+    """Open and connect a store (on the test's URL unless told), closed after the test."""
+    opened: list[Store] = []
+
+    async def open_(url: str = any_store_url) -> Store:
+        store = open_store(url)
+        opened.append(store)
+        await store.connect()
+        return store
+
+    yield open_
+    for store in opened:
+        await store.close()
+
+
+@pytest.fixture
+async def store(open_stores: OpenStore) -> Store:
+    return await open_stores()
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+def event(
+    kind: str,
+    seq: int,
+    data: dict | None = None,
+    *,
+    run: str = RUN,
+    label: str = "rank0",
+    epoch: int = 1,
+    ts: float | None = None,
+    step: int | None = None,
+) -> Event:
+    ts = T0 + epoch * 1000 + seq if ts is None else ts
+    return Event(run, label, kind, epoch, seq, ts, data or {}, step)
+
+
+def start(seq: int = 1, *, primary: bool = False, config: dict | None = None, **kw) -> Event:
+    return event("start", seq, {"primary": primary, "config": config or {}}, **kw)
+
+
+def finish(seq: int, exit_code: int = 0, **kw) -> Event:
+    return event("finish", seq, {"exit_code": exit_code}, **kw)
+
+
+def metric(seq: int, values: dict, step: int | None = None, **kw) -> Event:
+    return event("metric", seq, values, step=step, **kw)
+
+
+def system(seq: int, values: dict, **kw) -> Event:
+    return event("system", seq, values, **kw)
+
+
+def log(seq: int, text: str, level: str = "INFO", stream: str = "stdout", **kw) -> Event:
+    return event("log", seq, {"stream": stream, "text": text, "level": level}, **kw)
+
+
+def heartbeat(seq: int, **kw) -> Event:
+    return event("heartbeat", seq, {"dropped": 0}, **kw)
+
+
+def history(run: str, labels: int = 3, steps: int = 12) -> list[Event]:
+    """A run's whole life: primary rank0 fails in epoch 1 and finishes in epoch 2; rank1
+    finishes, rank2 fails with 3; rank1 never sent seq 5 (one missing)."""
+    events = []
+    for n in range(labels):
+        label = f"rank{n}"
+        for epoch in (1, 2) if n == 0 else (1,):
+            config = {"lr": 0.1, "rank": n, "epoch": epoch}
+            body: list[tuple[str, dict, int | None]] = [
+                ("start", {"primary": n == 0, "config": config}, None)
+            ]
+            for step in range(steps):
+                body.append(("metric", {"loss": 1 / (step + 1), "acc": step / steps}, step))
+                if step % 4 == 0:
+                    text = f"{label} epoch {epoch} step {step}"
+                    body.append(("log", {"stream": "stdout", "text": text, "level": "INFO"}, None))
+                if step % 5 == 0:
+                    body.append(("system", {"gpu.util": float(step), "mem": 0.5}, None))
+                if step % 3 == 0:
+                    body.append(("heartbeat", {}, None))
+            code = 1 if (n == 0 and epoch == 1) else 3 if n == 2 else 0
+            body.append(("finish", {"exit_code": code}, None))
+            for seq, (kind, data, step) in enumerate(body, start=1):
+                if label == "rank1" and seq == 5:
+                    continue
+                ts = T0 + epoch * 100 + seq * 0.5 + n * 0.01
+                events.append(Event(run, label, kind, epoch, seq, ts, data, step))
+    return events
+
+
+def scrambled(events: list[Event], rng: random.Random) -> list[list[Event]]:
+    """`events` with a fifth of them repeated, shuffled, cut into batches of random sizes."""
+    mixed = events + rng.sample(events, len(events) // 5)
+    rng.shuffle(mixed)
+    batches = []
+    while mixed:
+        size = rng.randint(1, 40)
+        batches.append(mixed[:size])
+        mixed = mixed[size:]
+    return batches
+
+
+async def snapshot(store: Store, run: str) -> tuple:
+    """Everything a store says about `run`, with the run id blanked so two runs compare."""
+    summary = await store.run(run)
+    assert summary is not None
+    return (
+        dataclasses.replace(summary, run_id=""),
+        await store.metrics(run),
+        await store.system(run),
+        await store.logs(run),
+        await store.metric_keys(run),
+    )
+
+
+def texts(lines: list[LogLine]) -> list[str]:
+    return [line.text for line in lines]
+
+
+def labels_of(run: RunSummary) -> dict[str, tuple]:
+    return {lab.label: (lab.state, lab.exit_code, lab.epoch, lab.last_seq) for lab in run.labels}
+
+
+# -- exactly once --------------------------------------------------------------------------------
+
+
+async def test_duplicates_are_stored_once(store: Store) -> None:
+    loss, hello = metric(2, {"loss": 0.5}, step=0), log(3, "hello")
+    first = [start(1, primary=True), loss, loss, hello, hello]
+    assert await store.write(first) == 3
+    assert await store.write([loss, hello, system(4, {"cpu": 1})]) == 1
+    assert await store.write([]) == 0
+    assert await store.write(first) == 0
+
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.counts == {"metric": 1, "log": 1, "system": 1}
+    (label,) = run.labels
+    assert (label.events, label.missing, label.last_seq) == (4, 0, 4)
+    assert [(p.key, p.step, p.value) for p in await store.metrics(RUN)] == [("loss", 0, 0.5)]
+    assert [line.text for line in await store.logs(RUN)] == ["hello"]
+    assert [(p.key, p.value) for p in await store.system(RUN)] == [("cpu", 1.0)]
+
+
+async def test_write_counts_only_new_events_across_labels_and_runs(store: Store) -> None:
+    batch = [start(1, label="a"), start(1, label="b"), start(1, label="a", run="other")]
+    assert await store.write(batch) == 3
+    assert await store.write([*batch, heartbeat(2, label="b"), heartbeat(2, label="b")]) == 1
+    run = await store.run(RUN)
+    assert run is not None
+    assert [(lab.label, lab.events) for lab in run.labels] == [("a", 1), ("b", 2)]
+    other = await store.run("other")
+    assert other is not None
+    assert [(lab.label, lab.events) for lab in other.labels] == [("a", 1)]
+
+
+# -- ordering by (epoch, seq) --------------------------------------------------------------------
+
+
+async def test_finish_arriving_before_start_still_finishes(store: Store) -> None:
+    done = finish(9, 0, ts=T0 + 9)
+    assert await store.write([done]) == 1
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary) == ("running", None)  # no primary known yet
+    assert labels_of(run) == {"rank0": ("finished", 0, 1, 9)}
+
+    assert await store.write([start(1, primary=True, ts=T0 + 1), heartbeat(5, ts=T0 + 5)]) == 2
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.ended_ts) == ("finished", "rank0", 0, T0 + 9)
+    assert (run.started_ts, run.last_ts) == (T0 + 1, T0 + 9)
+    assert labels_of(run) == {"rank0": ("finished", 0, 1, 9)}
+    assert run.labels[0].missing == 6  # seqs 2-4 and 6-8 never came
+
+
+async def test_start_arriving_again_after_finish_does_not_undo_it(store: Store) -> None:
+    await store.write([start(1, primary=True), finish(4, 4)])
+    # A redelivered start and late arrivals from before the finish.
+    assert await store.write([start(1, primary=True), heartbeat(2), metric(3, {"loss": 1.0})]) == 2
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code) == ("failed", 4)
+    assert labels_of(run) == {"rank0": ("failed", 4, 1, 4)}
+    assert (run.labels[0].events, run.labels[0].missing) == (4, 0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_shuffled_split_batches_give_the_same_result(store: Store, seed: int) -> None:
+    rng = random.Random(seed)
+    ordered = history("ordered")
+    assert await store.write(ordered) == len(ordered)
+    new = 0
+    for batch in scrambled(history("shuffled"), rng):
+        new += await store.write(batch)
+    assert new == len(ordered)
+
+    assert await snapshot(store, "shuffled") == await snapshot(store, "ordered")
+    run = await store.run("shuffled")
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
+    assert labels_of(run) == {
+        "rank0": ("finished", 0, 2, 24),
+        "rank1": ("finished", 0, 1, 24),
+        "rank2": ("failed", 3, 1, 24),
+    }
+    assert [lab.missing for lab in run.labels] == [0, 1, 0]
+    assert run.config == {"lr": 0.1, "rank": 0, "epoch": 2}
+    assert run.counts == {"metric": 48, "log": 12, "system": 12}
+
+
+# -- the finish rule -----------------------------------------------------------------------------
+
+
+async def test_only_the_primary_finishing_ends_the_run(store: Store) -> None:
+    await store.write([start(1, primary=True, label="rank0"), start(1, label="rank1")])
+    await store.write([start(1, label="rank2"), finish(2, 7, label="rank1")])
+    await store.write([finish(2, 0, label="rank2")])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.ended_ts) == ("running", "rank0", None, None)
+    assert labels_of(run) == {
+        "rank0": ("running", None, 1, 1),
+        "rank1": ("failed", 7, 1, 2),
+        "rank2": ("finished", 0, 1, 2),
+    }
+
+    end = finish(2, 0, label="rank0", ts=T0 + 50)
+    await store.write([end])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.ended_ts) == ("finished", "rank0", 0, T0 + 50)
+    assert run.label_count == 3
+
+
+async def test_primary_failing_fails_the_run(store: Store) -> None:
+    await store.write([start(1, label="rank1"), start(1, primary=True, label="rank0")])
+    await store.write([finish(2, 137, label="rank0", ts=T0 + 7)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.ended_ts) == ("failed", "rank0", 137, T0 + 7)
+    assert [listed.state for listed in await store.runs()] == ["failed"]
+
+
+async def test_restart_with_a_higher_epoch_runs_again(store: Store) -> None:
+    epoch1 = [start(1, primary=True), metric(2, {"loss": 2.0}, step=0)]
+    epoch1 += [metric(4, {"loss": 1.5}, step=1), finish(5, 1)]  # seq 3 lost
+    await store.write(epoch1)
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code) == ("failed", 1)
+
+    await store.write([start(1, primary=True, epoch=2), metric(2, {"loss": 1.4}, step=1, epoch=2)])
+    # Late arrivals of the old epoch change nothing: (1, 7) comes before (2, 1).
+    await store.write([finish(7, 1, epoch=1), metric(4, {"loss": 1.3}, step=2, epoch=2)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.ended_ts) == ("running", None, None)
+    (label,) = run.labels
+    assert (label.state, label.epoch, label.last_seq) == ("running", 2, 4)
+    assert (label.events, label.missing) == (8, 1 + 1 + 1)  # epoch 1: seqs 3, 6; epoch 2: seq 3
+    assert [(p.epoch, p.seq, p.step) for p in await store.metrics(RUN)] == [
+        (1, 2, 0),
+        (1, 4, 1),
+        (2, 2, 1),
+        (2, 4, 2),
+    ]
+
+    await store.write([finish(5, 0, epoch=2, ts=T0 + 99)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.ended_ts) == ("finished", 0, T0 + 99)
+
+
+# -- values and reads ----------------------------------------------------------------------------
+
+
+async def test_non_finite_values_round_trip(store: Store) -> None:
+    values = {"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "zero": -0.0, "int": 3}
+    await store.write([metric(1, values, step=5), system(2, values)])
+    for points in (await store.metrics(RUN), await store.system(RUN)):
+        got = {p.key: p.value for p in points}
+        assert sorted(got) == ["inf", "int", "nan", "ninf", "zero"]
+        assert math.isnan(got["nan"])
+        assert got["inf"] == math.inf
+        assert got["ninf"] == -math.inf
+        assert got["zero"] == 0.0
+        assert got["int"] == 3.0
+        assert all(type(value) is float for value in got.values())
+    assert [p.step for p in await store.metrics(RUN)] == [5] * 5
+    assert [p.step for p in await store.system(RUN)] == [None] * 5
+
+
+async def test_metrics_are_ordered_by_label_key_step(store: Store) -> None:
+    await store.write(
+        [
+            metric(5, {"loss": 0.5}, step=2, label="rank1"),
+            metric(6, {"loss": 0.6}, label="rank1"),
+            metric(7, {"loss": 0.7}, step=1, label="rank1"),
+            metric(1, {"loss": 0.1}, step=1, label="rank0", epoch=2),
+            metric(3, {"loss": 0.3, "Acc": 0.03}, step=1, label="rank0"),
+            metric(2, {"acc": 0.2}, step=0, label="rank0"),
+            metric(4, {"loss": 0.4}, step=0, label="rank0"),
+        ]
+    )
+    got = [(p.label, p.key, p.step, p.epoch, p.seq, p.value) for p in await store.metrics(RUN)]
+    assert got == [
+        ("rank0", "Acc", 1, 1, 3, 0.03),  # code-point order: capitals first
+        ("rank0", "acc", 0, 1, 2, 0.2),
+        ("rank0", "loss", 0, 1, 4, 0.4),
+        ("rank0", "loss", 1, 1, 3, 0.3),
+        ("rank0", "loss", 1, 2, 1, 0.1),
+        ("rank1", "loss", None, 1, 6, 0.6),
+        ("rank1", "loss", 1, 1, 7, 0.7),
+        ("rank1", "loss", 2, 1, 5, 0.5),
+    ]
+    loss = await store.metrics(RUN, key="loss", label="rank1")
+    assert [(p.step, p.value) for p in loss] == [(None, 0.6), (1, 0.7), (2, 0.5)]
+    assert [p.label for p in await store.metrics(RUN, key="acc")] == ["rank0"]
+    point = (await store.metrics(RUN, key="Acc"))[0]
+    assert point.ts == T0 + 1000 + 3
+    assert await store.metrics(RUN, key="missing") == []
+    assert await store.metrics("no-such-run") == []
+    assert await store.metric_keys(RUN) == ["Acc", "acc", "loss"]
+    assert await store.metric_keys("no-such-run") == []
+
+
+async def test_system_points_are_ordered_by_label_key_ts(store: Store) -> None:
+    await store.write(
+        [
+            system(1, {"gpu": 90.0, "cpu": 10.0}, label="rank1", ts=T0 + 30),
+            system(2, {"gpu": 80.0}, label="rank1", ts=T0 + 10),
+            system(1, {"gpu": 70.0}, label="rank0", ts=T0 + 20),
+            heartbeat(3, label="rank0"),
+        ]
+    )
+    got = [(p.label, p.key, p.ts, p.value, p.step) for p in await store.system(RUN)]
+    assert got == [
+        ("rank0", "gpu", T0 + 20, 70.0, None),
+        ("rank1", "cpu", T0 + 30, 10.0, None),
+        ("rank1", "gpu", T0 + 10, 80.0, None),
+        ("rank1", "gpu", T0 + 30, 90.0, None),
+    ]
+    assert [p.value for p in await store.system(RUN, key="gpu", label="rank1")] == [80.0, 90.0]
+    assert await store.metric_keys(RUN) == []
+
+
+async def test_logs_filter_and_page(store: Store) -> None:
+    await store.write(
+        [
+            log(1, "Step 1 begins", "DEBUG", label="rank0", ts=T0 + 1),
+            log(2, "step 2", "INFO", label="rank0", ts=T0 + 2),
+            log(1, "disk 100% full", "warn", stream="stderr", label="rank1", ts=T0 + 2),
+            log(3, "loss is NaN", "ERROR", label="rank0", ts=T0 + 4),
+            log(2, "custom level", "NOTICE", label="rank1", ts=T0 + 3),
+            log(3, "careful", "WARNING", stream="logging", label="rank1", ts=T0 + 5),
+            log(4, "bye", "CRITICAL", label="rank0", ts=T0 + 6),
+            metric(5, {"loss": 1.0}, label="rank0"),
+        ]
+    )
+    every = await store.logs(RUN)
+    assert [(x.label, x.seq, x.text) for x in every] == [
+        ("rank0", 1, "Step 1 begins"),
+        ("rank0", 2, "step 2"),
+        ("rank1", 1, "disk 100% full"),  # same ts as rank0's seq 2: ordered by label
+        ("rank1", 2, "custom level"),
+        ("rank0", 3, "loss is NaN"),
+        ("rank1", 3, "careful"),
+        ("rank0", 4, "bye"),
+    ]
+    line = every[2]
+    assert (line.epoch, line.ts, line.stream, line.level) == (1, T0 + 2, "stderr", "warn")
+
+    assert texts(await store.logs(RUN, label="rank1")) == ["disk 100% full", "custom level", "careful"]
+    warnings = ["disk 100% full", "loss is NaN", "careful", "bye"]
+    assert texts(await store.logs(RUN, level="WARNING")) == warnings
+    assert texts(await store.logs(RUN, level="warning")) == warnings
+    assert texts(await store.logs(RUN, level="INFO", label="rank1")) == [
+        "disk 100% full",
+        "custom level",  # unknown level names count as INFO
+        "careful",
+    ]
+    assert texts(await store.logs(RUN, level="CRITICAL")) == ["bye"]
+    assert texts(await store.logs(RUN, grep="Step")) == ["Step 1 begins"]  # case-sensitive
+    assert texts(await store.logs(RUN, grep="step")) == ["step 2"]
+    assert texts(await store.logs(RUN, grep="%")) == ["disk 100% full"]  # no LIKE wildcards
+    assert texts(await store.logs(RUN, grep="_")) == []
+    assert texts(await store.logs(RUN, grep="")) == texts(every)
+    assert texts(await store.logs(RUN, limit=2, offset=1)) == ["step 2", "disk 100% full"]
+    assert texts(await store.logs(RUN, limit=2)) == ["Step 1 begins", "step 2"]
+    assert texts(await store.logs(RUN, offset=5)) == ["careful", "bye"]
+    assert await store.logs(RUN, limit=0) == []
+    assert await store.logs(RUN, offset=7) == []
+    assert texts(await store.logs(RUN, level="WARNING", grep="e", limit=1, offset=1)) == ["bye"]
+    assert await store.logs("no-such-run") == []
+
+
+async def test_runs_newest_first(store: Store) -> None:
+    assert await store.runs() == []
+    await store.write([start(1, primary=True, run="old", ts=T0 + 1)])
+    await store.write([start(1, primary=True, run="new", ts=T0 + 3), finish(2, 0, run="new")])
+    await store.write([start(1, run="mid-b", ts=T0 + 2), start(1, run="mid-a", ts=T0 + 2)])
+    await store.write([start(1, label="rank1", run="mid-a", ts=T0 + 9)])
+    runs = await store.runs()
+    assert [r.run_id for r in runs] == ["new", "mid-a", "mid-b", "old"]
+    assert [r.state for r in runs] == ["finished", "running", "running", "running"]
+    assert [r.label_count for r in runs] == [1, 2, 1, 1]
+    assert [r.started_ts for r in runs] == [T0 + 3, T0 + 2, T0 + 2, T0 + 1]
+    assert runs[1].last_ts == T0 + 9
+    assert all(r.labels == [] for r in runs)
+    assert [r.primary for r in runs] == ["rank0", None, None, "rank0"]
+
+
+async def test_unknown_run_is_none(store: Store) -> None:
+    assert await store.run("no-such-run") is None
+    await store.write([start(1)])
+    assert await store.run("no-such-run") is None
+    assert await store.run(RUN) is not None
+
+
+async def test_counts_per_kind(store: Store) -> None:
+    await store.write(
+        [
+            start(1, primary=True),
+            metric(2, {"a": 1, "b": 2}),
+            metric(3, {"a": 1}),
+            heartbeat(4),
+            log(5, "x"),
+            system(6, {"cpu": 1}),
+            log(7, "y"),
+            heartbeat(8),
+            metric(9, {"a": 3}, label="rank1"),
+        ]
+    )
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.counts == {"metric": 3, "log": 2, "system": 1}
+    assert [(lab.label, lab.events) for lab in run.labels] == [("rank0", 8), ("rank1", 1)]
+
+
+async def test_config_comes_from_the_primary_start(store: Store) -> None:
+    await store.write([start(1, label="rank1", config={"from": "rank1"})])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.config, run.primary) == (None, None)
+
+    config = {"lr": 0.001, "layers": [1, 2, 3], "nested": {"name": "ünï", "on": True}}
+    await store.write([start(1, primary=True, label="rank0", config=config)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.config, run.primary) == (config, "rank0")
+    by_label = {lab.label: lab for lab in run.labels}
+    assert by_label["rank0"].start == {"primary": True, "config": config}
+    assert by_label["rank0"].primary is True
+    assert by_label["rank1"].start == {"primary": False, "config": {"from": "rank1"}}
+    assert by_label["rank1"].primary is False
+    assert (await store.runs())[0].config == config
+
+    await store.write([start(1, primary=True, label="rank0", epoch=2, config={"lr": 0.01})])
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.config == {"lr": 0.01}
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+async def schema_version(url: str) -> int:
+    """The schema version a store's migrations have reached (read behind the store's back)."""
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"))
+        try:
+            return con.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            con.close()
+    con = await asyncpg.connect(url)
+    try:
+        return await con.fetchval("SELECT max(version) FROM schema_version")
+    finally:
+        await con.close()
+
+
+async def test_migrations_are_idempotent(open_stores: OpenStore, any_store_url: str) -> None:
+    migrations = sqlite_backend.MIGRATIONS
+    if not any_store_url.startswith("sqlite"):
+        migrations = postgres_backend.MIGRATIONS
+    first, second = await asyncio.gather(open_stores(), open_stores())  # start together
+    assert await first.write([start(1, primary=True), finish(2, 0)]) == 2
+    await first.close()
+    await second.close()
+
+    again = await open_stores()
+    assert await schema_version(any_store_url) == len(migrations)
+    run = await again.run(RUN)
+    assert run is not None
+    assert (run.state, run.labels[0].events) == ("finished", 2)
+    assert await again.write([start(1, primary=True), heartbeat(3)]) == 1
+
+
+async def test_a_store_must_be_connected(any_store_url: str) -> None:
+    store = open_store(any_store_url)
+    with pytest.raises(StoreError, match="not connected"):
+        await store.write([start(1)])
+    with pytest.raises(StoreError, match="not connected"):
+        await store.runs()
+    await store.close()
+
+
+async def test_concurrent_writers_agree_with_one_writer(open_stores: OpenStore) -> None:
+    solo = await open_stores()
+    writers = [await open_stores() for _ in range(4)]
+    ordered = history("solo", labels=8)
+    for batch in scrambled(ordered, random.Random(7)):
+        await solo.write(batch)
+
+    batches = scrambled(history("shared", labels=8), random.Random(11))
+    shares = [batches[n :: len(writers)] for n in range(len(writers))]
+
+    async def write_all(store: Store, mine: list[list[Event]]) -> int:
+        return sum([await store.write(batch) for batch in mine])
+
+    news = await asyncio.gather(*(write_all(w, s) for w, s in zip(writers, shares, strict=True)))
+    assert sum(news) == len(ordered)  # every event counted new exactly once, by one writer
+    assert await snapshot(solo, "shared") == await snapshot(solo, "solo")
+    run = await solo.run("shared")
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.label_count) == ("finished", "rank0", 0, 8)
+
+
+# -- backend specifics ----------------------------------------------------------------------------
+
+
+async def test_postgres_errors_are_store_errors_without_the_password() -> None:
+    store = open_store(f"postgresql://runbus:s3cret@127.0.0.1:{free_port()}/runbus")
+    with pytest.raises(StoreError) as caught:
+        await store.connect()
+    assert "s3cret" not in str(caught.value)
+    assert "runbus:***@127.0.0.1" in str(caught.value)
+    await store.close()
+
+
+async def test_text_holding_nul_does_not_fail_a_write(store: Store, any_store_url: str) -> None:
+    assert await store.write([log(1, "a\x00b"), metric(2, {"k\x00": 1.0})]) == 2
+    # PostgreSQL text cannot hold NUL: that backend keeps U+FFFD in its place.
+    nul = "\x00" if any_store_url.startswith("sqlite") else "\ufffd"
+    assert texts(await store.logs(RUN, grep="b")) == [f"a{nul}b"]
+    assert await store.metric_keys(RUN) == [f"k{nul}"]
