@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+import redis
+
 import storage
 from ingester import output
 from producer import wire
@@ -44,6 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
     ingest.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
     ingest.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
+    ingest.add_argument("--claim-idle", type=float, default=30.0, metavar="SECONDS",
+                        help="claim other consumers' entries pending this long (default %(default)s)")
+    ingest.add_argument("--max-deliveries", type=int, default=5,
+                        help="dead-letter an entry delivered more often (default %(default)s)")
+    ingest.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="on SIGTERM, finish the batch in flight for at most this (default %(default)s)")
+    ingest.add_argument("--retain", type=float, default=3600.0, metavar="SECONDS",
+                        help="trim stored entries older than this from the streams (default %(default)s)")
+    ingest.add_argument("--crash-after", type=float, default=120.0, metavar="SECONDS",
+                        help="a label silent this long without a finish is crashed (default %(default)s)")
+
+    dead = commands.add_parser("dead", help="list (or replay) dead-lettered entries")
+    _redis_option(dead)
+    dead.add_argument("--json", action="store_true")
+    dead.add_argument("--replay", action="store_true", help="put them back on their streams")
 
     runs = commands.add_parser("runs", help="list runs")
     runs.add_argument("--json", action="store_true")
@@ -98,6 +115,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         group=args.group,
         burst=args.burst,
         batch_size=args.batch_size,
+        claim_idle=args.claim_idle,
+        max_deliveries=args.max_deliveries,
+        drain_timeout=args.drain_timeout,
+        retain=args.retain,
+        crash_after=args.crash_after,
     )
     if args.consumer:
         settings.consumer = args.consumer
@@ -153,6 +175,28 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dead(args: argparse.Namespace) -> int:
+    from redis.asyncio import Redis
+
+    from ingester import deadletter
+
+    async def act():
+        async with Redis.from_url(args.redis, socket_connect_timeout=5) as client:
+            if args.replay:
+                return await deadletter.replay(client)
+            return await deadletter.dead_letters(client)
+
+    result = asyncio.run(act())
+    if args.replay:
+        print(f"replayed {result} dead-lettered entries onto their streams")
+    elif args.json:
+        print(output.dumps([asdict(letter) for letter in result]))
+    else:
+        rows = [(d.dead_id, d.source_stream, d.source_id, d.deliveries, d.reason) for d in result]
+        print(output.table(("DEAD ID", "STREAM", "ENTRY", "DELIVERIES", "REASON"), rows))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ingester.demo import run_demo
 
@@ -165,6 +209,7 @@ COMMANDS = {
     "show": cmd_show,
     "metrics": cmd_metrics,
     "logs": cmd_logs,
+    "dead": cmd_dead,
     "demo": cmd_demo,
 }
 
@@ -177,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command](args)
-    except (CommandError, ValueError, storage.StoreError) as exc:
+    except (CommandError, ValueError, storage.StoreError, redis.RedisError) as exc:
         print(f"runbus: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

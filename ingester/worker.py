@@ -7,6 +7,7 @@ pending, never lost; storage's (run, label, epoch, seq) identity makes the redel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -21,6 +22,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import storage
+from ingester import maintenance
+from ingester.deadletter import DeadEntry, dead_letter_fields
 from ingester.discovery import Discovery
 from producer import wire
 from producer.environment import DEFAULT_REDIS_URL
@@ -54,6 +57,11 @@ class WorkerSettings:
     registry_interval: float = 0.25
     scan_interval: float = 10.0
     drain_timeout: float = 10.0
+    claim_idle: float = 30.0
+    max_deliveries: int = 5
+    retain: float = 3600.0
+    crash_after: float = 120.0
+    maintenance_interval: float = 30.0
     max_backoff: float = 5.0
     handle_signals: bool = True
 
@@ -67,44 +75,32 @@ class WorkerStats:
     stored: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
+    claimed: int = 0
+    poison: int = 0
+    trimmed: int = 0
+    crashed: int = 0
     store_retries: int = 0
     reconnects: int = 0
 
 
-@dataclass
-class DeadEntry:
-    """An entry that broke the wire contract, with the reason."""
+def decode_batch(
+    entries: Entries, deliveries: dict[bytes, int] | None = None, max_deliveries: int = 0
+) -> tuple[list[wire.Event], list[DeadEntry]]:
+    """Split raw entries into valid events and dead entries with their reasons.
 
-    stream: str
-    entry_id: bytes
-    fields: dict[bytes, bytes]
-    reason: str
-    deliveries: int = 1
-
-
-def dead_letter_fields(dead: DeadEntry) -> dict[bytes | str, bytes | str | int]:
-    """The entry copied to runbus:dead: the reason and source, then the original fields.
-
-    An original field whose name collides with ours is kept as `orig.NAME`.
+    An entry delivered more than `max_deliveries` times (per `deliveries`) is poison: it is
+    dead-lettered whatever it holds, since processing it keeps failing.
     """
-    fields: dict[bytes | str, bytes | str | int] = {
-        "reason": dead.reason,
-        "source_stream": dead.stream,
-        "source_id": dead.entry_id,
-        "deliveries": dead.deliveries,
-    }
-    for name, value in dead.fields.items():
-        key = name.decode("utf-8", "replace")
-        fields[f"orig.{key}" if key in fields else name] = value
-    return fields
-
-
-def decode_batch(entries: Entries) -> tuple[list[wire.Event], list[DeadEntry]]:
-    """Split raw entries into valid events and dead entries with their reasons."""
     events: list[wire.Event] = []
     dead: list[DeadEntry] = []
+    deliveries = deliveries or {}
     for key, items in entries:
         for entry_id, fields in items:
+            count = deliveries.get(entry_id, 1)
+            if max_deliveries and count > max_deliveries:
+                reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
+                dead.append(DeadEntry(key, entry_id, fields, reason, count))
+                continue
             try:
                 events.append(wire.decode_entry(key, fields))
             except wire.InvalidEntry as exc:
@@ -164,6 +160,9 @@ class Worker:
             await self._with_redis(self.store.connect, retry_store=True)
             await self._with_redis(lambda: self.discovery.refresh(force=True))
             await self._loop()
+            if settings.burst and not self._stop_requested:
+                await self._maintain()
+            await self._release_consumer()
         finally:
             if settings.handle_signals:
                 for signum in (signal.SIGTERM, signal.SIGINT):
@@ -173,35 +172,121 @@ class Worker:
             s = self.stats
             log.info(
                 "worker %s stopped after %.1fs: %d batches, %d entries, %d stored, %d duplicates, "
-                "%d dead-lettered, %d store retries, %d reconnects",
+                "%d dead-lettered (%d poison), %d claimed, %d trimmed, %d crashed, %d store retries, "
+                "%d reconnects",
                 settings.consumer, time.monotonic() - started, s.batches, s.entries, s.stored,
-                s.duplicates, s.dead_lettered, s.store_retries, s.reconnects,
+                s.duplicates, s.dead_lettered, s.poison, s.claimed, s.trimmed, s.crashed,
+                s.store_retries, s.reconnects,
             )
         return self.stats
 
     async def _loop(self) -> None:
+        settings = self.settings
+        claim_every = max(0.5, settings.claim_idle / 2)
+        now = time.monotonic()
+        next_claim, next_maintenance, next_stats = now, now + settings.maintenance_interval, now + STATS_INTERVAL
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
-        next_stats = time.monotonic() + STATS_INTERVAL
         while not self._stop_requested:
             await self._with_redis(self.discovery.refresh)
-            entries = await self._with_redis(lambda: self._read("0" if pending_first else ">"))
-            if entries is None:
-                continue
-            if not entries:
-                if pending_first:
+            now = time.monotonic()
+            if pending_first:
+                entries = await self._with_redis(lambda: self._read("0"))
+                if entries:
+                    await self._process(entries, redelivered=True)
+                elif entries is not None:
                     pending_first = False
-                    continue
-                if self.settings.burst:
-                    new = await self._with_redis(lambda: self.discovery.refresh(force=True))
-                    if not new:
-                        return
                 continue
-            await self._process(entries)
-            if time.monotonic() >= next_stats:
-                next_stats = time.monotonic() + STATS_INTERVAL
+            if settings.burst or now >= next_claim:
+                claimed = await self._with_redis(self._claim)
+                next_claim = now if claimed else now + claim_every
+                if claimed:
+                    self.stats.claimed += sum(len(items) for _, items in claimed)
+                    await self._process(claimed, redelivered=True)
+                    continue
+            entries = await self._with_redis(lambda: self._read(">"))
+            if entries:
+                await self._process(entries)
+            elif entries is not None and settings.burst:
+                if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
+                    return
+            if now >= next_maintenance and not settings.burst:
+                next_maintenance = now + settings.maintenance_interval
+                await self._maintain()
+            if now >= next_stats:
+                next_stats = now + STATS_INTERVAL
                 s = self.stats
                 log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+
+    async def _claim(self) -> Entries:
+        """Entries other consumers left pending for longer than claim_idle (XAUTOCLAIM)."""
+        settings, claimed = self.settings, []
+        for key in list(self.discovery.streams):
+            try:
+                reply = await self.redis.xautoclaim(
+                    key, settings.group, settings.consumer, int(settings.claim_idle * 1000),
+                    start_id="0-0", count=settings.batch_size,
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._recover_groups([key])
+                continue
+            items = [(entry_id, fields) for entry_id, fields in reply[1] if fields is not None]
+            if items:
+                claimed.append((key, items))
+        if claimed:
+            log.info("claimed %d idle entries from other consumers", sum(len(i) for _, i in claimed))
+        return claimed
+
+    async def _deliveries(self, entries: Entries) -> dict[bytes, int]:
+        """How often each entry has been delivered (XPENDING), to spot poison entries."""
+        counts: dict[bytes, int] = {}
+        for key, items in entries:
+            pending = await self.redis.xpending_range(
+                key, self.settings.group, min=items[0][0], max=items[-1][0], count=len(items) * 2,
+                consumername=self.settings.consumer,
+            )
+            counts.update((p["message_id"], p["times_delivered"]) for p in pending)
+        return counts
+
+    async def _keep_alive(self, entries: Entries) -> None:
+        """While a batch is written, reset its idle time so no other worker claims it."""
+        interval = max(0.2, self.settings.claim_idle / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for key, items in entries:
+                try:
+                    await self.redis.xclaim(
+                        key, self.settings.group, self.settings.consumer, 0,
+                        [entry_id for entry_id, _ in items], justid=True,
+                    )
+                except Exception as exc:  # best effort: a lapse only risks a deduplicated rewrite
+                    log.debug("keep-alive of %s failed: %s", key, exc)
+
+    async def _maintain(self) -> None:
+        settings, stats = self.settings, self.stats
+        for key in list(self.discovery.streams):
+            try:
+                stats.trimmed += await maintenance.trim(self.redis, key, settings.retain)
+                await maintenance.retire_consumers(self.redis, key, settings.group, settings.consumer)
+                if await maintenance.remove_if_empty(self.redis, key, settings.retain):
+                    self.discovery.forget(key)
+                    log.info("removed empty stream %s (no entry for %.0fs)", key, settings.retain)
+            except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("maintenance of %s skipped: %s", key, exc)
+        try:
+            stats.crashed += await maintenance.mark_crashed(self.store, settings.crash_after)
+        except StoreError as exc:
+            log.warning("crash detection skipped: %s", exc)
+
+    async def _release_consumer(self) -> None:
+        for key in list(self.discovery.streams):
+            try:
+                await maintenance.release_consumer(self.redis, key, self.settings.group, self.settings.consumer)
+            except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.debug("could not release consumer on %s: %s", key, exc)
+                return
 
     async def _read(self, start_id: str) -> Entries:
         streams = self.discovery.streams
@@ -243,15 +328,22 @@ class Worker:
                 log.info("stream %s is gone; no longer reading it", key)
                 self.discovery.forget(key)
 
-    async def _process(self, entries: Entries) -> None:
+    async def _process(self, entries: Entries, redelivered: bool = False) -> None:
         started = time.monotonic()
-        events, dead = decode_batch(entries)
-        stored = await self._write(events)
-        if stored is None:
-            return  # draining ran out of time: left pending for another worker
-        # Stored already: keep trying through a drain, so a stop does not cause redelivery.
-        await self._with_redis(lambda: self._dead_letter(dead), drain=True)
-        await self._with_redis(lambda: self._ack(entries), drain=True)
+        deliveries = await self._with_redis(lambda: self._deliveries(entries)) if redelivered else None
+        events, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
+        keep_alive = asyncio.create_task(self._keep_alive(entries))
+        try:
+            stored = await self._write(events)
+            if stored is None:
+                return  # draining ran out of time: left pending for another worker
+            # Stored already: keep trying through a drain, so a stop does not cause redelivery.
+            await self._with_redis(lambda: self._dead_letter(dead), drain=True)
+            await self._with_redis(lambda: self._ack(entries), drain=True)
+        finally:
+            keep_alive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keep_alive
         count = sum(len(items) for _, items in entries)
         s = self.stats
         s.batches += 1
@@ -259,6 +351,7 @@ class Worker:
         s.stored += stored
         s.duplicates += len(events) - stored
         s.dead_lettered += len(dead)
+        s.poison += sum(1 for d in dead if d.deliveries > 1)
         log.debug(
             "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",
             count, len(entries), stored, len(events) - stored, len(dead),

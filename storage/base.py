@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from producer.wire import Event
+from storage.rules import Gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class LabelSummary:
     first_ts: float | None = None
     last_ts: float | None = None
     start: dict[str, Any] | None = None
+    gaps: list[Gap] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,10 @@ class Store(Protocol):
 
         An event already stored (same run, label, epoch, seq) is ignored.
         """
+
+    async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
+        """Mark running labels not heard from (ingest time) since `silent_since` as crashed,
+        with their runs where the label is the primary; return the (run, label)s marked."""
 
     async def runs(self) -> list[RunSummary]:
         """Every run, newest first (labels not filled in)."""

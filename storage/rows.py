@@ -9,9 +9,22 @@ import orjson
 
 from producer.wire import Event, level_number
 from storage.base import LabelSummary, RunSummary
-from storage.rules import LabelState, RunState, missing_count, primary_label
+from storage.rules import LabelState, RunState, explain_gaps, missing_count, primary_label
 
 KINDS_COUNTED = ("metric", "log", "system")
+MAX_GAPS_SHOWN = 1000
+
+# Seq ranges that never arrived, per label and epoch; the same SQL runs on SQLite and PostgreSQL.
+MISSING_RANGES_SQL = """
+    SELECT label_id, epoch, prev + 1 AS first, seq - 1 AS last FROM (
+        SELECT label_id, epoch, seq,
+               COALESCE(LAG(seq) OVER (PARTITION BY label_id, epoch ORDER BY seq), 0) AS prev
+        FROM events WHERE label_id IN (SELECT id FROM labels WHERE run_id = {param})
+    ) AS numbered
+    WHERE seq - prev > 1
+    ORDER BY label_id, epoch, first
+    LIMIT {limit}
+"""
 
 
 def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]]:
@@ -40,7 +53,18 @@ def label_columns(label: LabelState) -> tuple:
         label.last_seq,
         label.first_ts,
         label.last_ts,
+        dropped_json(label.dropped),
     )
+
+
+def dropped_json(dropped: dict[int, tuple[tuple[int, int], ...]]) -> str | None:
+    return orjson.dumps({str(e): r for e, r in dropped.items()}).decode() if dropped else None
+
+
+def dropped_from_json(text: str | bytes | None) -> dict[int, tuple[tuple[int, int], ...]]:
+    if not text:
+        return {}
+    return {int(e): tuple((a, b) for a, b in r) for e, r in orjson.loads(text).items()}
 
 
 def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
@@ -69,8 +93,13 @@ def log_columns(event: Event) -> tuple[str, str, int, str]:
     return event.data["stream"], level, level_number(level), event.data["text"]
 
 
-def label_summary(label: LabelState, epochs: Iterable[tuple[int, int, int]]) -> LabelSummary:
-    """A label's summary from its rule record and (epoch, max seq, distinct seqs) per epoch."""
+def label_summary(
+    label: LabelState,
+    epochs: Iterable[tuple[int, int, int]],
+    missing: Iterable[tuple[int, int, int]] = (),
+) -> LabelSummary:
+    """A label's summary from its rule record, (epoch, max seq, distinct seqs) per epoch, and its
+    missing (epoch, first, last) seq ranges."""
     epochs = list(epochs)
     return LabelSummary(
         label=label.label,
@@ -84,6 +113,7 @@ def label_summary(label: LabelState, epochs: Iterable[tuple[int, int, int]]) -> 
         first_ts=label.first_ts,
         last_ts=label.last_ts,
         start=label.start_data,
+        gaps=explain_gaps(missing, label.dropped),
     )
 
 

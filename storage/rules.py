@@ -7,7 +7,7 @@ state is its primary label's state, so only the primary's finish ends the run.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from producer.wire import Event
 
@@ -33,6 +33,19 @@ class LabelState:
     last_seq: int = 0  # highest seq seen in that epoch
     first_ts: float | None = None
     last_ts: float | None = None
+    # seq ranges the producer reports it dropped (buffer full), per epoch: {epoch: ((a, b), ...)}
+    dropped: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Seq numbers first..last of one epoch that never arrived; `dropped` of them the producer
+    reported dropping (so the gap is explained)."""
+
+    epoch: int
+    first: int
+    last: int
+    dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +70,15 @@ def apply_event(label: LabelState, event: Event) -> LabelState:
         changes["last_ts"] = event.ts
     if event.kind == "start" and pos > label.start_pos:
         changes.update(primary=event.data["primary"], start_pos=pos, start_data=event.data)
+    if event.kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
+        changes["dropped"] = merge_dropped(label.dropped, event.epoch, event.data["dropped_ranges"])
     if pos > label.state_pos:
         if event.kind == "finish":
             code = event.data["exit_code"]
             state = FINISHED if code == 0 else FAILED
             changes.update(state=state, exit_code=code, state_pos=pos, state_ts=event.ts)
-        elif event.kind in ("start", "heartbeat"):
+        elif event.kind in ("start", "heartbeat") or label.state == CRASHED:
+            # Any later sign of life revives a label that was marked crashed.
             changes.update(state=RUNNING, exit_code=None, state_pos=pos, state_ts=event.ts)
     return replace(label, **changes) if changes else label
 
@@ -72,6 +88,47 @@ def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
     for event in events:
         label = apply_event(label, event)
     return label
+
+
+def crash(label: LabelState) -> LabelState:
+    """A running label whose heartbeats stopped: crashed, until a later event says otherwise."""
+    return replace(label, state=CRASHED) if label.state == RUNNING else label
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, non-overlapping, non-adjacent ranges covering the same seqs."""
+    merged: list[list[int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return tuple((a, b) for a, b in merged)
+
+
+def merge_dropped(
+    dropped: dict[int, tuple[tuple[int, int], ...]], epoch: int, ranges: Iterable
+) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free."""
+    valid = [
+        (int(r[0]), int(r[1]))
+        for r in ranges
+        if isinstance(r, list | tuple) and len(r) == 2 and all(type(x) is int for x in r) and r[0] <= r[1]
+    ]
+    return {**dropped, epoch: merge_ranges([*dropped.get(epoch, ()), *valid])}
+
+
+def explain_gaps(
+    missing: Iterable[tuple[int, int, int]], dropped: dict[int, tuple[tuple[int, int], ...]]
+) -> list[Gap]:
+    """Gaps (epoch, first, last) with how many of their seqs the producer reported dropped."""
+    gaps = []
+    for epoch, first, last in missing:
+        covered = sum(
+            max(0, min(last, b) - max(first, a) + 1) for a, b in dropped.get(epoch, ())
+        )
+        gaps.append(Gap(epoch, first, last, covered))
+    return gaps
 
 
 def primary_label(labels: Iterable[LabelState]) -> LabelState | None:

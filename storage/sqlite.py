@@ -6,6 +6,7 @@ import asyncio
 import math
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -16,7 +17,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, run_state
+from storage.rules import LabelState, apply_events, crash, run_state
 
 T = TypeVar("T")
 
@@ -91,11 +92,16 @@ MIGRATIONS: list[str] = [
     ) WITHOUT ROWID;
     CREATE INDEX logs_by_ts ON logs (label_id, ts);
     """,
+    """
+    ALTER TABLE labels ADD COLUMN seen_at REAL;
+    ALTER TABLE labels ADD COLUMN dropped TEXT;
+    CREATE INDEX labels_running ON labels (state, seen_at);
+    """,
 ]
 
 _LABEL_COLUMNS = (
     "id, label, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
-    "start_seq, start_data, epoch, last_seq, first_ts, last_ts"
+    "start_seq, start_data, epoch, last_seq, first_ts, last_ts, dropped"
 )
 
 
@@ -124,6 +130,7 @@ def _label_state(run: str, row: sqlite3.Row) -> LabelState:
         last_seq=row["last_seq"],
         first_ts=row["first_ts"],
         last_ts=row["last_ts"],
+        dropped=rows.dropped_from_json(row["dropped"]),
     )
 
 
@@ -167,16 +174,24 @@ class SQLiteStore:
         self._migrate()
 
     def _migrate(self) -> None:
+        self._in_transaction(self._apply_migrations)
+
+    def _apply_migrations(self, con: sqlite3.Connection) -> None:
+        version = con.execute("PRAGMA user_version").fetchone()[0]
+        for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            for statement in script.split(";"):
+                if statement.strip():
+                    con.execute(statement)
+            con.execute(f"PRAGMA user_version = {int(number)}")
+
+    def _in_transaction(self, work: Callable[..., T], *args: Any) -> T:
+        """Run `work(connection, *args)` in one write transaction."""
         con = self._db()
         con.execute("BEGIN IMMEDIATE")
         try:
-            version = con.execute("PRAGMA user_version").fetchone()[0]
-            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                for statement in script.split(";"):
-                    if statement.strip():
-                        con.execute(statement)
-                con.execute(f"PRAGMA user_version = {int(number)}")
+            result = work(con, *args)
             con.execute("COMMIT")
+            return result
         except BaseException:
             con.execute("ROLLBACK")
             raise
@@ -195,18 +210,7 @@ class SQLiteStore:
     async def write(self, events: Sequence[Event]) -> int:
         if not events:
             return 0
-        return await self._call(self._write, events)
-
-    def _write(self, events: Sequence[Event]) -> int:
-        con = self._db()
-        con.execute("BEGIN IMMEDIATE")
-        try:
-            new = self._write_in_transaction(con, events)
-            con.execute("COMMIT")
-            return new
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+        return await self._call(self._in_transaction, self._write_in_transaction, events)
 
     def _write_in_transaction(self, con: sqlite3.Connection, events: Sequence[Event]) -> int:
         by_label = rows.group_by_label(events)
@@ -214,6 +218,7 @@ class SQLiteStore:
         con.executemany("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", [(r,) for r in runs])
         con.executemany("INSERT OR IGNORE INTO labels (run_id, label) VALUES (?, ?)", by_label)
         ids: dict[tuple[str, str], int] = {}
+        seen_at = time.time()
         for run, label in by_label:
             row = con.execute(
                 f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? AND label = ?", (run, label)
@@ -223,8 +228,9 @@ class SQLiteStore:
             con.execute(
                 "UPDATE labels SET state = ?, exit_code = ?, state_epoch = ?, state_seq = ?, "
                 "state_ts = ?, is_primary = ?, start_epoch = ?, start_seq = ?, start_data = ?, "
-                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ? WHERE id = ?",
-                (*rows.label_columns(folded), row["id"]),
+                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ?, dropped = ?, seen_at = ? "
+                "WHERE id = ?",
+                (*rows.label_columns(folded), seen_at, row["id"]),
             )
         before = con.total_changes
         con.executemany(
@@ -277,6 +283,21 @@ class SQLiteStore:
             (*rows.run_columns(derived, labels), run),
         )
 
+    async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
+        return await self._call(self._in_transaction, self._mark_crashed, silent_since)
+
+    def _mark_crashed(self, con: sqlite3.Connection, silent_since: float) -> list[tuple[str, str]]:
+        silent = con.execute(
+            f"SELECT run_id, {_LABEL_COLUMNS} FROM labels WHERE state = 'running' AND seen_at < ?",
+            (silent_since,),
+        ).fetchall()
+        for row in silent:
+            crashed = crash(_label_state(row["run_id"], row))
+            con.execute("UPDATE labels SET state = ? WHERE id = ?", (crashed.state, row["id"]))
+        for run in {row["run_id"] for row in silent}:
+            self._update_run(con, run)
+        return [(row["run_id"], row["label"]) for row in silent]
+
     # -- reads ---------------------------------------------------------------------------------
 
     async def runs(self) -> list[RunSummary]:
@@ -311,12 +332,16 @@ class SQLiteStore:
             "WHERE l.run_id = ? GROUP BY e.kind",
             (run_id,),
         ).fetchall()
+        missing = con.execute(
+            rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
+        ).fetchall()
         labels: list[LabelSummary] = []
         for label_row in con.execute(
             f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
         ):
             mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
-            labels.append(rows.label_summary(_label_state(run_id, label_row), mine))
+            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
+            labels.append(rows.label_summary(_label_state(run_id, label_row), mine, gaps))
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def metric_keys(self, run_id: str) -> list[str]:

@@ -1,0 +1,122 @@
+"""Housekeeping between batches: trimming stored entries, retiring idle consumers and empty
+streams, and marking labels whose heartbeats stopped as crashed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError, WatchError
+
+from producer import wire
+from storage.base import Store
+
+log = logging.getLogger("runbus.ingester")
+
+# A consumer with nothing pending and idle this long is removed from the group (a live worker
+# that reads again is simply added back).
+STALE_CONSUMER_MS = 3_600_000
+
+
+def parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(entry_id: tuple[int, int]) -> str:
+    return f"{entry_id[0]}-{entry_id[1]}"
+
+
+@dataclass
+class MaintenanceStats:
+    trimmed: int = 0
+    consumers_removed: int = 0
+    streams_removed: int = 0
+    crashed: int = 0
+
+
+async def safe_trim_id(redis: Redis, key: str, retain_ms: int, now_ms: int) -> tuple[int, int] | None:
+    """The lowest id that must stay: nothing pending, unread, or younger than `retain_ms`.
+
+    None when no group reads the stream yet (then nothing may go).
+    """
+    groups = await redis.xinfo_groups(key)
+    if not groups:
+        return None
+    keep = (max(0, now_ms - retain_ms), 0)
+    for group in groups:
+        last = parse_id(group["last-delivered-id"])
+        keep = min(keep, (last[0], last[1] + 1))  # unread entries come after the last delivered
+        if group["pending"]:
+            summary = await redis.xpending(key, group["name"])
+            keep = min(keep, parse_id(summary["min"]))
+    return keep
+
+
+async def trim(redis: Redis, key: str, retain_s: float) -> int:
+    """XTRIM MINID ~ the safe id: acknowledged entries older than the retention go."""
+    keep = await safe_trim_id(redis, key, int(retain_s * 1000), int(time.time() * 1000))
+    if keep is None or keep <= (0, 1):
+        return 0
+    return await redis.xtrim(key, minid=format_id(keep), approximate=True)
+
+
+async def retire_consumers(redis: Redis, key: str, group: str, me: str) -> int:
+    """Remove consumers of `group` that have nothing pending and have been idle for an hour."""
+    removed = 0
+    for consumer in await redis.xinfo_consumers(key, group):
+        name = consumer["name"].decode()
+        if name != me and consumer["pending"] == 0 and consumer["idle"] > STALE_CONSUMER_MS:
+            await redis.xgroup_delconsumer(key, group, name)
+            removed += 1
+    return removed
+
+
+async def release_consumer(redis: Redis, key: str, group: str, me: str) -> bool:
+    """Remove our own consumer at shutdown, only if nothing is pending for it."""
+    try:
+        consumers = await redis.xinfo_consumers(key, group)
+    except ResponseError:
+        return False
+    for consumer in consumers:
+        if consumer["name"].decode() == me and consumer["pending"] == 0:
+            await redis.xgroup_delconsumer(key, group, me)
+            return True
+    return False
+
+
+async def remove_if_empty(redis: Redis, key: str, retain_s: float) -> bool:
+    """Delete a stream that is empty, has nothing pending, and has had no entry for `retain_s`.
+
+    WATCH makes it safe against a producer adding an entry meanwhile: then nothing is deleted.
+    """
+    async with redis.pipeline(transaction=True) as pipe:
+        await pipe.watch(key)
+        if await pipe.xlen(key):
+            return False
+        info = await pipe.xinfo_stream(key)
+        last_ms = parse_id(info["last-generated-id"])[0]
+        if last_ms > (time.time() - retain_s) * 1000:
+            return False
+        for group in await pipe.xinfo_groups(key):
+            if group["pending"]:
+                return False
+        pipe.multi()
+        pipe.delete(key)
+        try:
+            await pipe.execute()
+        except WatchError:
+            return False
+    await redis.srem(wire.REGISTRY_KEY, key)
+    return True
+
+
+async def mark_crashed(store: Store, crash_after_s: float) -> int:
+    """Labels silent for `crash_after_s` (by ingest time) become crashed."""
+    marked = await store.mark_crashed(time.time() - crash_after_s)
+    for run, label in marked[:10]:
+        log.warning("label %s of run %s sent nothing for %.0fs: crashed", label, run, crash_after_s)
+    return len(marked)
