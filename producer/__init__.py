@@ -11,6 +11,7 @@ Importing this package is cheap: redis, NVML and torch are imported lazily, off 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +30,7 @@ log = logging.getLogger("runbus.producer")
 _RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids"}
 _SHIPPER_OPTIONS = {
     "flush_interval", "batch_size", "heartbeat_interval", "primary_ttl", "connect_timeout",
-    "socket_timeout", "max_backoff",
+    "socket_timeout", "max_backoff", "max_buffer_bytes", "spool_dir", "max_spool_bytes",
 }
 _active: dict[tuple[str, str], Run] = {}
 _active_lock = threading.Lock()
@@ -86,7 +87,12 @@ def init(
     Defaults come from the environment: RUNBUS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
     label `rank{RANK}`; primary when RANK is 0; RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
 
-    Options: max_buffer_events (1,000,000), system_interval (15 s; None turns sampling off),
+    Buffering while Redis is away: max_buffer_events (100,000 queued before encoding),
+    max_buffer_bytes (128 MiB encoded in memory), spool_dir (None: then to an append-only file
+    there, up to max_spool_bytes, 4 GiB, shipped on reconnect or by the next init() of this run
+    and label). Past those bounds events are dropped, counted, and reported as explained gaps.
+
+    Options: system_interval (15 s; None turns sampling off),
     finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
     batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
     max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event).
@@ -109,6 +115,15 @@ def init(
     exits.track(run)
     run._begin()
     return run
+
+
+def _forget_parent_runs() -> None:
+    global _active_lock
+    _active_lock = threading.Lock()
+    _active.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_runs)
 
 
 def _handshake(run: Run) -> None:

@@ -66,11 +66,22 @@ def _on_sigterm(signum, frame) -> None:
 _previous_excepthook = sys.excepthook
 
 
+def _after_fork_in_child() -> None:
+    # Threads do not survive fork: the parent's Runs cannot ship from here, and their seq
+    # numbers are the parent's. Their calls become no-ops; the child may init() its own label.
+    global _lock
+    _lock = threading.Lock()
+    for run in _live:
+        run._disown()
+    _live.clear()
+
+
 def _install() -> None:
     global _installed, _previous_excepthook
     if _installed:
         return
     _installed = True
+    os.register_at_fork(after_in_child=_after_fork_in_child)
     atexit.register(_at_exit)
     _previous_excepthook = sys.excepthook
     sys.excepthook = _excepthook

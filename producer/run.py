@@ -17,6 +17,7 @@ from typing import Any
 
 from producer import wire
 from producer.environment import Identity
+from producer.backlog import DropLog
 from producer.outbox import Outbox
 from producer.shipper import Shipper, ShipperOptions
 
@@ -27,6 +28,10 @@ MAX_KEY_LENGTH = 256
 MIN_SYSTEM_INTERVAL = 0.5
 
 
+def _ignore(kind: str, step: int | None, data: Any) -> None:
+    return None
+
+
 class RunFinished(RuntimeError):
     """log() or log_text() was called on a Run that has finished."""
 
@@ -35,7 +40,7 @@ class RunFinished(RuntimeError):
 class RunOptions:
     """How a Run buffers, samples and finishes (set through producer.init)."""
 
-    max_buffer_events: int = 1_000_000
+    max_buffer_events: int = 100_000
     system_interval: float | None = 15.0
     finish_timeout: float = 30.0
     gpu_device_ids: tuple[int, ...] | None = None
@@ -105,9 +110,10 @@ class Run:
     ) -> None:
         self.identity = identity
         self.options = options
-        self._outbox = Outbox(options.max_buffer_events)
+        self._outbox = Outbox(options.max_buffer_events, DropLog())
         self._put = self._outbox.put
         self._finished = False
+        self._forked = False
         self._finish_lock = threading.Lock()
         self._shipper = Shipper(identity, self._outbox, shipper_options)
         self._shipper.describe_hardware = describe_hardware
@@ -160,12 +166,13 @@ class Run:
 
     @property
     def dropped(self) -> int:
-        """Events that found the buffer full and were dropped (their seqs show as gaps)."""
-        return self._outbox.dropped
+        """Events dropped because every buffer was full (their seqs show as explained gaps)."""
+        return self._outbox.drops.count
 
     @property
     def buffered(self) -> int:
-        return len(self._outbox)
+        """Events not yet shipped to Redis (queued, in memory, or spooled)."""
+        return self._shipper.unshipped
 
     @property
     def finished(self) -> bool:
@@ -217,6 +224,8 @@ class Run:
         """
         if isinstance(exit_code, bool) or not isinstance(exit_code, int):
             raise TypeError(f"exit_code must be an int, not {type(exit_code).__name__}")
+        if self._forked:
+            return False
         with self._finish_lock:
             if self._finished:
                 return not self._shipper.is_alive()
@@ -226,24 +235,24 @@ class Run:
         if self._sampler is not None:
             self._sampler.stop()
         self._put("finish", None, {"exit_code": exit_code})
-        self._shipper.stop()
+        self._shipper.stop(deadline)
         if self._shipper.is_alive():
-            self._shipper.join(max(0.0, deadline - time.monotonic()))
-        complete = not self._shipper.is_alive()
+            # A little past the deadline: the shipper spools what is left when it passes it.
+            self._shipper.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        complete = not self._shipper.is_alive() and not self._shipper.unshipped
         if complete:
             self._shipper.release_primary()
-        else:
-            log.warning(
-                "runbus: finish() gave up after %.1fs with %d events not shipped to Redis",
-                timeout,
-                len(self._outbox) + len(self._shipper._inflight),
-            )
-        if self._outbox.dropped:
-            log.warning("runbus: %d events were dropped (buffer full)", self._outbox.dropped)
+        if self.dropped:
+            log.warning("runbus: %d events were dropped (buffers full)", self.dropped)
         from producer import exits
 
         exits.forget(self)
         return complete
+
+    def _disown(self) -> None:
+        """In a forked child: this Run belongs to the parent, so every call becomes a no-op."""
+        self._forked = True
+        self._put = _ignore
 
     def __enter__(self) -> Run:
         return self

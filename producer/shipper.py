@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import orjson
 
 from producer import wire
 from producer.environment import Identity
+from producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
 from producer.outbox import Outbox, Pending
 from producer.urls import safe_url
 
@@ -34,6 +36,9 @@ class ShipperOptions:
 
     flush_interval: float = 0.05
     batch_size: int = 2000
+    max_buffer_bytes: int = 128 << 20
+    spool_dir: str | None = None
+    max_spool_bytes: int = 4 << 30
     heartbeat_interval: float = 10.0
     primary_ttl: float = 30.0
     connect_timeout: float = 2.0
@@ -84,13 +89,24 @@ class Shipper(threading.Thread):
         self.epoch: int | None = None
         self.shipped = 0
         self.failed_encodes = 0
-        self._client = None
-        self._inflight: list[dict] = []
-        self._stopping = threading.Event()
-        self._next_heartbeat = time.monotonic() + options.heartbeat_interval
-        self._outage_since: float | None = None
         self.describe_hardware = True
         self.gpu_device_ids: tuple[int, ...] | None = None
+        spool = None
+        if options.spool_dir:
+            spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
+        self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
+        self._held_start: Pending | None = None
+        self._orphans_checked = False
+        self._client = None
+        self._stopping = threading.Event()
+        self._deadline: float | None = None
+        self._next_heartbeat = time.monotonic() + options.heartbeat_interval
+        self._outage_since: float | None = None
+
+    @property
+    def unshipped(self) -> int:
+        """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
+        return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -108,6 +124,8 @@ class Shipper(threading.Thread):
         pipe.incr(wire.epoch_key(ident.run_id, ident.label))
         pipe.sadd(wire.REGISTRY_KEY, self.key)
         self.epoch = int(pipe.execute()[0])
+        if self.backlog.spool is not None:
+            self.backlog.spool.note_epoch(self.epoch)
 
     def _claim_primary(self, client) -> None:
         key, label = wire.primary_key(self.identity.run_id), self.identity.label
@@ -154,8 +172,9 @@ class Shipper(threading.Thread):
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Ship what is queued, then end."""
+    def stop(self, deadline: float | None = None) -> None:
+        """Ship what is queued, then end; past `deadline` (monotonic), spool the rest and end."""
+        self._deadline = deadline
         self._stopping.set()
 
     def run(self) -> None:
@@ -164,10 +183,11 @@ class Shipper(threading.Thread):
         delay = 0.0
         while True:
             if delay:
-                time.sleep(delay)  # also while stopping: finish() bounds its own wait
+                time.sleep(min(delay, self._time_left()))  # finish() bounds its own wait
             else:
                 self._stopping.wait(self.options.flush_interval)
             self._maybe_heartbeat()
+            self._encode_outbox()
             try:
                 if self.epoch is None:
                     try:
@@ -175,25 +195,54 @@ class Shipper(threading.Thread):
                     except PrimaryConflict as exc:
                         self._demote(exc)
                         self.handshake()
+                self._encode_held_start()
+                if not self._orphans_checked:
+                    self._ship_orphans()
                 self._flush()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 delay = self._note_outage(exc, delay)
-                continue
             except redis.RedisError as exc:
                 # A refused command (OOM, READONLY replica): retried like an outage, loudly.
                 delay = self._note_outage(exc, delay)
-                continue
-            if self._outage_since is not None:
-                log.warning(
-                    "runbus: Redis at %s is back after %.1fs; %d events shipped so far",
-                    safe_url(self.identity.redis_url),
-                    time.monotonic() - self._outage_since,
-                    self.shipped,
-                )
-                self._outage_since = None
-            delay = 0.0
-            if self._stopping.is_set() and not self._inflight and not len(self.outbox):
-                return
+            else:
+                if self._outage_since is not None:
+                    log.warning(
+                        "runbus: Redis at %s is back after %.1fs; %d events shipped so far",
+                        safe_url(self.identity.redis_url),
+                        time.monotonic() - self._outage_since,
+                        self.shipped,
+                    )
+                    self._outage_since = None
+                delay = 0.0
+            if self._stopping.is_set():
+                if not self.unshipped:
+                    self._close_spool(remove=True)
+                    return
+                if self._time_left() <= 0:
+                    self._give_up()
+                    return
+
+    def _time_left(self) -> float:
+        return float("inf") if self._deadline is None else self._deadline - time.monotonic()
+
+    def _give_up(self) -> None:
+        """Out of time at finish: keep what is left in the spool (if any) for the next init()."""
+        self._encode_outbox()
+        self._encode_held_start(force=True)
+        spooled = self.backlog.persist()
+        left = self.unshipped
+        if self.backlog.spool is not None:
+            log.warning(
+                "runbus: %d events could not reach Redis in time and wait in %s for the next "
+                "init() of this run and label", spooled, self.backlog.spool.path,
+            )
+            self._close_spool(remove=False)
+        else:
+            log.warning("runbus: finish() gave up with %d events not shipped to Redis", left)
+
+    def _close_spool(self, remove: bool) -> None:
+        if self.backlog.spool is not None:
+            self.backlog.spool.close(remove=remove and not self.backlog.spool.unread())
 
     def _note_outage(self, exc: Exception, delay: float) -> float:
         if self._outage_since is None:
@@ -221,42 +270,41 @@ class Shipper(threading.Thread):
             return
         self._next_heartbeat = now + self.options.heartbeat_interval
         self.outbox.put(
-            "heartbeat",
-            None,
-            {"dropped": self.outbox.dropped, "buffered": len(self.outbox), "shipped": self.shipped},
+            "heartbeat", None, {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped}
         )
         if self.primary and self._client is not None and self._outage_since is None:
             self._refresh_primary(self._client)
 
-    def _flush(self) -> None:
-        client = self._connection()
+    def _encode_outbox(self) -> None:
+        """Queued events → encoded records in the backlog (no network: also while Redis is away)."""
         while True:
-            if not self._inflight:
-                taken = self.outbox.take(self.options.batch_size)
-                if not taken:
-                    return
-                self._inflight = [fields for p in taken if (fields := self._fields(p))]
-            pipe = client.pipeline(transaction=False)
-            key = self.key
-            for fields in self._inflight:
-                pipe.xadd(key, fields)
-            pipe.execute()
-            self.shipped += len(self._inflight)
-            self._inflight = []
+            taken = self.outbox.take(self.options.batch_size)
+            if not taken:
+                return
+            for pending in taken:
+                if pending[0] == "start" and self.epoch is None:
+                    # Its primary flag is only settled by the handshake.
+                    self._held_start = pending
+                    continue
+                record = self._record(pending)
+                if record is not None:
+                    self.backlog.add(record)
 
-    def _hardware(self) -> dict:
-        # Here, not in init(): NVML can take a second to start on a big host.
-        from producer.hardware import describe
-        from producer.system import sampled_devices
+    def _encode_held_start(self, force: bool = False) -> None:
+        if self._held_start is not None and (self.epoch is not None or force):
+            record = self._record(self._held_start)
+            self._held_start = None
+            if record is not None:
+                self.backlog.memory.appendleft(record)
 
-        return describe(sampled_devices(self.gpu_device_ids)[1])
-
-    def _fields(self, pending: Pending) -> dict | None:
+    def _record(self, pending: Pending) -> Record | None:
         kind, seq, ts, step, data = pending
         if kind == "start":
             data = {**data, "primary": self.primary}
             if self.describe_hardware:
                 data["hardware"] = self._hardware()
+        elif kind == "finish":
+            data = {**data, **self.outbox.drops.report()}
         try:
             blob = encode_data(kind, data)
         except Exception as exc:
@@ -265,5 +313,53 @@ class Shipper(threading.Thread):
             self.failed_encodes += 1
             log.error("runbus: event seq %d (%s) could not be encoded: %s", seq, kind, exc)
             return None
+        return Record(kind, self.epoch or 0, seq, ts, step, blob)
+
+    def _hardware(self) -> dict:
+        # Here, not in init(): NVML can take a second to start on a big host.
+        from producer.hardware import describe
+        from producer.system import sampled_devices
+
+        return describe(sampled_devices(self.gpu_device_ids)[1])
+
+    def _send(self, client, records: list[Record], epoch: int) -> None:
         ident = self.identity
-        return wire.encode_fields(kind, ident.run_id, ident.label, self.epoch, seq, ts, blob, step)
+        pipe = client.pipeline(transaction=False)
+        for r in records:
+            pipe.xadd(
+                self.key,
+                wire.encode_fields(r.kind, ident.run_id, ident.label, r.epoch or epoch, r.seq, r.ts, r.data, r.step),
+            )
+        pipe.execute()
+
+    def _flush(self) -> None:
+        client = self._connection()
+        while True:
+            records = self.backlog.peek(self.options.batch_size)
+            if not records:
+                return
+            self._send(client, records, self.epoch)
+            self.backlog.shipped(records)
+            self.shipped += len(records)
+
+    def _ship_orphans(self) -> None:
+        """Ship spools that earlier processes of this run and label left behind when they died."""
+        self._orphans_checked = True
+        if not self.options.spool_dir:
+            return
+        client = self._connection()
+        for spool in orphan_spools(self.options.spool_dir, self.identity.run_id, self.identity.label, os.getpid()):
+            epoch = spool.recorded_epoch()
+            shipped = 0
+            while True:
+                records, offset, _ = spool.read(self.options.batch_size)
+                if not records:
+                    break
+                if epoch is None and any(r.epoch == 0 for r in records):
+                    # That process never reached Redis: its events get an epoch of their own.
+                    epoch = int(client.incr(wire.epoch_key(self.identity.run_id, self.identity.label)))
+                self._send(client, records, epoch or 0)
+                spool.read_offset = offset
+                shipped += len(records)
+            log.warning("runbus: shipped %d events left in %s by an earlier process", shipped, spool.path)
+            spool.close(remove=True)

@@ -1,0 +1,227 @@
+"""Encoded events waiting for Redis: in memory up to a byte bound, then in a spool file on disk.
+
+Only the shipper thread touches a Backlog. Records are kept without their epoch when it is not
+known yet (Redis unreachable since init): epoch 0 means "this process's epoch", filled in when
+shipped, or, for a spool left by a dead process, from the epoch line the spool recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import orjson
+
+log = logging.getLogger("runbus.producer")
+
+RECORD_OVERHEAD = 120  # bytes beyond `data` that a record costs in memory, roughly
+MAX_DROP_RANGES = 1000
+
+
+class Record(NamedTuple):
+    """One encoded event."""
+
+    kind: str
+    epoch: int  # 0 until known
+    seq: int
+    ts: float
+    step: int | None
+    data: bytes
+
+
+@dataclass
+class DropLog:
+    """Seq ranges dropped because every buffer was full, to explain gaps."""
+
+    count: int = 0
+    ranges: list[list[int]] = field(default_factory=list)
+
+    def note(self, seq: int) -> None:
+        self.count += 1
+        if self.ranges and self.ranges[-1][1] == seq - 1:
+            self.ranges[-1][1] = seq
+        elif len(self.ranges) >= MAX_DROP_RANGES:
+            # Too many separate ranges to report: widen the last one (it may then cover seqs
+            # that did arrive, which only makes the explanation generous, never wrong by omission).
+            self.ranges[-1][1] = seq
+        else:
+            self.ranges.append([seq, seq])
+
+    def report(self) -> dict:
+        return {"dropped": self.count, "dropped_ranges": [list(r) for r in self.ranges]}
+
+
+def spool_path(spool_dir: str, run: str, label: str, pid: int) -> str:
+    return os.path.join(spool_dir, f"{run}.{label}.{pid}.spool")
+
+
+class Spool:
+    """An append-only file of records, read back in order; locked while its process lives."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = None
+        self.read_offset = 0
+        self.size = 0
+        self.epoch: int | None = None
+
+    def open(self, blocking: bool = True) -> bool:
+        """Open and lock the file; False if another live process holds it (only when not blocking)."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        handle = open(self.path, "a+b")  # noqa: SIM115 (held open for the life of the spool)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return False
+        self._file = handle
+        self.size = handle.seek(0, os.SEEK_END)
+        if self.epoch is not None:
+            self._write_epoch()
+        return True
+
+    def append(self, record: Record) -> int:
+        if self._file is None:
+            self.open()
+        line = orjson.dumps([record.kind, record.epoch, record.seq, record.ts, record.step, record.data.decode()])
+        self._file.write(line + b"\n")
+        self.size += len(line) + 1
+        return len(line) + 1
+
+    def note_epoch(self, epoch: int) -> None:
+        """Record the epoch of this process, for whoever ships the file after it died."""
+        self.epoch = epoch
+        if self._file is not None:
+            self._write_epoch()
+
+    def _write_epoch(self) -> None:
+        line = orjson.dumps(["epoch", self.epoch]) + b"\n"
+        self._file.write(line)
+        self.size += len(line)
+
+    def recorded_epoch(self) -> int | None:
+        """The epoch line a (dead) process wrote into this file, if any."""
+        self._file.seek(0)
+        for line in self._file:
+            if line.startswith(b'["epoch",'):
+                with contextlib.suppress(orjson.JSONDecodeError, IndexError):
+                    return int(orjson.loads(line)[1])
+        return None
+
+    def read(self, limit: int) -> tuple[list[Record], int, int | None]:
+        """Up to `limit` records from the read offset: (records, new offset, epoch seen)."""
+        self._file.flush()
+        self._file.seek(self.read_offset)
+        records, epoch, offset = [], None, self.read_offset
+        while len(records) < limit:
+            line = self._file.readline()
+            if not line.endswith(b"\n"):
+                break  # end, or a torn last line from a crash
+            offset += len(line)
+            try:
+                item = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                log.error("runbus: skipping a corrupt line in spool %s", self.path)
+                continue
+            if item[0] == "epoch":
+                epoch = item[1]
+                continue
+            kind, rec_epoch, seq, ts, step, data = item
+            records.append(Record(kind, rec_epoch, seq, ts, step, data.encode()))
+        return records, offset, epoch
+
+    def unread(self) -> bool:
+        return self._file is not None and self.read_offset < self.size
+
+    def reset(self) -> None:
+        """Everything was shipped: empty the file."""
+        self._file.truncate(0)
+        self.read_offset = self.size = 0
+
+    def close(self, remove: bool) -> None:
+        if self._file is None:
+            return
+        if remove:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self._file.close()  # releases the lock
+        self._file = None
+
+
+class Backlog:
+    """Records in order: memory first, then the spool once memory is full."""
+
+    def __init__(self, max_bytes: int, spool: Spool | None, max_spool_bytes: int, drops: DropLog) -> None:
+        self.max_bytes = max_bytes
+        self.spool = spool
+        self.max_spool_bytes = max_spool_bytes
+        self.drops = drops
+        self.memory: deque[Record] = deque()
+        self.bytes = 0
+        self._spooling = False
+        self._peeked_offset: int | None = None
+
+    def add(self, record: Record) -> None:
+        size = len(record.data) + RECORD_OVERHEAD
+        if not self._spooling and self.bytes + size <= self.max_bytes:
+            self.memory.append(record)
+            self.bytes += size
+        elif self.spool is not None and self.spool.size + size <= self.max_spool_bytes:
+            if not self._spooling:
+                log.warning("runbus: memory buffer full (%d bytes); spooling to %s", self.bytes, self.spool.path)
+            self._spooling = True
+            self.spool.append(record)
+        else:
+            self.drops.note(record.seq)
+
+    def peek(self, limit: int) -> list[Record]:
+        """The oldest records, not yet removed (ship them, then call `shipped`)."""
+        if self.memory:
+            return [self.memory[i] for i in range(min(limit, len(self.memory)))]
+        if self._spooling and self.spool.unread():
+            records, self._peeked_offset, _ = self.spool.read(limit)
+            return records
+        return []
+
+    def shipped(self, records: list[Record]) -> None:
+        if self.memory and records and self.memory[0] is records[0]:
+            for _ in records:
+                self.bytes -= len(self.memory.popleft().data) + RECORD_OVERHEAD
+            return
+        if self._peeked_offset is not None:
+            self.spool.read_offset, self._peeked_offset = self._peeked_offset, None
+            if not self.spool.unread():
+                self.spool.reset()
+                self._spooling = False
+
+    def persist(self) -> int:
+        """Move what is in memory to the spool (at exit, when Redis could not take it)."""
+        if self.spool is None:
+            return 0
+        moved = 0
+        while self.memory:
+            self.spool.append(self.memory.popleft())
+            moved += 1
+        self.bytes = 0
+        return moved
+
+    def __len__(self) -> int:
+        return len(self.memory) + (1 if self._spooling and self.spool.unread() else 0)
+
+
+def orphan_spools(spool_dir: str, run: str, label: str, own_pid: int) -> list[Spool]:
+    """Spools of earlier processes of this run and label that are no longer alive, locked."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(spool_dir), f"{run}.{label}.*.spool"))):
+        if path == spool_path(spool_dir, run, label, own_pid):
+            continue
+        spool = Spool(path)
+        if spool.open(blocking=False):
+            found.append(spool)
+    return found
