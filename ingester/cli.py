@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import redis
 
+import dashboard.cli
 import storage
 from ingester import output
 from producer import wire
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _redis_option(demo)
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--steps", type=int, default=40)
+    dashboard.cli.add_commands(commands)
     return parser
 
 
@@ -211,6 +213,8 @@ COMMANDS = {
     "logs": cmd_logs,
     "dead": cmd_dead,
     "demo": cmd_demo,
+    "serve": dashboard.cli.cmd_serve,
+    "tail": dashboard.cli.cmd_tail,
 }
 
 

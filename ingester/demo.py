@@ -1,18 +1,21 @@
 """`runbus demo`: a small multi-rank job logs into one run, is ingested, and the run is printed.
 
-Each rank is a real OS process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK). Where
+Where torch is installed and examples/ddp_train.py is on disk (a source checkout), the job is that
+example under torchrun: a real DDP model on gloo (NCCL on GPUs). Otherwise each rank is a plain
+OS process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and a simulated loop. Where
 no Redis answers, a private redis-server is started for the demo and stopped after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import math
 import os
 import random
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import redis
 
@@ -23,6 +26,17 @@ from ingester.worker import Worker, WorkerSettings
 from producer.environment import new_run_id
 
 RANK_SCRIPT = "from ingester.demo import train_rank; train_rank()"
+DDP_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+
+
+def torch_job(ranks: int, steps: int) -> list[str] | None:
+    """The torchrun command for the DDP example, or None without torch or the example."""
+    if not DDP_EXAMPLE.is_file() or importlib.util.find_spec("torch") is None:
+        return None
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+        str(DDP_EXAMPLE), "--steps", str(steps), "--system-interval", "0.5",
+    ]
 
 
 def train_rank() -> None:
@@ -72,19 +86,25 @@ async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
     run_id = new_run_id().replace("run-", "demo-", 1)
     worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
     ingesting = asyncio.create_task(worker.async_run())
-    env = {**os.environ, "RUNBUS_RUN_ID": run_id, "RUNBUS_REDIS_URL": redis_url,
-           "WORLD_SIZE": str(ranks), "RUNBUS_DEMO_STEPS": str(steps)}
-    processes = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-c", RANK_SCRIPT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-        )
-        for r in range(ranks)
-    ]
+    env = {**os.environ, "RUNBUS_RUN_ID": run_id, "RUNBUS_REDIS_URL": redis_url}
+    job = torch_job(ranks, steps)
+    if job is not None:
+        print(f"demo: torchrun, {ranks} ranks of {DDP_EXAMPLE.name}", flush=True)
+        processes = [await asyncio.create_subprocess_exec(*job, env=env)]
+    else:
+        env.update(WORLD_SIZE=str(ranks), RUNBUS_DEMO_STEPS=str(steps))
+        processes = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-c", RANK_SCRIPT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            )
+            for r in range(ranks)
+        ]
     codes = [await p.wait() for p in processes]
     worker.request_stop()
     await ingesting
     # Whatever arrived after the live worker's last read.
-    await Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False)).async_run()
+    burst = WorkerSettings(redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False)
+    await Worker(burst).async_run()
 
     store = storage.open_store(store_url)
     await store.connect()
@@ -102,7 +122,9 @@ async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
     for point in points:
         last[point.label] = point
     print()
-    print(output.table(("LABEL", "LAST STEP", "LOSS"), [(p.label, p.step, output.number_text(p.value)) for p in last.values()]))
-    print(f"\nrank exit codes: {codes}; store: {storage.safe_url(store_url)}")
+    rows = [(p.label, p.step, output.number_text(p.value)) for p in last.values()]
+    print(output.table(("LABEL", "LAST STEP", "LOSS"), rows))
+    codes_text = f"torchrun exit code {codes[0]}" if job else f"rank exit codes {codes}"
+    print(f"\n{codes_text}; store: {storage.safe_url(store_url)}")
     print(f"next: runbus show {run_id}  |  runbus logs {run_id}  |  runbus metrics {run_id} --key loss")
     return 0 if run.state == "finished" and not any(codes) else 1

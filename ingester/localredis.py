@@ -48,6 +48,7 @@ class LocalRedis:
 
     port: int = field(default_factory=free_port)
     appendonly: bool = False
+    appendfsync: str = "everysec"
     directory: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="runbus-redis-"))
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
@@ -65,7 +66,7 @@ class LocalRedis:
             "--dir", self.directory,
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--logfile", os.path.join(self.directory, "redis.log"),
             *self.extra_args,
         ]

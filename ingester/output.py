@@ -53,6 +53,10 @@ def run_document(run: RunSummary) -> dict[str, Any]:
                 "last_seq": lab.last_seq,
                 "events": lab.events,
                 "missing": lab.missing,
+                "gaps": [
+                    {"epoch": g.epoch, "first": g.first, "last": g.last, "dropped": g.dropped}
+                    for g in lab.gaps
+                ],
             }
             for lab in run.labels
         ],
@@ -101,9 +105,17 @@ def show_text(run: RunSummary) -> str:
          lab.epoch, lab.last_seq, lab.events, lab.missing)
         for lab in run.labels
     ]
-    return "\n".join(head) + "\n\n" + table(
+    text = "\n".join(head) + "\n\n" + table(
         ("LABEL", "PRIMARY", "STATE", "EPOCH", "LAST_SEQ", "EVENTS", "MISSING"), rows
     )
+    gaps = [(lab.label, g) for lab in run.labels for g in lab.gaps]
+    if gaps:
+        text += "\n\ngaps (seq numbers that never arrived):\n" + "\n".join(
+            f"  {label} epoch {g.epoch}: seq {g.first}..{g.last} ({g.last - g.first + 1})"
+            + (f", {g.dropped} dropped by the producer (buffers full)" if g.dropped else ", unexplained")
+            for label, g in gaps
+        )
+    return text
 
 
 def number_text(value: float) -> str:

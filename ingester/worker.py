@@ -34,6 +34,8 @@ log = logging.getLogger("runbus.ingester")
 
 # Raw entries as redis-py returns them: (stream key, [(entry id, {field: value})]).
 Entries = list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]
+# Where a decoded event came from: (stream key, entry id, raw fields).
+Source = tuple[str, bytes, dict[bytes, bytes]]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
 
@@ -85,13 +87,14 @@ class WorkerStats:
 
 def decode_batch(
     entries: Entries, deliveries: dict[bytes, int] | None = None, max_deliveries: int = 0
-) -> tuple[list[wire.Event], list[DeadEntry]]:
-    """Split raw entries into valid events and dead entries with their reasons.
+) -> tuple[list[wire.Event], list[Source], list[DeadEntry]]:
+    """Split raw entries into valid events (with where each came from) and dead entries.
 
     An entry delivered more than `max_deliveries` times (per `deliveries`) is poison: it is
     dead-lettered whatever it holds, since processing it keeps failing.
     """
     events: list[wire.Event] = []
+    sources: list[Source] = []
     dead: list[DeadEntry] = []
     deliveries = deliveries or {}
     for key, items in entries:
@@ -103,9 +106,10 @@ def decode_batch(
                 continue
             try:
                 events.append(wire.decode_entry(key, fields))
+                sources.append((key, entry_id, fields))
             except wire.InvalidEntry as exc:
                 dead.append(DeadEntry(key, entry_id, fields, str(exc)))
-    return events, dead
+    return events, sources, dead
 
 
 class Worker:
@@ -119,6 +123,7 @@ class Worker:
         self.discovery: Discovery | None = None
         self._stop_requested = False
         self._stop_time: float | None = None
+        self._loop_task: asyncio.Task | None = None
 
     def run(self) -> int:
         """Run until stopped (or, with burst, until nothing is left); the exit code."""
@@ -126,11 +131,14 @@ class Worker:
         return 0
 
     def request_stop(self) -> None:
-        """Stop reading; the batch in flight is finished and acknowledged first."""
+        """Stop reading; the batch in flight is finished and acknowledged first, for at most
+        drain_timeout, after which it is cancelled and stays pending for another worker."""
         if not self._stop_requested:
             log.info("stopping: finishing the batch in flight (at most %.0fs)", self.settings.drain_timeout)
             self._stop_requested = True
             self._stop_time = time.monotonic()
+            if self._loop_task is not None:
+                asyncio.get_running_loop().call_later(self.settings.drain_timeout + 1.0, self._loop_task.cancel)
 
     def _drain_expired(self) -> bool:
         return self._stop_time is not None and (
@@ -159,7 +167,13 @@ class Worker:
         try:
             await self._with_redis(self.store.connect, retry_store=True)
             await self._with_redis(lambda: self.discovery.refresh(force=True))
-            await self._loop()
+            self._loop_task = asyncio.create_task(self._loop())
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                if not self._stop_requested:
+                    raise
+                log.warning("drain timeout: the batch in flight stays pending for another worker")
             if settings.burst and not self._stop_requested:
                 await self._maintain()
             await self._release_consumer()
@@ -331,10 +345,10 @@ class Worker:
     async def _process(self, entries: Entries, redelivered: bool = False) -> None:
         started = time.monotonic()
         deliveries = await self._with_redis(lambda: self._deliveries(entries)) if redelivered else None
-        events, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
+        events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
         keep_alive = asyncio.create_task(self._keep_alive(entries))
         try:
-            stored = await self._write(events)
+            stored = await self._write(events, sources, dead)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
             # Stored already: keep trying through a drain, so a stop does not cause redelivery.
@@ -358,7 +372,12 @@ class Worker:
             (time.monotonic() - started) * 1000,
         )
 
-    async def _write(self, events: list[wire.Event]) -> int | None:
+    async def _write(self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]) -> int | None:
+        """Store events, retrying while the store is unavailable; None if a drain ran out of time.
+
+        An error that is not the store being unavailable is taken to come from the data: the
+        batch is halved until the events the store rejects are found, and they join `dead`.
+        """
         delay, failing_since = 0.1, None
         while True:
             try:
@@ -373,6 +392,15 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(self.settings.max_backoff, delay * 2)
                 continue
+            except Exception as exc:
+                if len(events) == 1:
+                    log.error("the store rejected %s %s: %r", sources[0][0], sources[0][1].decode(), exc)
+                    dead.append(DeadEntry(*sources[0], reason=f"storage rejected it: {type(exc).__name__}: {exc}"))
+                    return 0
+                half = len(events) // 2
+                first = await self._write(events[:half], sources[:half], dead)
+                second = None if first is None else await self._write(events[half:], sources[half:], dead)
+                return None if second is None else first + second
             if failing_since is not None:
                 log.warning("store writes work again after %.1fs", time.monotonic() - failing_since)
             return stored

@@ -22,6 +22,7 @@ log = logging.getLogger("runbus.producer")
 
 RECORD_OVERHEAD = 120  # bytes beyond `data` that a record costs in memory, roughly
 MAX_DROP_RANGES = 1000
+VITAL_KINDS = ("start", "finish")
 
 
 class Record(NamedTuple):
@@ -169,7 +170,10 @@ class Backlog:
 
     def add(self, record: Record) -> None:
         size = len(record.data) + RECORD_OVERHEAD
-        if not self._spooling and self.bytes + size <= self.max_bytes:
+        # start and finish are never dropped: without them a label's state would be wrong,
+        # and they are a few hundred bytes once per process.
+        vital = record.kind in VITAL_KINDS
+        if vital or (not self._spooling and self.bytes + size <= self.max_bytes):
             self.memory.append(record)
             self.bytes += size
         elif self.spool is not None and self.spool.size + size <= self.max_spool_bytes:
@@ -179,6 +183,11 @@ class Backlog:
             self.spool.append(record)
         else:
             self.drops.note(record.seq)
+
+    def add_first(self, record: Record) -> None:
+        """Put a record ahead of all others (the start event, held until the handshake)."""
+        self.memory.appendleft(record)
+        self.bytes += len(record.data) + RECORD_OVERHEAD
 
     def peek(self, limit: int) -> list[Record]:
         """The oldest records, not yet removed (ship them, then call `shipped`)."""

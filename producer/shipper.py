@@ -61,6 +61,8 @@ def connect(url: str, options: ShipperOptions):
 def _wire_number(value: Any) -> float | int | str:
     if type(value) is float:
         return value if math.isfinite(value) else wire.finite_to_wire(value)
+    if type(value) is bool:  # what `.item()` gives for a bool tensor
+        return int(value)
     if type(value) is int:
         # JSON has no integer limit but orjson stops at 64 bits; larger ones travel as floats.
         return value if -(2**63) <= value < 2**63 else float(value)
@@ -248,10 +250,11 @@ class Shipper(threading.Thread):
         if self._outage_since is None:
             self._outage_since = time.monotonic()
             log.warning(
-                "runbus: cannot ship to Redis at %s (%s); buffering up to %d events",
+                "runbus: cannot ship to Redis at %s (%s); buffering up to %d MiB in memory%s",
                 safe_url(self.identity.redis_url),
                 exc,
-                self.outbox.max_events,
+                self.options.max_buffer_bytes >> 20,
+                f", then in {self.options.spool_dir}" if self.options.spool_dir else "",
             )
         self._drop_connection()
         return min(self.options.max_backoff, max(0.1, delay * 2))
@@ -295,7 +298,7 @@ class Shipper(threading.Thread):
             record = self._record(self._held_start)
             self._held_start = None
             if record is not None:
-                self.backlog.memory.appendleft(record)
+                self.backlog.add_first(record)
 
     def _record(self, pending: Pending) -> Record | None:
         kind, seq, ts, step, data = pending

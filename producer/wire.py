@@ -85,10 +85,18 @@ def finite_to_wire(value: float) -> float | str:
     return NON_FINITE_TO_WIRE[repr(value)]
 
 
+INT64 = range(-(2**63), 2**63)
+
+
 def number_from_wire(value: object) -> float | int:
-    """A metric value as read from the wire; raises InvalidEntry if it is no number."""
-    if type(value) is int or type(value) is float:
+    """A metric value as read from the wire; raises InvalidEntry if it is no number.
+
+    Integers beyond 64 bits (JSON allows them) come back as floats, as the producer sends them.
+    """
+    if type(value) is float:
         return value
+    if type(value) is int:
+        return value if value in INT64 else float(value)
     if isinstance(value, str) and value in WIRE_TO_NON_FINITE:
         return WIRE_TO_NON_FINITE[value]
     raise InvalidEntry(f"value {value!r} is not a number")
@@ -148,8 +156,8 @@ def _int(fields: dict[bytes, bytes], name: str, minimum: int) -> int:
         value = int(text)
     except ValueError:
         raise InvalidEntry(f"field {name!r} is not an integer: {text[:40]!r}") from None
-    if value < minimum:
-        raise InvalidEntry(f"field {name!r} must be >= {minimum}, got {value}")
+    if value < minimum or value not in INT64:
+        raise InvalidEntry(f"field {name!r} must be >= {minimum} and fit in 64 bits, got {text[:40]}")
     return value
 
 

@@ -20,6 +20,7 @@ from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
 from storage.rules import LabelState, apply_events, crash, run_state
 
 T = TypeVar("T")
+BUSY_TIMEOUT_MS = 1000
 
 MIGRATIONS: list[str] = [
     """
@@ -167,14 +168,19 @@ class SQLiteStore:
         os.makedirs(directory, exist_ok=True)
         con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         con.row_factory = sqlite3.Row
-        con.execute("PRAGMA busy_timeout = 30000")
+        # Short on purpose: a locked database surfaces as StoreError within a second, and the
+        # ingester retries (and honours its drain timeout) instead of blocking inside SQLite.
+        con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         con.execute("PRAGMA journal_mode = WAL")
         con.execute("PRAGMA synchronous = NORMAL")
         self._con = con
         self._migrate()
 
     def _migrate(self) -> None:
-        self._in_transaction(self._apply_migrations)
+        # Checked outside a write transaction first: a worker starting while another holds the
+        # write lock must not wait for it just to learn there is nothing to migrate.
+        if self._db().execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
+            self._in_transaction(self._apply_migrations)
 
     def _apply_migrations(self, con: sqlite3.Connection) -> None:
         version = con.execute("PRAGMA user_version").fetchone()[0]

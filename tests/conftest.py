@@ -75,9 +75,10 @@ def redis_url(redis_server_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def local_redis() -> Iterator[LocalRedis]:
-    """A private redis-server this test may kill and restart (AOF on)."""
+    """A private redis-server this test may kill and restart (AOF on, fsync on every write, so
+    a SIGKILL loses nothing it acknowledged)."""
     try:
-        server = LocalRedis(appendonly=True).start()
+        server = LocalRedis(appendonly=True, appendfsync="always").start()
     except RedisServerNotFound:
         missing_server("redis-server")
         return

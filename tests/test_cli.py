@@ -35,9 +35,9 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
     assert doc["counts"] == {"metric": 7, "log": 4, "system": 0}
     assert doc["labels"] == [
         {"label": "rank0", "primary": True, "state": "finished", "exit_code": 0, "epoch": 1, "last_seq": 7,
-         "events": 7, "missing": 0},
+         "events": 7, "missing": 0, "gaps": []},
         {"label": "rank1", "primary": False, "state": "running", "exit_code": None, "epoch": 1, "last_seq": 9,
-         "events": 7, "missing": 2},
+         "events": 7, "missing": 2, "gaps": [{"epoch": 1, "first": 7, "last": 8, "dropped": 0}]},
     ]
     assert doc["config"] == {"lr": 0.5}
 

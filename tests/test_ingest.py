@@ -101,14 +101,14 @@ def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url
     stats = ingest(redis_url, store_url)
     assert stats.stored == 1 and stats.dead_lettered == len(BAD_ENTRIES) + 1
     dead = client.xrange(wire.DEAD_LETTER_KEY)
-    by_source = {fields[b"source_id"]: fields for _, fields in dead}
+    # Entry ids are only unique within a stream: index by both.
+    by_source = {(fields[b"source_stream"].decode(), fields[b"source_id"]): fields for _, fields in dead}
     for reason, entry_id in ids.items():
-        assert reason in by_source[entry_id][b"reason"].decode(), reason
-        assert by_source[entry_id][b"source_stream"].decode() == key
+        assert reason in by_source[key, entry_id][b"reason"].decode(), reason
     odd = [f for _, f in dead if f[b"source_stream"] == odd_key.encode()]
     assert len(odd) == 1 and b"not a runbus stream" in odd[0][b"reason"]
     # The original fields travel with the dead letter, so it can be read and replayed.
-    assert by_source[ids["unknown kind"]][b"kind"] == b"banana"
+    assert by_source[key, ids["unknown kind"]][b"kind"] == b"banana"
     # Everything was acknowledged: nothing stays pending.
     assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
     assert [p.value for p in read_store(store_url, "metrics", "bad", key="ok")] == [2.0]

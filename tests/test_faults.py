@@ -1,0 +1,367 @@
+"""Fault injection against real processes: killed ingesters and ranks, a killed Redis, outages
+longer than the buffers, a locked store. The promise: nothing accepted is lost or stored twice,
+and every gap is visible and explained."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import redis
+
+import producer
+from ingester.worker import Worker, WorkerSettings
+from producer import wire
+from tests.helpers import ingest, read_store, run_cli, xadd_event
+
+PRODUCER = textwrap.dedent(
+    r"""
+    import json, os, sys, time, producer
+    say = lambda text: os.write(1, (text + "\n").encode())  # the raw fd: never captured by runbus
+    count, pace = int(os.environ["COUNT"]), float(os.environ.get("PACE", "0"))
+    run = producer.init(system_interval=None, hardware=False, max_backoff=0.2,
+                        heartbeat_interval=float(os.environ.get("HEARTBEAT", "10")))
+    say("ready")
+    longest = 0.0
+    for step in range(count):
+        t0 = time.perf_counter()
+        run.log({"loss": float(step)}, step=step)
+        longest = max(longest, time.perf_counter() - t0)
+        if pace:
+            time.sleep(pace)
+    if os.environ.get("HANG"):
+        time.sleep(3600)
+    done = run.finish(timeout=60)
+    say(json.dumps({"longest_log_s": longest, "complete": done, "dropped": run.dropped}))
+    """
+)
+
+
+def start_producer(redis_url: str, run_id: str, rank: int, count: int, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", PRODUCER],
+        env={**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "RANK": str(rank),
+             "WORLD_SIZE": "8", "COUNT": str(count), **env},
+        stdout=subprocess.PIPE, text=True,
+    )
+
+
+def finish_producers(procs: list[subprocess.Popen]) -> list[dict]:
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        results.append(json.loads(out.splitlines()[-1]))
+    return results
+
+
+def start_ingester(redis_url: str, store_url: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url, *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def assert_every_event_once(store_url: str, run_id: str, ranks: int, count: int) -> None:
+    run = read_store(store_url, "run", run_id)
+    assert run.counts["metric"] == ranks * count
+    for lab in run.labels:
+        assert lab.missing == 0 and lab.state == "finished", lab
+    for rank in range(ranks):
+        points = read_store(store_url, "metrics", run_id, key="loss", label=f"rank{rank}")
+        assert [p.step for p in points] == list(range(count))
+
+
+def test_sigkilled_ingesters_lose_nothing_and_store_nothing_twice(redis_url, store_url):
+    ranks, count = 3, 3000
+    procs = [start_producer(redis_url, "kill-ingest", r, count, PACE="0.0005") for r in range(ranks)]
+    kills = 0
+    while any(p.poll() is None for p in procs) or kills < 3:
+        worker = start_ingester(redis_url, store_url, "--claim-idle", "0.5")
+        time.sleep(0.7)
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate(timeout=30)
+        kills += 1
+    finish_producers(procs)
+    stats = ingest(redis_url, store_url, claim_idle=0.0)
+    assert stats.dead_lettered == 0
+    assert_every_event_once(store_url, "kill-ingest", ranks, count)
+    print(f"\nFIGURE ingester SIGKILLs: {kills}, events: {ranks * count}, lost: 0, duplicates stored: 0")
+
+
+def hold_write_lock(store_url: str) -> sqlite3.Connection:
+    """Another writer holding SQLite's write lock: the worker's commits wait behind it."""
+    con = sqlite3.connect(store_url.removeprefix("sqlite:///"), isolation_level=None, timeout=30)
+    con.execute("BEGIN EXCLUSIVE")
+    return con
+
+
+def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, "claim", "rank0", "start", 1, 1, {"primary": True})
+        ingest(redis_url, store_url)  # creates the store and the group
+        for seq in range(2, 52):
+            xadd_event(client, "claim", "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
+        lock = hold_write_lock(store_url)
+        stuck = start_ingester(redis_url, store_url, "--consumer", "doomed")
+        deadline = time.monotonic() + 20
+        while client.xpending(wire.stream_key("claim", "rank0"), wire.DEFAULT_GROUP)["pending"] < 50:
+            assert time.monotonic() < deadline, "the doomed worker never read the entries"
+            time.sleep(0.05)
+        stuck.send_signal(signal.SIGKILL)
+        stuck.communicate(timeout=30)
+        lock.rollback()
+        lock.close()
+        assert ingest(redis_url, store_url, claim_idle=60.0).claimed == 0  # not idle long enough yet
+        time.sleep(1.0)
+        stats = ingest(redis_url, store_url, claim_idle=1.0)
+        assert stats.claimed == 50 and stats.stored == 50
+        assert client.xpending(wire.stream_key("claim", "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+    assert read_store(store_url, "run", "claim").counts["metric"] == 50
+
+
+def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_path):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, "slow", "rank0", "start", 1, 1, {"primary": True})
+        ingest(redis_url, store_url)
+        for seq in range(2, 22):
+            xadd_event(client, "slow", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
+    lock = hold_write_lock(store_url)
+    slow = start_ingester(redis_url, store_url, "--consumer", "slow", "--claim-idle", "1")
+    with redis.Redis.from_url(redis_url) as client:
+        deadline = time.monotonic() + 20
+        while client.xpending(wire.stream_key("slow", "rank0"), wire.DEFAULT_GROUP)["pending"] < 20:
+            assert time.monotonic() < deadline, "the slow worker never read the entries"
+            time.sleep(0.05)
+
+    async def watch_other_worker() -> int:
+        other = Worker(WorkerSettings(redis_url=redis_url, store_url=f"sqlite:///{tmp_path / 'other.db'}",
+                                      claim_idle=1.0, handle_signals=False, consumer="other"))
+        task = asyncio.create_task(other.async_run())
+        await asyncio.sleep(3.5)  # more than three claim-idle periods while the commit waits
+        lock.rollback()
+        lock.close()
+        other.request_stop()
+        await task
+        return other.stats.claimed
+
+    assert asyncio.run(watch_other_worker()) == 0
+    deadline = time.monotonic() + 20
+    while read_store(store_url, "run", "slow").counts["metric"] < 20:
+        if time.monotonic() > deadline:
+            slow.kill()
+            raise AssertionError(slow.communicate()[1])
+        time.sleep(0.1)
+    slow.send_signal(signal.SIGTERM)
+    _, err = slow.communicate(timeout=30)
+    assert slow.returncode == 0 and " 0 claimed" in err and "20 stored" in err
+
+
+def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, "drain", "rank0", "start", 1, 1, {"primary": True})
+        ingest(redis_url, store_url)
+        for seq in range(2, 12):
+            xadd_event(client, "drain", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
+        lock = hold_write_lock(store_url)
+        worker = start_ingester(redis_url, store_url, "--consumer", "draining", "--drain-timeout", "1")
+        key = wire.stream_key("drain", "rank0")
+        deadline = time.monotonic() + 20
+        while client.xpending(key, wire.DEFAULT_GROUP)["pending"] < 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 0 and "stopping" in err
+        assert time.monotonic() - started < 10
+        # It could not commit, so it acknowledged nothing: the entries wait for another worker.
+        assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 10
+        lock.rollback()
+        lock.close()
+    assert ingest(redis_url, store_url, claim_idle=0.0).stored == 10
+
+
+def test_redis_killed_and_restarted_during_a_run_loses_nothing(local_redis, store_url):
+    ranks, count = 3, 4000
+    procs = [start_producer(local_redis.url, "redis-kill", r, count, PACE="0.0005") for r in range(ranks)]
+    for proc in procs:
+        assert proc.stdout.readline() == "ready\n"
+    time.sleep(0.8)
+    local_redis.kill()
+    time.sleep(1.5)
+    local_redis.start()
+    results = finish_producers(procs)
+    assert all(r["complete"] and r["dropped"] == 0 for r in results)
+    ingest(local_redis.url, store_url)
+    assert_every_event_once(store_url, "redis-kill", ranks, count)
+    longest = max(r["longest_log_s"] for r in results)
+    print(f"\nFIGURE redis SIGKILL+restart: events {ranks * count}, lost 0, longest log() {longest * 1e3:.2f} ms")
+
+
+def log_while_down(local_redis, run_id: str, count: int, **options):
+    local_redis.kill()
+    run = producer.init(run_id=run_id, label="rank0", redis_url=local_redis.url, system_interval=None,
+                        hardware=False, max_backoff=0.2, max_buffer_bytes=30_000, **options)
+    for step in range(count):
+        run.log({"loss": float(step)}, step=step)
+    deadline = time.monotonic() + 10
+    while run._outbox:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    local_redis.start()
+    return run
+
+
+def test_an_outage_longer_than_memory_is_spooled_to_disk(local_redis, store_url, tmp_path):
+    run = log_while_down(local_redis, "spooled", 3000, spool_dir=str(tmp_path / "spool"))
+    assert run.dropped == 0
+    assert run.finish(timeout=30)
+    assert list((tmp_path / "spool").iterdir()) == []  # shipped, then removed
+    ingest(local_redis.url, store_url)
+    stored = read_store(store_url, "run", "spooled")
+    assert (stored.counts["metric"], stored.labels[0].missing) == (3000, 0)
+
+
+def test_without_a_spool_drops_are_counted_and_explained(local_redis, store_url):
+    run = log_while_down(local_redis, "dropping", 3000)
+    dropped = run.dropped
+    assert dropped > 0
+    assert run.finish(timeout=30)
+    ingest(local_redis.url, store_url)
+    label = read_store(store_url, "run", "dropping").labels[0]
+    assert label.missing == dropped
+    assert sum(gap.dropped for gap in label.gaps) == dropped  # every missing seq is explained
+    shown = json.loads(run_cli("--store", store_url, "show", "dropping", "--json").stdout)
+    assert shown["labels"][0]["gaps"] and shown["labels"][0]["gaps"][0]["dropped"] > 0
+
+
+def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis, store_url, tmp_path):
+    spool = tmp_path / "spool"
+    local_redis.kill()
+    code = textwrap.dedent(
+        f"""
+        import os, time, producer
+        run = producer.init(run_id="orphan", label="rank0", redis_url={local_redis.url!r}, system_interval=None,
+                            hardware=False, max_buffer_bytes=10_000, spool_dir={str(spool)!r}, finish_timeout=1)
+        for step in range(500):
+            run.log({{"loss": float(step)}}, step=step)
+        run.finish()  # Redis is down: gives up after 1 s and leaves the rest in the spool
+        os._exit(0)
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert len(list(spool.iterdir())) == 1
+    local_redis.start()
+    with producer.init(run_id="orphan", label="rank0", redis_url=local_redis.url, system_interval=None,
+                       hardware=False, spool_dir=str(spool)) as later:
+        later.log({"after": 1.0})
+    assert list(spool.iterdir()) == []
+    ingest(local_redis.url, store_url)
+    stored = read_store(store_url, "run", "orphan")
+    assert stored.counts["metric"] == 501 and stored.labels[0].missing == 0
+    assert stored.labels[0].epoch == 2
+
+
+def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):
+    primary = start_producer(redis_url, "crash", 0, 10, HANG="1", HEARTBEAT="0.2")
+    worker = start_producer(redis_url, "crash", 1, 10, HANG="1", HEARTBEAT="0.2")
+    for proc in (primary, worker):
+        assert proc.stdout.readline() == "ready\n"
+
+    async def scenario():
+        w = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, crash_after=1.5,
+                                  maintenance_interval=0.3, handle_signals=False))
+        task = asyncio.create_task(w.async_run())
+        await asyncio.sleep(1.0)
+        primary.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            run = await w.store.run("crash")
+            if run is not None and run.state == "crashed":
+                break
+            assert time.monotonic() < deadline, "the run was never marked crashed"
+            await asyncio.sleep(0.2)
+        w.request_stop()
+        await task
+        return run
+
+    try:
+        run = asyncio.run(scenario())
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate(timeout=30)
+        primary.communicate(timeout=30)
+    states = {lab.label: lab.state for lab in run.labels}
+    assert states == {"rank0": "crashed", "rank1": "running"}  # rank1 kept its heartbeats
+
+
+def test_poison_entries_are_dead_lettered_after_max_deliveries_and_can_be_replayed(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, "poison", "rank0", "start", 1, 1, {"primary": True})
+        ingest(redis_url, store_url)
+        key = wire.stream_key("poison", "rank0")
+        xadd_event(client, "poison", "rank0", "metric", 1, 2, {"x": 1.0}, step=0)
+        for _ in range(6):  # a consumer that keeps failing on it
+            client.xreadgroup(wire.DEFAULT_GROUP, "crashy", {key: "0" if _ else ">"})
+        stats = ingest(redis_url, store_url, claim_idle=0.0, max_deliveries=5)
+        assert stats.dead_lettered == 1 and stats.poison == 1
+        dead = json.loads(run_cli("dead", "--json", "--redis", redis_url).stdout)
+        assert len(dead) == 1 and "over --max-deliveries 5" in dead[0]["reason"] and dead[0]["deliveries"] == 7
+        assert dead[0]["fields"]["kind"] == "metric"
+        assert "replayed 1" in run_cli("dead", "--replay", "--redis", redis_url).stdout
+        assert client.xlen(wire.DEAD_LETTER_KEY) == 0
+    ingest(redis_url, store_url)
+    assert read_store(store_url, "run", "poison").counts["metric"] == 1
+
+
+def test_retention_trims_only_what_is_stored(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        key = wire.stream_key("trim", "rank0")
+        for seq in range(1, 1001):
+            xadd_event(client, "trim", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
+        ingest(redis_url, store_url, retain=3600)
+        assert client.xlen(key) == 1000  # younger than the retention: kept
+        for seq in range(1001, 1301):
+            xadd_event(client, "trim", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
+        # Someone else's reads stay pending: trimming must stop before them.
+        pending = client.xreadgroup(wire.DEFAULT_GROUP, "elsewhere", {key: ">"}, count=50)[0][1]
+        stats = ingest(redis_url, store_url, retain=0.0)
+        assert stats.trimmed > 0
+        first_left = client.xrange(key, count=1)[0][0]
+        assert first_left <= pending[0][0]
+        assert 250 <= client.xlen(key) < 1300
+    assert read_store(store_url, "run", "trim").counts["metric"] == 1250
+
+
+def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
+    run = producer.init(run_id="fork", label="rank0", redis_url=redis_url, system_interval=None, hardware=False)
+    run.log({"parent": 1.0})
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's run is a no-op here; its own label works
+        code = 0
+        try:
+            run.log({"child_via_parent": 1.0})
+            assert run.finish() is False
+            with producer.init(run_id="fork", label="worker0", redis_url=redis_url, primary=False,
+                               system_interval=None, hardware=False) as own:
+                own.log({"child": 1.0})
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    run.log({"parent": 2.0})
+    assert run.finish()
+    ingest(redis_url, store_url)
+    keys = {(p.label, p.key) for p in read_store(store_url, "metrics", "fork")}
+    assert keys == {("rank0", "parent"), ("worker0", "child")}
+    assert read_store(store_url, "run", "fork").labels[0].missing == 0
+

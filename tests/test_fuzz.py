@@ -1,0 +1,71 @@
+"""Property-based fuzzing of stream entries: the worker never crashes, every bad entry is
+dead-lettered with a reason, every good one is stored."""
+
+from __future__ import annotations
+
+import tempfile
+
+import orjson
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producer import wire
+from tests.helpers import ingest, read_store
+
+RUN, LABEL = "fuzz", "rank0"
+junk = st.one_of(st.binary(max_size=20), st.text(max_size=20).map(str.encode))
+numbers = st.one_of(st.floats(allow_nan=True), st.integers(-(2**63), 2**63 - 1), st.sampled_from(["NaN", "Infinity"]))
+metric_data = st.dictionaries(st.text(min_size=1, max_size=10), numbers, min_size=1, max_size=4)
+
+
+@st.composite
+def entries(draw, seq: int):
+    """A well-formed metric entry, sometimes with one field broken or removed."""
+    data = draw(metric_data)
+    fields = {
+        b"v": b"1", b"kind": b"metric", b"run": RUN.encode(), b"label": LABEL.encode(),
+        b"epoch": b"1", b"seq": str(seq).encode(), b"ts": b"1700000000.5",
+        b"data": orjson.dumps({k: wire.finite_to_wire(v) if isinstance(v, float) else v for k, v in data.items()}),
+    }
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(fields)))
+        if draw(st.booleans()):
+            del fields[name]
+        else:
+            fields[name] = draw(junk)
+    return fields
+
+
+def is_valid(fields: dict[bytes, bytes]) -> bool:
+    try:
+        wire.decode_entry(wire.stream_key(RUN, LABEL), fields)
+    except wire.InvalidEntry:
+        return False
+    return True
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 1), min_size=1, max_size=30).flatmap(
+    lambda xs: st.tuples(*[entries(seq) for seq in range(1, len(xs) + 1)])
+))
+def test_every_entry_is_stored_or_dead_lettered(redis_server_url, generated):
+    client = redis.Redis.from_url(redis_server_url)
+    client.flushdb()
+    key = wire.stream_key(RUN, LABEL)
+    for fields in generated:
+        client.xadd(key, fields)
+    valid = [f for f in generated if is_valid(f)]
+    with tempfile.TemporaryDirectory() as tmp:
+        store_url = f"sqlite:///{tmp}/fuzz.db"
+        stats = ingest(redis_server_url, store_url)
+        assert stats.entries == len(generated)
+        assert stats.dead_lettered == len(generated) - len(valid)
+        assert stats.stored + stats.duplicates == len(valid)
+        dead = client.xrange(wire.DEAD_LETTER_KEY)
+        assert len(dead) == stats.dead_lettered and all(fields[b"reason"] for _, fields in dead)
+        assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+        if valid:
+            run = read_store(store_url, "run", RUN)
+            assert run.counts["metric"] == len({f[b"seq"] for f in valid})
+    client.close()
