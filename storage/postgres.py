@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -11,7 +12,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows, safe_url
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, run_state
+from storage.rules import LabelState, apply_events, crash, run_state
 
 T = TypeVar("T")
 
@@ -88,6 +89,11 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX logs_by_ts ON logs (label_id, ts);
     """,
+    """
+    ALTER TABLE labels ADD COLUMN seen_at DOUBLE PRECISION;
+    ALTER TABLE labels ADD COLUMN dropped JSON;
+    CREATE INDEX labels_running ON labels (state, seen_at);
+    """,
 ]
 
 # pg_advisory_xact_lock key serialising migrations per database ("runbus" in ASCII).
@@ -96,11 +102,10 @@ MIGRATION_LOCK = 0x72756E627573
 _LABEL_COLUMNS = (
     "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
     "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
-    "l.last_ts"
+    "l.last_ts, l.dropped"
 )
 _RUN_WITH_LABEL_COUNT = (
-    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
-    "FROM runs r"
+    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
 )
 
 # (staging table, target table, columns) for the COPY-then-insert of each kind's rows.
@@ -120,11 +125,6 @@ _LOGS = (
 _ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
 
 
-def _text(value: str) -> str:
-    # PostgreSQL text cannot hold NUL (SQLite can); refusing it would make the batch fail forever.
-    return value.replace("\x00", "\ufffd") if "\x00" in value else value
-
-
 def _label_state(row: asyncpg.Record) -> LabelState:
     return LabelState(
         run=row["run_id"],
@@ -140,6 +140,7 @@ def _label_state(row: asyncpg.Record) -> LabelState:
         last_seq=row["last_seq"],
         first_ts=row["first_ts"],
         last_ts=row["last_ts"],
+        dropped=rows.dropped_from_json(row["dropped"]),
     )
 
 
@@ -158,19 +159,16 @@ def _staged_rows(
         staged[_EVENTS].append((label_id, e.epoch, e.seq, e.kind, e.ts))
         if e.kind == "metric":
             staged[_METRICS].extend(
-                (label_id, _text(key), e.epoch, e.seq, e.step, e.ts, float(value))
+                (label_id, rows.storable_text(key), e.epoch, e.seq, e.step, e.ts, float(value))
                 for key, value in e.data.items()
             )
         elif e.kind == "system":
             staged[_SYSTEM].extend(
-                (label_id, _text(key), e.epoch, e.seq, e.ts, float(value))
-                for key, value in e.data.items()
+                (label_id, rows.storable_text(key), e.epoch, e.seq, e.ts, float(value)) for key, value in e.data.items()
             )
         elif e.kind == "log":
             stream, level, levelno, text = rows.log_columns(e)
-            staged[_LOGS].append(
-                (label_id, e.epoch, e.seq, e.ts, stream, _text(level), levelno, _text(text))
-            )
+            staged[_LOGS].append((label_id, e.epoch, e.seq, e.ts, stream, level, levelno, text))
     return {table: found for table, found in staged.items() if found}
 
 
@@ -207,9 +205,7 @@ class PostgresStore:
         if self._pool is not None:
             return
         try:
-            pool = await asyncpg.create_pool(
-                self.url, min_size=self._min_size, max_size=self._max_size
-            )
+            pool = await asyncpg.create_pool(self.url, min_size=self._min_size, max_size=self._max_size)
         except _ERRORS as exc:
             raise self._error(exc) from exc
         try:
@@ -258,8 +254,7 @@ class PostgresStore:
             runs = sorted({run for run, _ in keys})
             run_ids, labels = [run for run, _ in keys], [label for _, label in keys]
             await con.execute(
-                "INSERT INTO runs (run_id) SELECT unnest($1::text[]) ORDER BY 1 "
-                "ON CONFLICT DO NOTHING",
+                "INSERT INTO runs (run_id) SELECT unnest($1::text[]) ORDER BY 1 ON CONFLICT DO NOTHING",
                 runs,
             )
             # NOT EXISTS first, so that labels already there do not use up identity values.
@@ -281,20 +276,19 @@ class PostgresStore:
             )
             ids: dict[tuple[str, str], int] = {}
             updates = []
+            seen_at = time.time()
             for row in locked:
-                before = _label_state(row)
-                ids[before.run, before.label] = row["id"]
-                folded = apply_events(before, by_label[before.run, before.label])
-                if folded != before:
-                    updates.append((*rows.label_columns(folded), row["id"]))
-            if updates:
-                await con.executemany(
-                    "UPDATE labels SET state = $1, exit_code = $2, state_epoch = $3, "
-                    "state_seq = $4, state_ts = $5, is_primary = $6, start_epoch = $7, "
-                    "start_seq = $8, start_data = $9, epoch = $10, last_seq = $11, "
-                    "first_ts = $12, last_ts = $13 WHERE id = $14",
-                    updates,
-                )
+                label = _label_state(row)
+                ids[label.run, label.label] = row["id"]
+                folded = apply_events(label, by_label[label.run, label.label])
+                updates.append((*rows.label_columns(folded), seen_at, row["id"]))
+            await con.executemany(
+                "UPDATE labels SET state = $1, exit_code = $2, state_epoch = $3, "
+                "state_seq = $4, state_ts = $5, is_primary = $6, start_epoch = $7, "
+                "start_seq = $8, start_data = $9, epoch = $10, last_seq = $11, "
+                "first_ts = $12, last_ts = $13, dropped = $14, seen_at = $15 WHERE id = $16",
+                updates,
+            )
             new = await self._insert_rows(con, _staged_rows(events, ids))
             await self._update_runs(con, runs)
             return new
@@ -314,8 +308,7 @@ class PostgresStore:
             await con.copy_records_to_table(staging, records=found, columns=columns)
             names = ", ".join(columns)
             status = await con.execute(
-                f"INSERT INTO {target} ({names}) SELECT {names} FROM {staging} "
-                "ON CONFLICT DO NOTHING"
+                f"INSERT INTO {target} ({names}) SELECT {names} FROM {staging} ON CONFLICT DO NOTHING"
             )
             if target == "events":
                 new = _inserted(status)
@@ -338,6 +331,28 @@ class PostgresStore:
             "started_ts = $5, last_ts = $6, config = $7 WHERE run_id = $8",
             [(*rows.run_columns(run_state(labels), labels), run) for run, labels in by_run.items()],
         )
+
+    async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
+        return await self._call(lambda con: self._mark_crashed(con, silent_since))
+
+    async def _mark_crashed(self, con: asyncpg.Connection, silent_since: float) -> list[tuple[str, str]]:
+        async with con.transaction():
+            # Same lock order as write(): labels by (run_id, label), then runs. A label a writer
+            # refreshed meanwhile is re-checked against the WHERE clause once its lock is free.
+            silent = await con.fetch(
+                f"SELECT {_LABEL_COLUMNS} FROM labels l "
+                "WHERE l.state = 'running' AND l.seen_at < $1 "
+                "ORDER BY l.run_id, l.label FOR UPDATE OF l",
+                silent_since,
+            )
+            if not silent:
+                return []
+            await con.executemany(
+                "UPDATE labels SET state = $1 WHERE id = $2",
+                [(crash(_label_state(row)).state, row["id"]) for row in silent],
+            )
+            await self._update_runs(con, sorted({row["run_id"] for row in silent}))
+        return [(row["run_id"], row["label"]) for row in silent]
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -365,21 +380,19 @@ class PostgresStore:
                 "WHERE l.run_id = $1 GROUP BY e.kind",
                 run_id,
             )
+            missing = await con.fetch(
+                rows.MISSING_RANGES_SQL.format(param="$1", limit=rows.MAX_GAPS_SHOWN), run_id
+            )
             label_rows = await con.fetch(
                 f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = $1 ORDER BY l.label",
                 run_id,
             )
         labels: list[LabelSummary] = []
         for label_row in label_rows:
-            mine = [
-                (e["epoch"], e["top"], e["seen"])
-                for e in epochs
-                if e["label_id"] == label_row["id"]
-            ]
-            labels.append(rows.label_summary(_label_state(label_row), mine))
-        return rows.run_summary(
-            dict(row), labels=labels, counts={c["kind"]: c["n"] for c in counts}
-        )
+            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
+            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
+            labels.append(rows.label_summary(_label_state(label_row), mine, gaps))
+        return rows.run_summary(dict(row), labels=labels, counts={c["kind"]: c["n"] for c in counts})
 
     async def metric_keys(self, run_id: str) -> list[str]:
         query = (
@@ -389,26 +402,16 @@ class PostgresStore:
         found = await self._call(lambda con: con.fetch(query, run_id))
         return [row[0] for row in found]
 
-    async def metrics(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._points("metrics", run_id, key, label)
 
-    async def system(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._points("system", run_id, key, label)
 
-    async def _points(
-        self, table: str, run_id: str, key: str | None, label: str | None
-    ) -> list[Point]:
+    async def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
         step = "m.step" if table == "metrics" else "NULL::bigint"
-        order = (
-            "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
-        )
-        where, args = _filters(
-            ["l.run_id = $1"], [run_id], ("m.key", key and _text(key)), ("l.label", label)
-        )
+        order = "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
+        where, args = _filters(["l.run_id = $1"], [run_id], ("m.key", key and rows.storable_text(key)), ("l.label", label))
         query = (
             f"SELECT l.label, m.key, {step} AS step, m.epoch, m.seq, m.ts, m.value "
             f"FROM {table} m JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
@@ -431,7 +434,7 @@ class PostgresStore:
             args.append(level_number(level))
             where.append(f"g.levelno >= ${len(args)}")
         if grep is not None:
-            args.append(_text(grep))
+            args.append(rows.storable_text(grep))
             where.append(f"strpos(g.text, ${len(args)}) > 0")
         # As in SQLite: a negative limit means none, a negative offset counts as 0.
         args += [None if limit is None or limit < 0 else limit, max(offset, 0)]

@@ -87,10 +87,16 @@ def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
     )
 
 
+def storable_text(value: str) -> str:
+    """`value` with NUL as U+FFFD: PostgreSQL text cannot hold NUL, and every backend must
+    store the same thing (refusing it would fail the batch on every retry)."""
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
 def log_columns(event: Event) -> tuple[str, str, int, str]:
     """(stream, level, levelno, text) of a log event."""
     level = str(event.data.get("level", "INFO"))
-    return event.data["stream"], level, level_number(level), event.data["text"]
+    return event.data["stream"], storable_text(level), level_number(level), storable_text(event.data["text"])
 
 
 def label_summary(

@@ -171,10 +171,23 @@ class SQLiteStore:
         # Short on purpose: a locked database surfaces as StoreError within a second, and the
         # ingester retries (and honours its drain timeout) instead of blocking inside SQLite.
         con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        con.execute("PRAGMA journal_mode = WAL")
+        self._use_wal(con)
         con.execute("PRAGMA synchronous = NORMAL")
         self._con = con
         self._migrate()
+
+    @staticmethod
+    def _use_wal(con: sqlite3.Connection, timeout: float = 30.0) -> None:
+        # Switching a new file to WAL ignores busy_timeout: two stores opening the same new file
+        # at once would see "database is locked", so the switch is retried for a while.
+        deadline = time.monotonic() + timeout
+        while con.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            try:
+                con.execute("PRAGMA journal_mode = WAL")
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _migrate(self) -> None:
         # Checked outside a write transaction first: a worker starting while another holds the
@@ -248,7 +261,7 @@ class SQLiteStore:
             "INSERT OR IGNORE INTO metrics (label_id, key, epoch, seq, step, ts, value) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             [
-                (ids[e.run, e.label], key, e.epoch, e.seq, e.step, e.ts, _real(value))
+                (ids[e.run, e.label], rows.storable_text(key), e.epoch, e.seq, e.step, e.ts, _real(value))
                 for e in events
                 if e.kind == "metric"
                 for key, value in e.data.items()
@@ -258,7 +271,7 @@ class SQLiteStore:
             "INSERT OR IGNORE INTO system (label_id, key, epoch, seq, ts, value) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             [
-                (ids[e.run, e.label], key, e.epoch, e.seq, e.ts, _real(value))
+                (ids[e.run, e.label], rows.storable_text(key), e.epoch, e.seq, e.ts, _real(value))
                 for e in events
                 if e.kind == "system"
                 for key, value in e.data.items()
@@ -376,7 +389,7 @@ class SQLiteStore:
         where, args = ["l.run_id = ?"], [run_id]
         if key is not None:
             where.append("m.key = ?")
-            args.append(key)
+            args.append(rows.storable_text(key))
         if label is not None:
             where.append("l.label = ?")
             args.append(label)
@@ -419,7 +432,7 @@ class SQLiteStore:
             args.append(level_number(level))
         if grep is not None:
             where.append("instr(g.text, ?) > 0")
-            args.append(grep)
+            args.append(rows.storable_text(grep))
         query = (
             "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
             f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "

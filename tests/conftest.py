@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import pytest
 import redis
 
 from ingester.localredis import LocalRedis, RedisServerNotFound
+from tests.pgserver import LocalPostgres, PostgresNotFound, create_database, drop_database
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -92,3 +94,45 @@ def local_redis() -> Iterator[LocalRedis]:
 def store_url(tmp_path) -> str:
     """A fresh SQLite store in the test's temp dir."""
     return f"sqlite:///{tmp_path / 'runbus.db'}"
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> Iterator[str]:
+    """RUNBUS_TEST_POSTGRES_DSN; else a testcontainers PostgreSQL; else a throwaway cluster."""
+    dsn = os.environ.get("RUNBUS_TEST_POSTGRES_DSN")
+    if dsn:
+        yield dsn
+        return
+    if docker_answers():
+        try:
+            from testcontainers.community.postgres import PostgresContainer
+        except ImportError:  # testcontainers before the community split
+            from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:16-alpine", driver=None) as container:
+            yield container.get_connection_url()
+        return
+    server = LocalPostgres()
+    try:
+        server.start()
+    except PostgresNotFound:
+        server.cleanup()
+        missing_server("PostgreSQL")
+        return
+    except BaseException:
+        server.cleanup()
+        raise
+    try:
+        yield server.dsn
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def postgres_url(postgres_dsn: str) -> Iterator[str]:
+    """A fresh, empty database for this test alone, dropped after it."""
+    url = asyncio.run(create_database(postgres_dsn))
+    try:
+        yield url
+    finally:
+        asyncio.run(drop_database(postgres_dsn, url))

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import random
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
@@ -17,7 +18,6 @@ from producer.wire import Event
 from storage import LogLine, RunSummary, Store, StoreError, open_store
 from storage import postgres as postgres_backend
 from storage import sqlite as sqlite_backend
-from tests.pgserver import postgres_dsn, postgres_url  # noqa: F401 (fixtures)
 
 RUN = "run-1"
 T0 = 1_700_000_000.0
@@ -310,6 +310,46 @@ async def test_restart_with_a_higher_epoch_runs_again(store: Store) -> None:
     assert (run.state, run.exit_code, run.ended_ts) == ("finished", 0, T0 + 99)
 
 
+async def test_gaps_are_reported_with_the_drops_that_explain_them(store: Store) -> None:
+    await store.write([start(1, primary=True), metric(2, {"loss": 1.0}), metric(6, {"loss": 0.5})])
+    report = event("heartbeat", 5, {"dropped": 2, "dropped_ranges": [[3, 4]]})
+    await store.write([report, finish(9, 0), start(1, primary=True, epoch=2), heartbeat(3, epoch=2)])
+    run = await store.run(RUN)
+    assert run is not None
+    (label,) = run.labels
+    assert [(g.epoch, g.first, g.last, g.dropped) for g in label.gaps] == [
+        (1, 3, 4, 2),
+        (1, 7, 8, 0),
+        (2, 2, 2, 0),
+    ]
+    assert label.missing == 5
+
+
+async def test_silent_running_labels_are_marked_crashed(store: Store) -> None:
+    await store.write([start(1, primary=True, label="rank0"), start(1, label="rank1")])
+    await store.write([start(1, label="rank2"), finish(2, 0, label="rank2", ts=T0 + 2)])
+    assert await store.mark_crashed(time.time() - 3600) == []  # all heard from just now
+
+    marked = await store.mark_crashed(time.time() + 1)
+    assert sorted(marked) == [(RUN, "rank0"), (RUN, "rank1")]
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code) == ("crashed", "rank0", None)
+    assert labels_of(run) == {
+        "rank0": ("crashed", None, 1, 1),
+        "rank1": ("crashed", None, 1, 1),
+        "rank2": ("finished", 0, 1, 2),
+    }
+    assert await store.mark_crashed(time.time() + 1) == []  # crashed already
+
+    await store.write([metric(2, {"loss": 1.0}, label="rank0")])  # a sign of life revives it
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.ended_ts) == ("running", None)
+    assert labels_of(run)["rank0"] == ("running", None, 1, 2)
+    assert labels_of(run)["rank1"] == ("crashed", None, 1, 1)
+
+
 # -- values and reads ----------------------------------------------------------------------------
 
 
@@ -534,18 +574,7 @@ async def test_migrations_are_idempotent(open_stores: OpenStore, any_store_url: 
     assert await again.write([start(1, primary=True), heartbeat(3)]) == 1
 
 
-async def test_stores_starting_together_migrate_once(
-    open_stores: OpenStore, any_store_url: str, request: pytest.FixtureRequest
-) -> None:
-    if any_store_url.startswith("sqlite"):
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="storage/sqlite.py: two connections switching a new file to WAL at once "
-                "may get 'database is locked' (PRAGMA journal_mode ignores busy_timeout)",
-                raises=StoreError,
-                strict=False,
-            )
-        )
+async def test_stores_starting_together_migrate_once(open_stores: OpenStore) -> None:
     stores = await asyncio.gather(*(open_stores() for _ in range(4)))
     news = await asyncio.gather(*(s.write([start(1, label=f"rank{n}")]) for n, s in enumerate(stores)))
     assert news == [1, 1, 1, 1]
@@ -584,6 +613,26 @@ async def test_concurrent_writers_agree_with_one_writer(open_stores: OpenStore) 
     assert (run.state, run.primary, run.exit_code, run.label_count) == ("finished", "rank0", 0, 8)
 
 
+async def test_concurrent_writers_of_one_run_leave_no_stale_run_row(open_stores: OpenStore) -> None:
+    writers = [await open_stores() for _ in range(6)]
+    await writers[0].write([start(1, primary=True, label="rank0", ts=T0)])
+    for seq in range(2, 12):
+        # Each writer reports a different label; the run row must end up reflecting all of them.
+        await asyncio.gather(
+            *(
+                w.write([heartbeat(seq, label=f"rank{n}", ts=T0 + seq * 10 + n)])
+                for n, w in enumerate(writers)
+            )
+        )
+        run = await writers[0].run(RUN)
+        assert run is not None
+        assert (run.last_ts, run.label_count) == (T0 + seq * 10 + 5, 6)
+    await asyncio.gather(*(w.write([finish(12, n, label=f"rank{n}")]) for n, w in enumerate(writers)))
+    run = await writers[0].run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.primary) == ("finished", 0, "rank0")
+
+
 # -- backend specifics ----------------------------------------------------------------------------
 
 
@@ -596,9 +645,9 @@ async def test_postgres_errors_are_store_errors_without_the_password() -> None:
     await store.close()
 
 
-async def test_text_holding_nul_does_not_fail_a_write(store: Store, any_store_url: str) -> None:
+async def test_text_holding_nul_does_not_fail_a_write(store: Store) -> None:
     assert await store.write([log(1, "a\x00b"), metric(2, {"k\x00": 1.0})]) == 2
-    # PostgreSQL text cannot hold NUL: that backend keeps U+FFFD in its place.
-    nul = "\x00" if any_store_url.startswith("sqlite") else "\ufffd"
-    assert texts(await store.logs(RUN, grep="b")) == [f"a{nul}b"]
-    assert await store.metric_keys(RUN) == [f"k{nul}"]
+    # PostgreSQL text cannot hold NUL: every backend keeps U+FFFD in its place.
+    assert texts(await store.logs(RUN, grep="a\x00b")) == ["a\ufffdb"]
+    assert await store.metric_keys(RUN) == ["k\ufffd"]
+    assert [p.value for p in await store.metrics(RUN, key="k\x00")] == [1.0]

@@ -1,0 +1,127 @@
+"""Who may talk to `runbus serve`: loopback by default, a bearer token otherwise; strict headers.
+
+With a token every request needs it, as `Authorization: Bearer TOKEN`, as `?token=TOKEN` (how a
+browser opens the page), or as the HttpOnly cookie a valid `?token=` sets so the page's own
+scripts and styles load. Without a token the server listens on loopback only and answers only
+requests addressed to a loopback name, so a web page elsewhere cannot reach it by DNS rebinding.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+TOKEN_ENV = "RUNBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
+COOKIE = "runbus_token"
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+# The page loads its own script, style and icon, and fetches its own API: nothing else, ever.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
+    "frame-ancestors 'none'; form-action 'none'"
+)
+HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class TokenRequired(ValueError):
+    """Binding to an address other than loopback without a token."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is loopback only."""
+    host = host.strip().strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_binding(host: str, token: str | None) -> None:
+    """Raise TokenRequired unless `host` is loopback or a token guards the server."""
+    if not token and not is_loopback(host):
+        raise TokenRequired(
+            f"refusing to listen on {host} without a token: anyone who can reach it could read "
+            f"every run. Pass --token TOKEN (or set {TOKEN_ENV}); every request must then carry it"
+        )
+
+
+def token_matches(given: str | None, token: str) -> bool:
+    """Constant-time comparison, so timing tells nothing about the token."""
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def _refuse(request: web.Request, status: int, reason: str) -> web.Response:
+    if request.path.startswith("/api/"):
+        return web.json_response({"error": reason}, status=status)
+    return web.Response(status=status, text=f"{status}: {reason}\n")
+
+
+def auth_middleware(token: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """The token check when a token is set, else the loopback Host check."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is None:
+            if not is_loopback(request.url.host or ""):
+                return _refuse(request, 403, "this server answers only requests addressed to loopback")
+            return await handler(request)
+        from_query = request.query.get("token")
+        if token_matches(_bearer(request), token) or token_matches(request.cookies.get(COOKIE), token):
+            return await handler(request)
+        if token_matches(from_query, token):
+            response = await handler(request)
+            response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/")
+            return response
+        response = _refuse(
+            request, 401, "a token is required: send 'Authorization: Bearer TOKEN' or open /?token=TOKEN"
+        )
+        response.headers["WWW-Authenticate"] = 'Bearer realm="runbus"'
+        return response
+
+    return authenticate
+
+
+@web.middleware
+async def security_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every response, errors included, carries the strict headers."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        response = _refuse(request, exc.status, exc.reason)
+    response.headers.update(HEADERS)
+    if request.path.startswith("/api/"):
+        response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One line per request: method, path without its query (where a token may ride), status."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info("%s %s %d %.1f ms", request.method, request.path, response.status, time * 1000)
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)

@@ -1,0 +1,204 @@
+"""`runbus tail RUN`: every rank's log lines as they are produced, read straight from the streams.
+
+It reads with XREAD, never through the consumer group, so it takes nothing from the ingesters.
+Streams are found in the producers' registry and by SCAN, again every second, so a label that
+appears later is followed from its first entry. By default only lines produced from now on are
+printed (`from_start` prints the history first). It returns once the run's primary has finished
+and the streams have been quiet for `finish_grace` (the other ranks' last lines still show).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer import wire
+from producer.urls import safe_url
+
+# docker compose's order: cyan, yellow, green, magenta, blue, then the bright ones.
+COLORS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94", "31", "91")
+READ_COUNT = 1000
+
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
+@dataclass
+class TailSettings:
+    """What `runbus tail` follows and prints."""
+
+    redis_url: str
+    run_id: str
+    labels: frozenset[str] | None = None
+    min_level: int = 0
+    from_start: bool = False
+    color: bool = False
+    rescan_interval: float = 1.0
+    finish_grace: float = 1.0
+
+
+def format_line(label: str, width: int, text: str, color: str | None) -> str:
+    """`label | text`, the label padded to `width` and, with a colour, painted with it."""
+    prefix = f"{label.ljust(width)} |"
+    if color is not None:
+        prefix = f"\x1b[{color}m{prefix}\x1b[0m"
+    return f"{prefix} {text}"
+
+
+@dataclass
+class Tail:
+    """One follow of one run; `run()` returns the exit code."""
+
+    settings: TailSettings
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    err: TextIO = field(default_factory=lambda: sys.stderr)
+    _ids: dict[str, str] = field(default_factory=dict, init=False)
+    _primary: dict[str, bool] = field(default_factory=dict, init=False)
+    _colors: dict[str, str] = field(default_factory=dict, init=False)
+    _width: int = field(default=0, init=False)
+    _finished: bool = field(default=False, init=False)
+    _lost: bool = field(default=False, init=False)
+
+    def run(self) -> int:
+        client = redis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
+        try:
+            return self._follow(client)
+        finally:
+            client.close()
+
+    def _follow(self, client: redis.Redis) -> int:
+        s = self.settings
+        self._discover(client, initial=True)
+        if not s.from_start and self._finished_already(client):
+            self._say(f"run {s.run_id} has already finished; --from-start prints its lines")
+            return 0
+        what = "its history, then new lines" if s.from_start else "new lines"
+        self._say(f"following run {s.run_id} ({len(self._ids)} stream(s) so far): {what}; Ctrl-C stops")
+        next_scan = time.monotonic() + s.rescan_interval
+        while True:
+            try:
+                now = time.monotonic()
+                if now >= next_scan and not self._finished:
+                    self._discover(client, initial=False)
+                    next_scan = now + s.rescan_interval
+                if not self._ids:
+                    time.sleep(s.rescan_interval)
+                    continue
+                block = s.finish_grace if self._finished else max(0.01, next_scan - time.monotonic())
+                entries: Entries = client.xread(self._ids, count=READ_COUNT, block=int(block * 1000))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # Where it was is kept in the ids: once Redis is back, nothing is skipped.
+                if not self._lost:
+                    self._say(f"lost Redis ({exc}); retrying every {s.rescan_interval:g} s")
+                self._lost = True
+                time.sleep(s.rescan_interval)
+                continue
+            if self._lost:
+                self._say("Redis is back")
+                self._lost = False
+            if not entries and self._finished:
+                return 0
+            self._show(entries)
+
+    def _say(self, message: str) -> None:
+        print(f"runbus: {message}", file=self.err, flush=True)
+
+    # -- finding the streams -------------------------------------------------------------------
+
+    def _stream_keys(self, client: redis.Redis) -> list[str]:
+        # stream_key with "*" for the label is the MATCH pattern of this run's keys; the parse
+        # below drops its other keys (epoch counters, the primary marker).
+        pattern = wire.stream_key(self.settings.run_id, "*")
+        found = [m.decode() for m in client.sscan_iter(wire.REGISTRY_KEY, match=pattern, count=1000)]
+        found += [k.decode() for k in client.scan_iter(match=pattern, count=1000, _type="stream")]
+        return sorted(k for k in set(found) if (wire.parse_stream_key(k) or ("",))[0] == self.settings.run_id)
+
+    def _discover(self, client: redis.Redis, initial: bool) -> None:
+        for key in self._stream_keys(client):
+            if key in self._ids:
+                continue
+            label = wire.parse_stream_key(key)[1]  # type: ignore[index]
+            self._color_for(label)
+            if initial and not self.settings.from_start:
+                # Start after the newest entry; the stream's first entry (its start) says
+                # whether the label is the primary, whose finish ends the tail.
+                newest = client.xrevrange(key, count=1)
+                self._ids[key] = newest[0][0].decode() if newest else "0-0"
+                for event in self._decode(key, client.xrange(key, count=1)):
+                    self._learn(event)
+            else:
+                # A label that appears while following is new: all of it is worth printing.
+                self._ids[key] = "0-0"
+
+    def _finished_already(self, client: redis.Redis) -> bool:
+        for key in self._ids:
+            label = wire.parse_stream_key(key)[1]  # type: ignore[index]
+            if self._primary.get(label):
+                last = self._decode(key, client.xrevrange(key, count=1))
+                if last and last[0].kind == "finish":
+                    return True
+        return False
+
+    def _color_for(self, label: str) -> str:
+        if label not in self._colors:
+            self._colors[label] = COLORS[len(self._colors) % len(COLORS)]
+            if self._shown(label):
+                self._width = max(self._width, len(label))
+        return self._colors[label]
+
+    # -- reading and printing ------------------------------------------------------------------
+
+    @staticmethod
+    def _decode(key: str | bytes, entries: Iterable[tuple[bytes, dict[bytes, bytes]]]) -> list[wire.Event]:
+        key = key.decode() if isinstance(key, bytes) else key
+        events = []
+        for _, fields in entries:
+            try:
+                events.append(wire.decode_entry(key, fields))
+            except wire.InvalidEntry:
+                continue  # the ingesters dead-letter it; a tail has nothing to show
+        return events
+
+    def _learn(self, event: wire.Event) -> None:
+        if event.kind == "start":
+            self._primary[event.label] = bool(event.data.get("primary"))
+        elif event.kind == "finish" and self._primary.get(event.label):
+            self._finished = True
+
+    def _shown(self, label: str) -> bool:
+        return self.settings.labels is None or label in self.settings.labels
+
+    def _show(self, entries: Entries) -> None:
+        events: list[wire.Event] = []
+        for key, stream_entries in entries:
+            if stream_entries:
+                self._ids[key.decode()] = stream_entries[-1][0].decode()
+            events += self._decode(key, stream_entries)
+        lines = []
+        for event in sorted(events, key=lambda e: e.ts):
+            self._learn(event)
+            if event.kind != "log" or not self._shown(event.label):
+                continue
+            if wire.level_number(str(event.data.get("level", "INFO"))) < self.settings.min_level:
+                continue
+            color = self._color_for(event.label) if self.settings.color else None
+            for text in event.data["text"].splitlines() or [""]:
+                lines.append(format_line(event.label, self._width, text, color))
+        if lines:
+            self.out.write("\n".join(lines) + "\n")
+            self.out.flush()
+
+
+def tail(settings: TailSettings) -> int:
+    """Follow a run until its primary finishes: 0; Redis unreachable at the start: 1."""
+    try:
+        return Tail(settings).run()
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        print(f"runbus: cannot read the streams at {safe_url(settings.redis_url)}: {exc}", file=sys.stderr)
+        return 1
