@@ -31,7 +31,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """Left-aligned columns separated by two spaces."""
     cells = [list(map(str, headers))] + [["-" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
 
 
 def run_document(run: RunSummary) -> dict[str, Any]:
@@ -66,10 +68,7 @@ def run_document(run: RunSummary) -> dict[str, Any]:
 
 
 def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in asdict(run).items() if k not in ("labels", "counts", "config")}
-        for run in runs
-    ]
+    return [{k: v for k, v in asdict(run).items() if k not in ("labels", "counts", "config")} for run in runs]
 
 
 def point_document(point: Point) -> dict[str, Any]:
@@ -101,12 +100,21 @@ def show_text(run: RunSummary) -> str:
         f"events   {counts}",
     ]
     rows = [
-        (lab.label, "*" if lab.primary else "", lab.state if lab.exit_code is None else f"{lab.state} ({lab.exit_code})",
-         lab.epoch, lab.last_seq, lab.events, lab.missing)
+        (
+            lab.label,
+            "*" if lab.primary else "",
+            lab.state if lab.exit_code is None else f"{lab.state} ({lab.exit_code})",
+            lab.epoch,
+            lab.last_seq,
+            lab.events,
+            lab.missing,
+        )
         for lab in run.labels
     ]
-    text = "\n".join(head) + "\n\n" + table(
-        ("LABEL", "PRIMARY", "STATE", "EPOCH", "LAST_SEQ", "EVENTS", "MISSING"), rows
+    text = (
+        "\n".join(head)
+        + "\n\n"
+        + table(("LABEL", "PRIMARY", "STATE", "EPOCH", "LAST_SEQ", "EVENTS", "MISSING"), rows)
     )
     gaps = [(lab.label, g) for lab in run.labels for g in lab.gaps]
     if gaps:

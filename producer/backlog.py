@@ -90,7 +90,9 @@ class Spool:
     def append(self, record: Record) -> int:
         if self._file is None:
             self.open()
-        line = orjson.dumps([record.kind, record.epoch, record.seq, record.ts, record.step, record.data.decode()])
+        line = orjson.dumps(
+            [record.kind, record.epoch, record.seq, record.ts, record.step, record.data.decode()]
+        )
         self._file.write(line + b"\n")
         self.size += len(line) + 1
         return len(line) + 1
@@ -178,7 +180,9 @@ class Backlog:
             self.bytes += size
         elif self.spool is not None and self.spool.size + size <= self.max_spool_bytes:
             if not self._spooling:
-                log.warning("runbus: memory buffer full (%d bytes); spooling to %s", self.bytes, self.spool.path)
+                log.warning(
+                    "runbus: memory buffer full (%d bytes); spooling to %s", self.bytes, self.spool.path
+                )
             self._spooling = True
             self.spool.append(record)
         else:

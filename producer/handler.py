@@ -22,9 +22,7 @@ class RunHandler(logging.Handler):
         self.run = run
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith(_OWN_LOGGERS) or threading.current_thread().name.startswith(
-            "runbus-"
-        ):
+        if record.name.startswith(_OWN_LOGGERS) or threading.current_thread().name.startswith("runbus-"):
             return
         if self.run.finished:
             return

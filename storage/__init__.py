@@ -21,8 +21,16 @@ BACKENDS = {
 }
 
 __all__ = [
-    "DEFAULT_URL", "LabelSummary", "LogLine", "Point", "RunSummary", "Store", "StoreError",
-    "default_url", "open_store", "safe_url",
+    "DEFAULT_URL",
+    "LabelSummary",
+    "LogLine",
+    "Point",
+    "RunSummary",
+    "Store",
+    "StoreError",
+    "default_url",
+    "open_store",
+    "safe_url",
 ]
 
 

@@ -105,14 +105,10 @@ class Store(Protocol):
     async def metric_keys(self, run_id: str) -> list[str]:
         """The metric names logged in a run."""
 
-    async def metrics(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """Metric values ordered by label, key, step (then epoch, seq)."""
 
-    async def system(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """System samples ordered by label, key, ts."""
 
     async def logs(

@@ -164,7 +164,8 @@ def _staged_rows(
             )
         elif e.kind == "system":
             staged[_SYSTEM].extend(
-                (label_id, rows.storable_text(key), e.epoch, e.seq, e.ts, float(value)) for key, value in e.data.items()
+                (label_id, rows.storable_text(key), e.epoch, e.seq, e.ts, float(value))
+                for key, value in e.data.items()
             )
         elif e.kind == "log":
             stream, level, levelno, text = rows.log_columns(e)
@@ -411,7 +412,9 @@ class PostgresStore:
     async def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
         step = "m.step" if table == "metrics" else "NULL::bigint"
         order = "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
-        where, args = _filters(["l.run_id = $1"], [run_id], ("m.key", key and rows.storable_text(key)), ("l.label", label))
+        where, args = _filters(
+            ["l.run_id = $1"], [run_id], ("m.key", key and rows.storable_text(key)), ("l.label", label)
+        )
         query = (
             f"SELECT l.label, m.key, {step} AS step, m.epoch, m.seq, m.ts, m.value "
             f"FROM {table} m JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "

@@ -124,9 +124,7 @@ def explain_gaps(
     """Gaps (epoch, first, last) with how many of their seqs the producer reported dropped."""
     gaps = []
     for epoch, first, last in missing:
-        covered = sum(
-            max(0, min(last, b) - max(first, a) + 1) for a, b in dropped.get(epoch, ())
-        )
+        covered = sum(max(0, min(last, b) - max(first, a) + 1) for a, b in dropped.get(epoch, ()))
         gaps.append(Gap(epoch, first, last, covered))
     return gaps
 

@@ -268,8 +268,7 @@ class SQLiteStore:
             ],
         )
         con.executemany(
-            "INSERT OR IGNORE INTO system (label_id, key, epoch, seq, ts, value) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO system (label_id, key, epoch, seq, ts, value) VALUES (?, ?, ?, ?, ?, ?)",
             [
                 (ids[e.run, e.label], rows.storable_text(key), e.epoch, e.seq, e.ts, _real(value))
                 for e in events
@@ -373,14 +372,10 @@ class SQLiteStore:
         )
         return [row[0] for row in self._db().execute(query, (run_id,))]
 
-    async def metrics(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._call(self._points, "metrics", run_id, key, label)
 
-    async def system(
-        self, run_id: str, key: str | None = None, label: str | None = None
-    ) -> list[Point]:
+    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._call(self._points, "system", run_id, key, label)
 
     def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
@@ -399,8 +394,7 @@ class SQLiteStore:
             f"ORDER BY l.label, m.key, {order}"
         )
         return [
-            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6]))
-            for r in self._db().execute(query, args)
+            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6])) for r in self._db().execute(query, args)
         ]
 
     async def logs(

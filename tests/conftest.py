@@ -25,7 +25,7 @@ def missing_server(what: str) -> None:
 def docker_answers() -> bool:
     """Whether a Docker engine answers, so testcontainers can run a server."""
     host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    if host.startswith("unix://") and not os.path.exists(host[len("unix://"):]):
+    if host.startswith("unix://") and not os.path.exists(host[len("unix://") :]):
         return False
     import docker  # type: ignore[import-untyped]
 

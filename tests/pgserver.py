@@ -97,9 +97,7 @@ class LocalPostgres:
         try:
             entry = pwd.getpwnam(UNPRIVILEGED_USER)
         except KeyError:
-            raise PostgresNotFound(
-                f"running as root and there is no {UNPRIVILEGED_USER!r} user"
-            ) from None
+            raise PostgresNotFound(f"running as root and there is no {UNPRIVILEGED_USER!r} user") from None
         os.chown(self.directory, entry.pw_uid, entry.pw_gid)
         return as_unprivileged(UNPRIVILEGED_USER)
 
@@ -113,8 +111,7 @@ class LocalPostgres:
         )
         if result.returncode != 0:
             raise RuntimeError(
-                f"{os.path.basename(args[0])} exited {result.returncode}: "
-                f"{result.stderr[-2000:]}{self.log()}"
+                f"{os.path.basename(args[0])} exited {result.returncode}: {result.stderr[-2000:]}{self.log()}"
             )
 
     def start(self, timeout: float = 60.0) -> LocalPostgres:

@@ -47,9 +47,17 @@ PRODUCER = textwrap.dedent(
 def start_producer(redis_url: str, run_id: str, rank: int, count: int, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", PRODUCER],
-        env={**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "RANK": str(rank),
-             "WORLD_SIZE": "8", "COUNT": str(count), **env},
-        stdout=subprocess.PIPE, text=True,
+        env={
+            **os.environ,
+            "RUNBUS_REDIS_URL": redis_url,
+            "RUNBUS_RUN_ID": run_id,
+            "RANK": str(rank),
+            "WORLD_SIZE": "8",
+            "COUNT": str(count),
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -65,7 +73,9 @@ def finish_producers(procs: list[subprocess.Popen]) -> list[dict]:
 def start_ingester(redis_url: str, store_url: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url, *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -142,8 +152,15 @@ def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_pa
             time.sleep(0.05)
 
     async def watch_other_worker() -> int:
-        other = Worker(WorkerSettings(redis_url=redis_url, store_url=f"sqlite:///{tmp_path / 'other.db'}",
-                                      claim_idle=1.0, handle_signals=False, consumer="other"))
+        other = Worker(
+            WorkerSettings(
+                redis_url=redis_url,
+                store_url=f"sqlite:///{tmp_path / 'other.db'}",
+                claim_idle=1.0,
+                handle_signals=False,
+                consumer="other",
+            )
+        )
         task = asyncio.create_task(other.async_run())
         await asyncio.sleep(3.5)  # more than three claim-idle periods while the commit waits
         lock.rollback()
@@ -203,13 +220,22 @@ def test_redis_killed_and_restarted_during_a_run_loses_nothing(local_redis, stor
     ingest(local_redis.url, store_url)
     assert_every_event_once(store_url, "redis-kill", ranks, count)
     longest = max(r["longest_log_s"] for r in results)
-    print(f"\nFIGURE redis SIGKILL+restart: events {ranks * count}, lost 0, longest log() {longest * 1e3:.2f} ms")
+    stall_ms = longest * 1e3
+    print(f"\nFIGURE redis SIGKILL+restart: events {ranks * count}, lost 0, longest log() {stall_ms:.2f} ms")
 
 
 def log_while_down(local_redis, run_id: str, count: int, **options):
     local_redis.kill()
-    run = producer.init(run_id=run_id, label="rank0", redis_url=local_redis.url, system_interval=None,
-                        hardware=False, max_backoff=0.2, max_buffer_bytes=30_000, **options)
+    run = producer.init(
+        run_id=run_id,
+        label="rank0",
+        redis_url=local_redis.url,
+        system_interval=None,
+        hardware=False,
+        max_backoff=0.2,
+        max_buffer_bytes=30_000,
+        **options,
+    )
     for step in range(count):
         run.log({"loss": float(step)}, step=step)
     deadline = time.monotonic() + 10
@@ -249,8 +275,10 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
     code = textwrap.dedent(
         f"""
         import os, time, producer
-        run = producer.init(run_id="orphan", label="rank0", redis_url={local_redis.url!r}, system_interval=None,
-                            hardware=False, max_buffer_bytes=10_000, spool_dir={str(spool)!r}, finish_timeout=1)
+        run = producer.init(
+            run_id="orphan", label="rank0", redis_url={local_redis.url!r}, system_interval=None,
+            hardware=False, max_buffer_bytes=10_000, spool_dir={str(spool)!r}, finish_timeout=1,
+        )
         for step in range(500):
             run.log({{"loss": float(step)}}, step=step)
         run.finish()  # Redis is down: gives up after 1 s and leaves the rest in the spool
@@ -260,8 +288,14 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert len(list(spool.iterdir())) == 1
     local_redis.start()
-    with producer.init(run_id="orphan", label="rank0", redis_url=local_redis.url, system_interval=None,
-                       hardware=False, spool_dir=str(spool)) as later:
+    with producer.init(
+        run_id="orphan",
+        label="rank0",
+        redis_url=local_redis.url,
+        system_interval=None,
+        hardware=False,
+        spool_dir=str(spool),
+    ) as later:
         later.log({"after": 1.0})
     assert list(spool.iterdir()) == []
     ingest(local_redis.url, store_url)
@@ -277,8 +311,15 @@ def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):
         assert proc.stdout.readline() == "ready\n"
 
     async def scenario():
-        w = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, crash_after=1.5,
-                                  maintenance_interval=0.3, handle_signals=False))
+        w = Worker(
+            WorkerSettings(
+                redis_url=redis_url,
+                store_url=store_url,
+                crash_after=1.5,
+                maintenance_interval=0.3,
+                handle_signals=False,
+            )
+        )
         task = asyncio.create_task(w.async_run())
         await asyncio.sleep(1.0)
         primary.send_signal(signal.SIGKILL)
@@ -314,7 +355,9 @@ def test_poison_entries_are_dead_lettered_after_max_deliveries_and_can_be_replay
         stats = ingest(redis_url, store_url, claim_idle=0.0, max_deliveries=5)
         assert stats.dead_lettered == 1 and stats.poison == 1
         dead = json.loads(run_cli("dead", "--json", "--redis", redis_url).stdout)
-        assert len(dead) == 1 and "over --max-deliveries 5" in dead[0]["reason"] and dead[0]["deliveries"] == 7
+        assert (
+            len(dead) == 1 and "over --max-deliveries 5" in dead[0]["reason"] and dead[0]["deliveries"] == 7
+        )
         assert dead[0]["fields"]["kind"] == "metric"
         assert "replayed 1" in run_cli("dead", "--replay", "--redis", redis_url).stdout
         assert client.xlen(wire.DEAD_LETTER_KEY) == 0
@@ -342,7 +385,9 @@ def test_retention_trims_only_what_is_stored(redis_url, store_url):
 
 
 def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
-    run = producer.init(run_id="fork", label="rank0", redis_url=redis_url, system_interval=None, hardware=False)
+    run = producer.init(
+        run_id="fork", label="rank0", redis_url=redis_url, system_interval=None, hardware=False
+    )
     run.log({"parent": 1.0})
     pid = os.fork()
     if pid == 0:  # the child: the parent's run is a no-op here; its own label works
@@ -350,8 +395,14 @@ def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
         try:
             run.log({"child_via_parent": 1.0})
             assert run.finish() is False
-            with producer.init(run_id="fork", label="worker0", redis_url=redis_url, primary=False,
-                               system_interval=None, hardware=False) as own:
+            with producer.init(
+                run_id="fork",
+                label="worker0",
+                redis_url=redis_url,
+                primary=False,
+                system_interval=None,
+                hardware=False,
+            ) as own:
                 own.log({"child": 1.0})
         except BaseException:
             code = 1
@@ -364,4 +415,3 @@ def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
     keys = {(p.label, p.key) for p in read_store(store_url, "metrics", "fork")}
     assert keys == {("rank0", "parent"), ("worker0", "child")}
     assert read_store(store_url, "run", "fork").labels[0].missing == 0
-

@@ -15,7 +15,9 @@ from tests.helpers import ingest, read_store
 
 RUN, LABEL = "fuzz", "rank0"
 junk = st.one_of(st.binary(max_size=20), st.text(max_size=20).map(str.encode))
-numbers = st.one_of(st.floats(allow_nan=True), st.integers(-(2**63), 2**63 - 1), st.sampled_from(["NaN", "Infinity"]))
+numbers = st.one_of(
+    st.floats(allow_nan=True), st.integers(-(2**63), 2**63 - 1), st.sampled_from(["NaN", "Infinity"])
+)
 metric_data = st.dictionaries(st.text(min_size=1, max_size=10), numbers, min_size=1, max_size=4)
 
 
@@ -24,9 +26,16 @@ def entries(draw, seq: int):
     """A well-formed metric entry, sometimes with one field broken or removed."""
     data = draw(metric_data)
     fields = {
-        b"v": b"1", b"kind": b"metric", b"run": RUN.encode(), b"label": LABEL.encode(),
-        b"epoch": b"1", b"seq": str(seq).encode(), b"ts": b"1700000000.5",
-        b"data": orjson.dumps({k: wire.finite_to_wire(v) if isinstance(v, float) else v for k, v in data.items()}),
+        b"v": b"1",
+        b"kind": b"metric",
+        b"run": RUN.encode(),
+        b"label": LABEL.encode(),
+        b"epoch": b"1",
+        b"seq": str(seq).encode(),
+        b"ts": b"1700000000.5",
+        b"data": orjson.dumps(
+            {k: wire.finite_to_wire(v) if isinstance(v, float) else v for k, v in data.items()}
+        ),
     }
     if draw(st.booleans()):
         name = draw(st.sampled_from(sorted(fields)))
@@ -46,9 +55,11 @@ def is_valid(fields: dict[bytes, bytes]) -> bool:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.integers(0, 1), min_size=1, max_size=30).flatmap(
-    lambda xs: st.tuples(*[entries(seq) for seq in range(1, len(xs) + 1)])
-))
+@given(
+    st.lists(st.integers(0, 1), min_size=1, max_size=30).flatmap(
+        lambda xs: st.tuples(*[entries(seq) for seq in range(1, len(xs) + 1)])
+    )
+)
 def test_every_entry_is_stored_or_dead_lettered(redis_server_url, generated):
     client = redis.Redis.from_url(redis_server_url)
     client.flushdb()

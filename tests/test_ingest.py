@@ -27,7 +27,9 @@ def test_workers_finishing_first_then_the_primary(client, redis_url, store_url):
     run = read_store(store_url, "run", "fin")
     assert (run.state, run.primary, run.exit_code) == ("running", "rank0", None)
     assert {lab.label: (lab.state, lab.exit_code) for lab in run.labels} == {
-        "rank0": ("running", None), "rank1": ("finished", 0), "rank2": ("failed", 9),
+        "rank0": ("running", None),
+        "rank1": ("finished", 0),
+        "rank2": ("failed", 9),
     }
     xadd_event(client, "fin", "rank0", "finish", 1, 2, {"exit_code": 0})
     ingest(redis_url, store_url)
@@ -61,7 +63,8 @@ def test_shuffled_and_repeated_entries_with_finish_before_start(client, redis_ur
     run = read_store(store_url, "run", "shuf")
     assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
     assert {lab.label: (lab.state, lab.events, lab.missing) for lab in run.labels} == {
-        "rank0": ("finished", 22, 0), "rank1": ("failed", 22, 0),
+        "rank0": ("finished", 22, 0),
+        "rank1": ("failed", 22, 0),
     }
     assert run.counts == {"metric": 40, "log": 0, "system": 0}
     points = read_store(store_url, "metrics", "shuf", key="loss", label="rank1")
@@ -126,9 +129,30 @@ def test_non_finite_values_round_trip(client, redis_url, store_url):
 
 def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis_url, store_url):
     client.execute_command(
-        "XADD", "runbus:{cli}:rank0", "*", "v", "1", "kind", "metric", "run", "cli", "label", "rank0",
-        "epoch", "1", "seq", "1", "ts", "12.5", "step", "0", "data", orjson.dumps({"loss": 0.5}),
+        "XADD",
+        "runbus:{cli}:rank0",
+        "*",
+        "v",
+        "1",
+        "kind",
+        "metric",
+        "run",
+        "cli",
+        "label",
+        "rank0",
+        "epoch",
+        "1",
+        "seq",
+        "1",
+        "ts",
+        "12.5",
+        "step",
+        "0",
+        "data",
+        orjson.dumps({"loss": 0.5}),
     )
     assert not client.exists(wire.REGISTRY_KEY)
     ingest(redis_url, store_url)
-    assert [(p.label, p.key, p.value) for p in read_store(store_url, "metrics", "cli")] == [("rank0", "loss", 0.5)]
+    assert [(p.label, p.key, p.value) for p in read_store(store_url, "metrics", "cli")] == [
+        ("rank0", "loss", 0.5)
+    ]

@@ -27,14 +27,25 @@ RANK = textwrap.dedent(
 )
 
 
-def start_ranks(redis_url: str, run_id: str, world: int, steps: int, exit_codes: dict[int, int] | None = None):
-    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id,
-           "WORLD_SIZE": str(world), "STEPS": str(steps)}
+def start_ranks(
+    redis_url: str, run_id: str, world: int, steps: int, exit_codes: dict[int, int] | None = None
+):
+    env = {
+        **os.environ,
+        "RUNBUS_REDIS_URL": redis_url,
+        "RUNBUS_RUN_ID": run_id,
+        "WORLD_SIZE": str(world),
+        "STEPS": str(steps),
+    }
     return [
         subprocess.Popen(
             [sys.executable, "-c", RANK],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                 "EXIT_CODE": str((exit_codes or {}).get(rank, 0))},
+            env={
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "EXIT_CODE": str((exit_codes or {}).get(rank, 0)),
+            },
         )
         for rank in range(world)
     ]
@@ -75,7 +86,8 @@ def test_ranks_log_while_an_ingester_runs(redis_url, store_url):
     world, steps = 4, 300
     worker = subprocess.Popen(
         [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         ranks = start_ranks(redis_url, "e2e-live", world, steps)

@@ -37,11 +37,22 @@ def test_invalid_labels_are_refused(redis_url, label):
 
 
 def test_identity_from_torchrun_environment():
-    env = {"TORCHELASTIC_RUN_ID": "job42", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
-           "TORCHELASTIC_RESTART_COUNT": "2"}
+    env = {
+        "TORCHELASTIC_RUN_ID": "job42",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
     ident = environment.resolve(env=env)
-    assert (ident.run_id, ident.label, ident.primary, ident.world_size, ident.local_rank, ident.restart_count) == (
-        "job42", "rank3", False, 8, 1, 2)
+    assert (
+        ident.run_id,
+        ident.label,
+        ident.primary,
+        ident.world_size,
+        ident.local_rank,
+        ident.restart_count,
+    ) == ("job42", "rank3", False, 8, 1, 2)
     assert environment.resolve(env={**env, "RANK": "0"}).primary is True
     assert environment.resolve(env={**env, "RUNBUS_RUN_ID": "mine"}).run_id == "mine"
     assert environment.resolve(env={"TORCHELASTIC_RUN_ID": "none"}).run_id.startswith("run-")
@@ -98,7 +109,10 @@ def test_log_checks_its_arguments(redis_url):
 
 def test_values_round_trip_through_the_pipeline(redis_url, store_url):
     with init(redis_url, "vals", "rank0") as run:
-        run.log({"nan": float("nan"), "inf": float("inf"), "ninf": -float("inf"), "flag": True, "big": 2**70}, step=1)
+        run.log(
+            {"nan": float("nan"), "inf": float("inf"), "ninf": -float("inf"), "flag": True, "big": 2**70},
+            step=1,
+        )
         run.log_text("a warning", level="WARNING")
         logging.getLogger("tests.train").addHandler(handler := run.logging_handler())
         try:
@@ -107,7 +121,9 @@ def test_values_round_trip_through_the_pipeline(redis_url, store_url):
             logging.getLogger("tests.train").removeHandler(handler)
     ingest(redis_url, store_url)
     values = {p.key: p.value for p in read_store(store_url, "metrics", "vals")}
-    assert values["nan"] != values["nan"] and values["inf"] == float("inf") and values["ninf"] == -float("inf")
+    assert (
+        values["nan"] != values["nan"] and values["inf"] == float("inf") and values["ninf"] == -float("inf")
+    )
     assert values["flag"] == 1 and values["big"] == float(2**70)
     out = run_cli("--store", store_url, "metrics", "vals", "--key", "nan", "--json").stdout
     assert '"value": "NaN"' in out
@@ -117,8 +133,16 @@ def test_values_round_trip_through_the_pipeline(redis_url, store_url):
 
 def test_log_never_waits_for_an_absent_redis():
     url = f"redis://127.0.0.1:{free_port()}/0"
-    run = producer.init(run_id="down", label="rank0", redis_url=url, system_interval=None, hardware=False,
-                        max_buffer_events=100, max_buffer_bytes=20_000, finish_timeout=0.5)
+    run = producer.init(
+        run_id="down",
+        label="rank0",
+        redis_url=url,
+        system_interval=None,
+        hardware=False,
+        max_buffer_events=100,
+        max_buffer_bytes=20_000,
+        finish_timeout=0.5,
+    )
     for step in range(250):
         run.log({"loss": 1.0}, step=step)
     deadline = time.monotonic() + 10
@@ -133,8 +157,14 @@ def test_log_never_waits_for_an_absent_redis():
 
 def test_buffered_events_ship_in_order_once_redis_is_back(local_redis, store_url):
     local_redis.kill()
-    run = producer.init(run_id="later", label="rank0", redis_url=local_redis.url, system_interval=None,
-                        hardware=False, max_backoff=0.2)
+    run = producer.init(
+        run_id="later",
+        label="rank0",
+        redis_url=local_redis.url,
+        system_interval=None,
+        hardware=False,
+        max_backoff=0.2,
+    )
     for step in range(300):
         run.log({"loss": float(step)}, step=step)
     local_redis.start()
@@ -149,7 +179,9 @@ def test_buffered_events_ship_in_order_once_redis_is_back(local_redis, store_url
 EXITING = textwrap.dedent(
     """
     import os, sys, time, producer
-    run = producer.init(run_id="exits", label=sys.argv[1], primary=False, system_interval=None, hardware=False)
+    run = producer.init(
+        run_id="exits", label=sys.argv[1], primary=False, system_interval=None, hardware=False
+    )
     run.log({"x": 1.0})
     how = sys.argv[2]
     if how == "raise":
@@ -168,8 +200,12 @@ def test_how_a_process_ends_finishes_its_label(redis_url, store_url):
     env = {**os.environ, "RUNBUS_REDIS_URL": redis_url}
     outcomes = {"normal": "", "raise": "", "context": ""}
     for label in outcomes:
-        subprocess.run([sys.executable, "-c", EXITING, label, label], env=env, capture_output=True, timeout=60)
-    with subprocess.Popen([sys.executable, "-c", EXITING, "sigterm", "sigterm"], env=env, stdout=subprocess.PIPE) as slow:
+        subprocess.run(
+            [sys.executable, "-c", EXITING, label, label], env=env, capture_output=True, timeout=60
+        )
+    with subprocess.Popen(
+        [sys.executable, "-c", EXITING, "sigterm", "sigterm"], env=env, stdout=subprocess.PIPE
+    ) as slow:
         assert slow.stdout.readline() == b"ready\n"
         slow.send_signal(signal.SIGTERM)
         assert slow.wait(30) == -signal.SIGTERM
@@ -185,7 +221,8 @@ def test_how_a_process_ends_finishes_its_label(redis_url, store_url):
 
 def test_importing_the_producer_is_cheap():
     code = (
-        "import sys, producer; heavy = {'redis', 'torch', 'pynvml', 'asyncio', 'numpy', 'psutil'} & set(sys.modules);"
+        "import sys, producer; "
+        "heavy = {'redis', 'torch', 'pynvml', 'asyncio', 'numpy', 'psutil'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -28,8 +28,12 @@ def test_finish_before_start_still_finishes():
 
 def test_only_the_primary_finishes_the_run():
     primary = fold("rank0", [ev("rank0", "start", 1, 1, primary=True)])
-    worker_ok = fold("rank1", [ev("rank1", "start", 1, 1, primary=False), ev("rank1", "finish", 1, 2, exit_code=0)])
-    worker_bad = fold("rank2", [ev("rank2", "start", 1, 1, primary=False), ev("rank2", "finish", 1, 2, exit_code=3)])
+    worker_ok = fold(
+        "rank1", [ev("rank1", "start", 1, 1, primary=False), ev("rank1", "finish", 1, 2, exit_code=0)]
+    )
+    worker_bad = fold(
+        "rank2", [ev("rank2", "start", 1, 1, primary=False), ev("rank2", "finish", 1, 2, exit_code=3)]
+    )
     assert (worker_ok.state, worker_bad.state, worker_bad.exit_code) == (FINISHED, FAILED, 3)
     assert run_state([primary, worker_ok, worker_bad]).state == RUNNING
     done = apply_events(primary, [ev("rank0", "finish", 1, 9, exit_code=0)])
@@ -56,8 +60,12 @@ def test_missing_counts_per_epoch():
 
 
 label_events = st.lists(
-    st.tuples(st.integers(1, 3), st.integers(1, 30), st.sampled_from(["metric", "heartbeat", "finish", "start"]),
-              st.integers(0, 2)),
+    st.tuples(
+        st.integers(1, 3),
+        st.integers(1, 30),
+        st.sampled_from(["metric", "heartbeat", "finish", "start"]),
+        st.integers(0, 2),
+    ),
     min_size=1,
     max_size=40,
 )
