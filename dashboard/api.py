@@ -197,14 +197,16 @@ async def metric_series(request: web.Request) -> web.Response:
     points = await request.app[STORE].metrics(summary.run_id, key=key, label=label)
     # One x axis per chart: steps when every point has one, else the time it was logged.
     by_step = all(p.step is not None for p in points)
-    return _json({
-        "run_id": summary.run_id,
-        "key": key,
-        "x": "step" if by_step else "ts",
-        "points": limit,
-        "columns": downsample.COLUMNS,
-        "series": _series(points, limit, (lambda p: p.step) if by_step else (lambda p: p.ts)),
-    })
+    return _json(
+        {
+            "run_id": summary.run_id,
+            "key": key,
+            "x": "step" if by_step else "ts",
+            "points": limit,
+            "columns": downsample.COLUMNS,
+            "series": _series(points, limit, (lambda p: p.step) if by_step else (lambda p: p.ts)),
+        }
+    )
 
 
 async def system(request: web.Request) -> web.Response:
@@ -215,16 +217,18 @@ async def system(request: web.Request) -> web.Response:
     by_key: dict[str, list[storage.Point]] = {}
     for point in points:
         by_key.setdefault(point.key, []).append(point)
-    return _json({
-        "run_id": summary.run_id,
-        "x": "ts",
-        "points": limit,
-        "columns": downsample.COLUMNS,
-        "keys": [
-            {"key": name, "series": _series(mine, limit, lambda p: p.ts)}
-            for name, mine in sorted(by_key.items())
-        ],
-    })
+    return _json(
+        {
+            "run_id": summary.run_id,
+            "x": "ts",
+            "points": limit,
+            "columns": downsample.COLUMNS,
+            "keys": [
+                {"key": name, "series": _series(mine, limit, lambda p: p.ts)}
+                for name, mine in sorted(by_key.items())
+            ],
+        }
+    )
 
 
 async def logs(request: web.Request) -> web.Response:
@@ -240,18 +244,27 @@ async def logs(request: web.Request) -> web.Response:
         summary.run_id, label=label, level=level, grep=grep, limit=limit + 1, offset=offset
     )
     page = lines[:limit]
-    return _json({
-        "run_id": summary.run_id,
-        "limit": limit,
-        "offset": offset,
-        "next_offset": offset + len(page),
-        "more": len(lines) > limit,
-        "lines": [
-            {"label": line.label, "epoch": line.epoch, "seq": line.seq, "ts": line.ts,
-             "stream": line.stream, "level": line.level, "text": line.text}
-            for line in page
-        ],
-    })
+    return _json(
+        {
+            "run_id": summary.run_id,
+            "limit": limit,
+            "offset": offset,
+            "next_offset": offset + len(page),
+            "more": len(lines) > limit,
+            "lines": [
+                {
+                    "label": line.label,
+                    "epoch": line.epoch,
+                    "seq": line.seq,
+                    "ts": line.ts,
+                    "stream": line.stream,
+                    "level": line.level,
+                    "text": line.text,
+                }
+                for line in page
+            ],
+        }
+    )
 
 
 async def index(request: web.Request) -> web.FileResponse:

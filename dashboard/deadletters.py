@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from producer import wire
+from producer.connection import async_client
 
 # The newest entries looked at to count one run's dead letters; the total is always exact.
 SCAN_LIMIT = 10_000
@@ -32,7 +33,7 @@ class DeadLetters:
         if self.redis_url is None or time.monotonic() < self._down_until:
             return None
         if self._redis is None:
-            self._redis = Redis.from_url(self.redis_url, socket_connect_timeout=0.5, socket_timeout=2.0)
+            self._redis = async_client(self.redis_url, socket_connect_timeout=0.5, socket_timeout=2.0)
         return self._redis
 
     async def counts(self, run_id: str) -> dict[str, Any]:

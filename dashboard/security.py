@@ -109,6 +109,9 @@ async def security_headers(request: web.Request, handler: Handler) -> web.Stream
     try:
         response = await handler(request)
     except web.HTTPException as exc:
+        if exc.status < 400:
+            exc.headers.update(HEADERS)
+            raise
         response = _refuse(request, exc.status, exc.reason)
     response.headers.update(HEADERS)
     if request.path.startswith("/api/"):

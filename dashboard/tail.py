@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
+from producer.connection import sync_client
 from producer.urls import safe_url
 
 # docker compose's order: cyan, yellow, green, magenta, blue, then the bright ones.
@@ -66,7 +67,7 @@ class Tail:
     _lost: bool = field(default=False, init=False)
 
     def run(self) -> int:
-        client = redis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
+        client = sync_client(self.settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
         try:
             return self._follow(client)
         finally:
@@ -120,6 +121,11 @@ class Tail:
         return sorted(k for k in set(found) if (wire.parse_stream_key(k) or ("",))[0] == self.settings.run_id)
 
     def _discover(self, client: redis.Redis, initial: bool) -> None:
+        if initial:
+            # The live primary's marker (gone once it finishes); start events confirm or correct it.
+            live = client.get(wire.primary_key(self.settings.run_id))
+            if live:
+                self._primary[live.decode()] = True
         for key in self._stream_keys(client):
             if key in self._ids:
                 continue

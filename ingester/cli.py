@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -18,6 +19,20 @@ from ingester import output
 from producer import wire
 from producer.environment import DEFAULT_REDIS_URL
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str, process: str | None = None) -> None:
+    """Log to stderr; a worker process of `ingest --workers N` puts its consumer name first."""
+    prefix = f"[{process.replace('%', '%%')}] " if process else ""
+    logging.basicConfig(level=level.upper(), format=prefix + LOG_FORMAT, stream=sys.stderr)
+
+
+def _ops_address(text: str) -> tuple[str, int]:
+    from ingester.http import parse_address  # aiohttp only for the commands that serve
+
+    return parse_address(text)
+
 
 class CommandError(Exception):
     """A user-facing failure: printed as `runbus: MESSAGE`, exit code 1."""
@@ -27,7 +42,7 @@ def _redis_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis",
         default=os.environ.get("RUNBUS_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (RUNBUS_REDIS_URL; default %(default)s)",
+        help="Redis URL, redis+cluster://host:port,... for a cluster (RUNBUS_REDIS_URL; default %(default)s)",
     )
 
 
@@ -57,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="trim stored entries older than this from the streams (default %(default)s)")
     ingest.add_argument("--crash-after", type=float, default=120.0, metavar="SECONDS",
                         help="a label silent this long without a finish is crashed (default %(default)s)")
+    ingest.add_argument("--workers", type=int, default=1,
+                        help="worker processes in the group, crashed ones restarted (default %(default)s)")
+    ingest.add_argument("--http", type=_ops_address, default=None, metavar="[HOST:]PORT",
+                        help="serve /healthz, /readyz, /metrics (host 127.0.0.1 unless given; "
+                        "with --workers N, worker i on PORT+i)")
 
     dead = commands.add_parser("dead", help="list (or replay) dead-lettered entries")
     _redis_option(dead)
@@ -125,6 +145,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     if args.consumer:
         settings.consumer = args.consumer
+    if args.workers != 1:
+        from ingester.supervisor import Supervisor, SupervisorSettings
+
+        setup = functools.partial(configure_logging, args.log_level or "INFO")
+        return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
+    if args.http:
+        from ingester.http import run_worker
+
+        return run_worker(Worker(settings), args.http)
     return Worker(settings).run()
 
 
@@ -178,12 +207,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_dead(args: argparse.Namespace) -> int:
-    from redis.asyncio import Redis
-
     from ingester import deadletter
+    from producer.connection import async_client
 
     async def act():
-        async with Redis.from_url(args.redis, socket_connect_timeout=5) as client:
+        async with async_client(args.redis, socket_connect_timeout=5) as client:
             if args.replay:
                 return await deadletter.replay(client)
             return await deadletter.dead_letters(client)
@@ -221,9 +249,7 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command in ("ingest", "demo") else "WARNING")
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(level)
     try:
         return COMMANDS[args.command](args)
     except (CommandError, ValueError, storage.StoreError, redis.RedisError) as exc:

@@ -23,6 +23,7 @@ import storage
 from ingester import output
 from ingester.localredis import LocalRedis
 from ingester.worker import Worker, WorkerSettings
+from producer.connection import sync_client
 from producer.environment import new_run_id
 
 RANK_SCRIPT = "from ingester.demo import train_rank; train_rank()"
@@ -60,7 +61,10 @@ def train_rank() -> None:
 
 
 def _redis_answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    try:
+        client = sync_client(url, socket_connect_timeout=1, socket_timeout=2)
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False  # a cluster client connects at once
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):

@@ -2,7 +2,8 @@
 
 Producers announce their stream in a set as they start, so a poll of its size finds them within
 a fraction of a second; streams written by anything else (redis-cli, another client) are found by
-SCAN at start-up and every `scan_interval`, without any other key having to be written.
+SCAN at start-up and every `scan_interval`, without any other key having to be written. In a
+Redis Cluster the scan covers every master (redis-py's cluster `scan_iter` walks each primary).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -17,15 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import storage
-from ingester import maintenance
+from ingester import maintenance, telemetry
 from ingester.deadletter import DeadEntry, dead_letter_fields
 from ingester.discovery import Discovery
 from producer import wire
+from producer.connection import async_client, is_cluster
 from producer.environment import DEFAULT_REDIS_URL
 from producer.urls import safe_url
 from storage.base import Store, StoreError
@@ -83,6 +86,12 @@ class WorkerStats:
     crashed: int = 0
     store_retries: int = 0
     reconnects: int = 0
+    # For /metrics (ingester/http.py): valid events written by kind, batch sizes, write times,
+    # and when each run was last written to (time.time()).
+    by_kind: dict[str, int] = field(default_factory=dict)
+    batch_sizes: telemetry.Histogram = field(default_factory=telemetry.batch_size_histogram)
+    write_seconds: telemetry.Histogram = field(default_factory=telemetry.write_seconds_histogram)
+    runs_written: dict[str, float] = field(default_factory=dict)
 
 
 def decode_batch(
@@ -110,6 +119,27 @@ def decode_batch(
             except wire.InvalidEntry as exc:
                 dead.append(DeadEntry(key, entry_id, fields, str(exc)))
     return events, sources, dead
+
+
+@functools.lru_cache(maxsize=65536)
+def _slot(key: str) -> int:
+    return key_slot(key.encode())
+
+
+def read_chunks(streams: Sequence[str], by_slot: bool = False) -> list[list[str]]:
+    """The streams one XREADGROUP each reads, at most STREAMS_PER_READ per call.
+
+    In a cluster (`by_slot`) one call may only name keys of one hash slot: the streams are
+    grouped by slot first, which keeps each run's streams together (the run is their hash tag).
+    """
+    groups: list[Sequence[str]] = [streams]
+    if by_slot:
+        slots: dict[int, list[str]] = {}
+        for key in streams:
+            slots.setdefault(_slot(key), []).append(key)
+        groups = list(slots.values())
+    size = STREAMS_PER_READ
+    return [list(group[i : i + size]) for group in groups for i in range(0, len(group), size)]
 
 
 class Worker:
@@ -151,7 +181,7 @@ class Worker:
         if settings.handle_signals:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self.request_stop)
-        self.redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
+        self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
         self.discovery = Discovery(
             self.redis, settings.group, settings.registry_interval, settings.scan_interval
         )
@@ -308,7 +338,7 @@ class Worker:
             if not self.settings.burst:
                 await asyncio.sleep(self.settings.block_ms / 1000)
             return []
-        chunks = [streams[i : i + STREAMS_PER_READ] for i in range(0, len(streams), STREAMS_PER_READ)]
+        chunks = read_chunks(streams, by_slot=is_cluster(self.settings.redis_url))
         # Only a lone chunk may block: with several, a block on one would starve the others.
         block = None if self.settings.burst or start_id == "0" or len(chunks) > 1 else self.settings.block_ms
         entries: Entries = []
@@ -366,6 +396,11 @@ class Worker:
         s.duplicates += len(events) - stored
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
+        s.batch_sizes.observe(count)
+        written_at = time.time()
+        for event in events:
+            s.by_kind[event.kind] = s.by_kind.get(event.kind, 0) + 1
+            s.runs_written[event.run] = written_at
         log.debug(
             "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",
             count, len(entries), stored, len(events) - stored, len(dead),
@@ -380,6 +415,7 @@ class Worker:
         """
         delay, failing_since = 0.1, None
         while True:
+            write_started = time.perf_counter()
             try:
                 stored = await self.store.write(events)
             except StoreError as exc:
@@ -401,6 +437,7 @@ class Worker:
                 first = await self._write(events[:half], sources[:half], dead)
                 second = None if first is None else await self._write(events[half:], sources[half:], dead)
                 return None if second is None else first + second
+            self.stats.write_seconds.observe(time.perf_counter() - write_started)
             if failing_since is not None:
                 log.warning("store writes work again after %.1fs", time.monotonic() - failing_since)
             return stored

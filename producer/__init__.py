@@ -27,7 +27,7 @@ __all__ = ["InvalidName", "PrimaryConflict", "Run", "RunFinished", "init"]
 
 log = logging.getLogger("runbus.producer")
 
-_RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids"}
+_RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids", "console"}
 _SHIPPER_OPTIONS = {
     "flush_interval", "batch_size", "heartbeat_interval", "primary_ttl", "connect_timeout",
     "socket_timeout", "max_backoff", "max_buffer_bytes", "spool_dir", "max_spool_bytes",
@@ -69,6 +69,9 @@ def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]
         run_kw["gpu_device_ids"] = tuple(int(i) for i in run_kw["gpu_device_ids"])
     if run_kw.get("max_buffer_events", 1) < 1:
         raise ValueError("max_buffer_events must be >= 1")
+    from producer import console
+
+    run_kw["console"] = console.check_mode(run_kw.get("console") or console.default_mode())
     return RunOptions(**run_kw), ShipperOptions(
         **{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS}
     )
@@ -87,7 +90,7 @@ def init(
     Defaults come from the environment: RUNBUS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
     label `rank{RANK}`; primary when RANK is 0; RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
 
-    Buffering while Redis is away: max_buffer_events (100,000 queued before encoding),
+    Buffering while Redis is away: max_buffer_events (50,000 queued before encoding),
     max_buffer_bytes (128 MiB encoded in memory), spool_dir (None: then to an append-only file
     there, up to max_spool_bytes, 4 GiB, shipped on reconnect or by the next init() of this run
     and label). Past those bounds events are dropped, counted, and reported as explained gaps.
@@ -95,7 +98,10 @@ def init(
     Options: system_interval (15 s; None turns sampling off),
     finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
     batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
-    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event).
+    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event), console
+    (RUNBUS_CONSOLE, else "primary": capture stdout, stderr and logging records as log events;
+    only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
+    prefix; "all": every rank echoes, prefixed; "off": no capture; see producer.console).
 
     Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
     primary. If Redis cannot be reached, init() returns at once and events are buffered.

@@ -13,13 +13,16 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from producer import wire
 from producer.environment import Identity
 from producer.backlog import DropLog
 from producer.outbox import Outbox
 from producer.shipper import Shipper, ShipperOptions
+
+if TYPE_CHECKING:
+    from producer.console import ConsoleCapture
 
 log = logging.getLogger("runbus.producer")
 
@@ -40,14 +43,15 @@ class RunFinished(RuntimeError):
 class RunOptions:
     """How a Run buffers, samples and finishes (set through producer.init)."""
 
-    max_buffer_events: int = 100_000
+    max_buffer_events: int = 50_000
     system_interval: float | None = 15.0
     finish_timeout: float = 30.0
     gpu_device_ids: tuple[int, ...] | None = None
+    console: str = "primary"
 
 
 def _metric_value(key: str, value: Any) -> Any:
-    """A loggable number from `value`, or TypeError; tensors are kept for the shipper."""
+    """A loggable number from `value`, or TypeError; accelerator tensors are kept for the shipper."""
     if type(value) is bool:
         return int(value)
     if isinstance(value, (int, float)):  # subclasses: numpy.float64, IntEnum
@@ -58,7 +62,13 @@ def _metric_value(key: str, value: Any) -> Any:
         if dim is not None:  # a torch.Tensor: shape is metadata, reading it does not sync
             if dim() != 0 and value.numel() != 1:
                 raise TypeError(f"metric {key!r}: tensor of shape {tuple(value.shape)} is not a scalar")
-            return value.detach()
+            if value.is_complex():
+                raise TypeError(f"metric {key!r}: a complex tensor is not a number")
+            if value.device.type == "cpu":
+                return _metric_value(key, item())
+            # On an accelerator `.item()` would wait for the device: the shipper reads it. The
+            # copy (queued on the device, no wait) keeps the value an in-place update would change.
+            return value.detach().clone()
         if getattr(value, "ndim", 0) == 0 or getattr(value, "size", 0) == 1:  # numpy scalar/array
             return _metric_value(key, item())
     raise TypeError(
@@ -119,6 +129,7 @@ class Run:
         self._shipper.describe_hardware = describe_hardware
         self._shipper.gpu_device_ids = options.gpu_device_ids
         self._sampler: _SamplerThread | None = None
+        self._console: ConsoleCapture | None = None
         self._put(
             "start",
             None,
@@ -137,6 +148,10 @@ class Run:
     def _begin(self) -> None:
         """Start the background threads (the handshake has been tried by then)."""
         self._shipper.start()
+        if self.options.console != "off":
+            from producer.console import ConsoleCapture
+
+            self._console = ConsoleCapture.start_for(self, self.options.console)
         if self.options.system_interval:
             self._sampler = _SamplerThread(self, max(MIN_SYSTEM_INTERVAL, self.options.system_interval))
             self._sampler.start()
@@ -234,6 +249,8 @@ class Run:
         deadline = time.monotonic() + timeout
         if self._sampler is not None:
             self._sampler.stop()
+        if self._console is not None:
+            self._console.stop()  # its last partial lines go before the finish event
         self._put("finish", None, {"exit_code": exit_code})
         self._shipper.stop(deadline)
         if self._shipper.is_alive():
@@ -264,6 +281,9 @@ class Run:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         else:
             code = 1
+            if self._console is not None and not self._finished:
+                # Python prints this traceback only after finish() has stopped the capture.
+                self._console.record_exception(exc_type, exc, tb)
         self.finish(exit_code=code)
 
     def __repr__(self) -> str:

@@ -47,10 +47,11 @@ class ShipperOptions:
 
 
 def connect(url: str, options: ShipperOptions):
-    """A redis-py client for `url`; imported lazily so `import producer` stays cheap."""
-    import redis
+    """A redis-py client for `url`, a server or a cluster (redis-py is imported lazily, so
+    `import producer` stays cheap)."""
+    from producer.connection import sync_client
 
-    return redis.Redis.from_url(
+    return sync_client(
         url,
         socket_connect_timeout=options.connect_timeout,
         socket_timeout=options.socket_timeout,
@@ -71,11 +72,24 @@ def _wire_number(value: Any) -> float | int | str:
     return _wire_number(value.item())
 
 
-def encode_data(kind: str, data: Any) -> bytes:
-    """The `data` field of one event, as JSON bytes."""
+def encode_data(kind: str, data: Any) -> str:
+    """The `data` field of one event, as JSON text.
+
+    Text rather than orjson's bytes: those keep orjson's whole 4 KiB output buffer allocated,
+    which a million buffered events would turn into gigabytes.
+    """
     if kind in ("metric", "system"):
+        # Fast path: plain finite numbers encode as they are. orjson writes NaN and infinities
+        # as null and refuses tensors and 64-bit-plus ints, and a metric is never null: then
+        # each value is converted.
+        try:
+            blob = orjson.dumps(data)
+        except TypeError:
+            blob = b"null"
+        if b"null" not in blob:
+            return blob.decode()
         data = {key: _wire_number(value) for key, value in data.items()}
-    return orjson.dumps(data)
+    return orjson.dumps(data).decode()
 
 
 class Shipper(threading.Thread):
@@ -100,6 +114,7 @@ class Shipper(threading.Thread):
         self._held_start: Pending | None = None
         self._orphans_checked = False
         self._client = None
+        self._xadd_many = None
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
@@ -182,14 +197,18 @@ class Shipper(threading.Thread):
     def run(self) -> None:
         import redis
 
-        delay = 0.0
+        delay, next_try = 0.0, 0.0
         while True:
             if delay:
-                time.sleep(min(delay, self._time_left()))  # finish() bounds its own wait
+                time.sleep(min(self.options.flush_interval, max(0.0, self._time_left())))
             else:
                 self._stopping.wait(self.options.flush_interval)
             self._maybe_heartbeat()
+            # Encoding goes on while Redis is away, so the queue feeding log() never fills up
+            # during a backoff: the bounded backlog (and spool) decide what is kept.
             self._encode_outbox()
+            if time.monotonic() < next_try and self._time_left() > 0:
+                continue
             try:
                 if self.epoch is None:
                     try:
@@ -203,9 +222,11 @@ class Shipper(threading.Thread):
                 self._flush()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 delay = self._note_outage(exc, delay)
+                next_try = time.monotonic() + delay
             except redis.RedisError as exc:
                 # A refused command (OOM, READONLY replica): retried like an outage, loudly.
                 delay = self._note_outage(exc, delay)
+                next_try = time.monotonic() + delay
             else:
                 if self._outage_since is not None:
                     log.warning(
@@ -326,14 +347,10 @@ class Shipper(threading.Thread):
         return describe(sampled_devices(self.gpu_device_ids)[1])
 
     def _send(self, client, records: list[Record], epoch: int) -> None:
-        ident = self.identity
-        pipe = client.pipeline(transaction=False)
-        for r in records:
-            pipe.xadd(
-                self.key,
-                wire.encode_fields(r.kind, ident.run_id, ident.label, r.epoch or epoch, r.seq, r.ts, r.data, r.step),
-            )
-        pipe.execute()
+        if self._xadd_many is None or self._xadd_many.registered_client is not client:
+            self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
+        entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
+        self._xadd_many(keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries))
 
     def _flush(self) -> None:
         client = self._connection()

@@ -140,6 +140,33 @@ def encode_fields(
     return fields
 
 
+# Adds many entries to one stream in one round trip: KEYS[1] is the stream, ARGV is the version,
+# run, label, then (kind, epoch, seq, ts, step or "", data) per entry. One call replaces a
+# pipeline of XADDs, which costs the producer several times more CPU per event in redis-py.
+XADD_MANY_SCRIPT = """
+local key, version, run, label = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV, 6 do
+  if ARGV[i + 4] == '' then
+    redis.call('XADD', key, '*', 'v', version, 'kind', ARGV[i], 'run', run, 'label', label,
+      'epoch', ARGV[i + 1], 'seq', ARGV[i + 2], 'ts', ARGV[i + 3], 'data', ARGV[i + 5])
+  else
+    redis.call('XADD', key, '*', 'v', version, 'kind', ARGV[i], 'run', run, 'label', label,
+      'epoch', ARGV[i + 1], 'seq', ARGV[i + 2], 'ts', ARGV[i + 3], 'step', ARGV[i + 4],
+      'data', ARGV[i + 5])
+  end
+end
+return (#ARGV - 3) / 6
+"""
+
+
+def xadd_many_args(run: str, label: str, entries) -> list:
+    """ARGV for XADD_MANY_SCRIPT from (kind, epoch, seq, ts, step, data) tuples."""
+    args: list = [VERSION, run, label]
+    for kind, epoch, seq, ts, step, data in entries:
+        args += (kind, epoch, seq, repr(ts), "" if step is None else step, data)
+    return args
+
+
 def _text(fields: dict[bytes, bytes], name: str) -> str:
     raw = fields.get(name.encode())
     if raw is None:

@@ -197,11 +197,11 @@
     return String(Number(v.toPrecision(4)));
   }
 
-  function niceTicks(low, high, wanted) {
+  function niceTicks(low, high, wanted, least = 0) {
     const raw = (high - low) / wanted;
     const magnitude = 10 ** Math.floor(Math.log10(raw));
     const norm = raw / magnitude;
-    const step = (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * magnitude;
+    const step = Math.max(least, (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * magnitude);
     const ticks = [];
     for (let t = Math.ceil(low / step) * step; t <= high + step * 1e-9; t += step) {
       ticks.push(Number(t.toPrecision(12)));
@@ -328,7 +328,8 @@
         label.textContent = compact(t);
         canvas.append(label);
       }
-      const xTicks = this.xKind === 'ts' ? timeTicks(x0, x1, 6) : { ticks: niceTicks(x0, x1, 6) };
+      // Steps are whole numbers: no tick between two of them.
+      const xTicks = this.xKind === 'ts' ? timeTicks(x0, x1, 6) : { ticks: niceTicks(x0, x1, 6, 1) };
       for (const t of xTicks.ticks) {
         const label = svg('text', { x: sx(t), y: H - 7, 'text-anchor': 'middle', class: 'tick' });
         label.textContent = this.xKind === 'ts' ? (xTicks.step < 60 ? clock(t) : clock(t).slice(0, 5)) : compact(t);
@@ -470,7 +471,13 @@
   function route() {
     if (current) current.stop();
     const match = location.hash.match(/^#\/run\/(.+)$/);
-    current = match ? runView(decodeURIComponent(match[1])) : runsView();
+    let runId = null;
+    try {
+      runId = match ? decodeURIComponent(match[1]) : null;
+    } catch (error) {
+      runId = null;  // a malformed address: show the runs
+    }
+    current = runId === null ? runsView() : runView(runId);
   }
 
   // Calls `tick` now and again `every` ms after each call ends, until stopped.

@@ -1,0 +1,51 @@
+"""What the benchmarks share: a Redis to use, percentiles, the machine they ran on, one JSON line."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterator, Sequence
+
+import orjson
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ingester.localredis import LocalRedis  # noqa: E402
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """RUNBUS_BENCH_REDIS_URL, else a throwaway redis-server (no persistence) for this run."""
+    url = os.environ.get("RUNBUS_BENCH_REDIS_URL")
+    if url:
+        yield url
+        return
+    with LocalRedis() as server:
+        yield server.url
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+    }
+
+
+def emit(name: str, results: dict) -> None:
+    """Print the one JSON line a benchmark reports."""
+    print(orjson.dumps({"bench": name, "machine": machine(), **results}).decode(), flush=True)

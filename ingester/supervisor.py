@@ -1,0 +1,253 @@
+"""`runbus ingest --workers N`: N worker processes in one consumer group, one supervisor over them.
+
+Worker i is consumer `{base}-{i}` (base: `--consumer`, else host-pid of the supervisor) in every
+life: a worker restarted after a crash comes back under its old name and first re-reads the
+entries it left pending, instead of waiting for another worker to claim them. A worker that exits
+abnormally is restarted after a capped, doubling delay (reset once it has run for a while). On
+SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batch in flight, and
+exits; one still running after drain timeout + margin is killed (its batch stays pending, so
+nothing is lost, but the exit code is then 1). A second signal kills them at once.
+
+Workers are started with multiprocessing's "spawn": a fresh interpreter each, given its settings
+by pickle (never on a command line, where `ps` would show the store's password).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+from ingester.worker import Worker, WorkerSettings
+
+log = logging.getLogger("runbus.ingester")
+
+# Set up a worker process before it runs (the CLI configures logging there); given its consumer name.
+Setup = Callable[[str], None]
+
+
+@dataclass
+class SupervisorSettings:
+    """How many workers, how crashed ones come back, and how long a stop may take."""
+
+    workers: int = 2
+    http: tuple[str, int] | None = None  # worker i serves the ops endpoints on (host, port + i)
+    restart_delay: float = 0.5
+    max_restart_delay: float = 30.0
+    stable_after: float = 60.0  # a worker that ran this long restarts without delay growth
+    kill_margin: float = 5.0
+    handle_signals: bool = True
+
+
+@dataclass
+class Slot:
+    """Worker i across its lives."""
+
+    index: int
+    settings: WorkerSettings
+    http: tuple[str, int] | None
+    process: BaseProcess | None = None
+    started: float = 0.0
+    delay: float = 0.0
+    restart_at: float | None = None
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+def die_with(parent: int) -> None:
+    """On Linux, SIGTERM this process when `parent` dies: a SIGKILLed supervisor leaves no orphan
+    workers behind, which a new supervisor would run beside under the same consumer names."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the line above
+        sys.exit(0)
+
+
+def run_child(
+    settings: WorkerSettings, http: tuple[str, int] | None, setup: Setup | None, parent: int
+) -> None:
+    """The body of a worker process."""
+    # Until the worker's own handlers are in place a terminal's Ctrl-C must not raise in here:
+    # the supervisor forwards SIGTERM to every worker anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with(parent)
+    if setup is not None:
+        setup(settings.consumer)
+    worker = Worker(settings)
+    if http is None:
+        sys.exit(worker.run())
+    from ingester.http import run_worker
+
+    sys.exit(run_worker(worker, http))
+
+
+class Supervisor:
+    """Starts the workers, restarts crashed ones, and stops them all on a signal."""
+
+    def __init__(
+        self, worker: WorkerSettings, settings: SupervisorSettings | None = None, setup: Setup | None = None
+    ) -> None:
+        self.settings = settings or SupervisorSettings()
+        if self.settings.workers < 1:
+            raise ValueError(f"--workers must be at least 1, not {self.settings.workers}")
+        self.worker = worker
+        self.setup = setup
+        self.slots = [
+            Slot(
+                index=i,
+                settings=dataclasses.replace(worker, consumer=f"{worker.consumer}-{i}"),
+                http=(self.settings.http[0], self.settings.http[1] + i)
+                if self.settings.http and self.settings.http[1]
+                else self.settings.http,
+                delay=self.settings.restart_delay,
+            )
+            for i in range(self.settings.workers)
+        ]
+        self._context = multiprocessing.get_context("spawn")
+        self._signals = 0
+        self._stop_deadline: float | None = None
+        self._killed = False
+        self._wake_r, self._wake_w = -1, -1
+
+    def run(self) -> int:
+        """Supervise until every worker has exited; 0 when all of them exited cleanly."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        previous = {}
+        if self.settings.handle_signals:
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        log.info(
+            "supervisor %d starting %d workers, %s-0 to %s-%d",
+            os.getpid(), len(self.slots), self.worker.consumer, self.worker.consumer, len(self.slots) - 1,
+        )
+        try:
+            for slot in self.slots:
+                self._start(slot)
+            self._supervise()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self._kill_all()  # only after an error here: normally none is left
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        clean = not self._killed and all(
+            slot.exit_codes and slot.exit_codes[-1] in (0, -signal.SIGTERM) for slot in self.slots
+        )
+        log.info(
+            "supervisor stopped: %d restarts; last exit codes %s",
+            sum(slot.restarts for slot in self.slots),
+            [slot.exit_codes[-1] if slot.exit_codes else None for slot in self.slots],
+        )
+        return 0 if clean else 1
+
+    def request_stop(self) -> None:
+        """Stop every worker (as SIGTERM does); callable from a signal handler."""
+        self._signals += 1
+        with contextlib.suppress(OSError):  # a full pipe wakes the loop all the same
+            os.write(self._wake_w, b"\0")
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.request_stop()
+
+    def _supervise(self) -> None:
+        while True:
+            now = time.monotonic()
+            if self._signals:
+                self._stop(now)
+            self._reap(now)
+            alive = [slot.process for slot in self.slots if slot.process is not None]
+            if self._stop_deadline is not None:
+                if not alive:
+                    return
+                if now >= self._stop_deadline and not self._killed:
+                    log.error("workers still running %.0fs after SIGTERM: killing them", self._grace())
+                    self._kill_all()
+            else:
+                for slot in self.slots:
+                    if slot.restart_at is not None and now >= slot.restart_at:
+                        self._start(slot)
+                        alive.append(slot.process)
+                if not alive and all(slot.restart_at is None for slot in self.slots):
+                    return  # every worker finished by itself (--burst)
+            wake_at = [slot.restart_at for slot in self.slots if slot.restart_at is not None]
+            if self._stop_deadline is not None and not self._killed:
+                wake_at = [self._stop_deadline]
+            timeout = max(0.0, min(wake_at) - now) if wake_at else None
+            ready = wait([*(p.sentinel for p in alive), self._wake_r], timeout)
+            if self._wake_r in ready:
+                os.read(self._wake_r, 64)
+
+    def _grace(self) -> float:
+        return self.worker.drain_timeout + self.settings.kill_margin
+
+    def _start(self, slot: Slot) -> None:
+        slot.restart_at = None
+        slot.process = self._context.Process(
+            target=run_child, args=(slot.settings, slot.http, self.setup, os.getpid()),
+            name=slot.settings.consumer,
+        )
+        slot.process.start()
+        slot.started = time.monotonic()
+        log.info("worker %s started (pid %d)", slot.settings.consumer, slot.process.pid)
+
+    def _reap(self, now: float) -> None:
+        for slot in self.slots:
+            process = slot.process
+            if process is None or process.exitcode is None:
+                continue
+            code = process.exitcode
+            process.close()
+            slot.process = None
+            slot.exit_codes.append(code)
+            if self._stop_deadline is not None or code == 0:
+                log.info("worker %s exited with %d", slot.settings.consumer, code)
+                continue
+            if now - slot.started >= self.settings.stable_after:
+                slot.delay = self.settings.restart_delay
+            slot.restart_at = now + slot.delay
+            slot.restarts += 1
+            log.error(
+                "worker %s exited with %s; restarting it in %.1fs",
+                slot.settings.consumer, _describe(code), slot.delay,
+            )
+            slot.delay = min(self.settings.max_restart_delay, slot.delay * 2)
+
+    def _stop(self, now: float) -> None:
+        if self._stop_deadline is None:
+            log.info("stopping %d workers (at most %.0fs)", len(self.slots), self._grace())
+            self._stop_deadline = now + self._grace()
+            for slot in self.slots:
+                slot.restart_at = None
+                if slot.process is not None and slot.process.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(slot.process.pid, signal.SIGTERM)
+        elif self._signals > 1 and not self._killed:
+            log.warning("second signal: killing the workers now")
+            self._kill_all()
+        self._signals = min(self._signals, 1)
+
+    def _kill_all(self) -> None:
+        for slot in self.slots:
+            if slot.process is not None and slot.process.exitcode is None:
+                self._killed = True
+                slot.process.kill()
+                slot.process.join()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"

@@ -1,0 +1,198 @@
+"""`runbus tail RUN` as a process against a real Redis, while entries are written by hand."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from dashboard.tail import Tail, TailSettings, format_line
+from producer import wire
+from tests.helpers import ingest, read_store, xadd_event
+
+RUN = "tail-run"
+
+
+class TailProcess:
+    """`python -m ingester tail ARGS`, its stdout and stderr read line by line as they come."""
+
+    def __init__(self, redis_url: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ingester", "tail", "--redis", redis_url, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "NO_COLOR": ""},
+        )
+        self.out: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.process.stdout, self.out.put), daemon=True),
+            threading.Thread(target=self._pump, args=(self.process.stderr, self.err.append), daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _pump(stream, put) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def line(self, timeout: float = 10.0) -> str:
+        try:
+            return self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line within {timeout} s; stderr: {self.err}") from None
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any("following run" in line or "already finished" in line for line in self.err):
+            assert time.monotonic() < deadline and self.process.poll() is None, f"tail not ready: {self.err}"
+            time.sleep(0.02)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        code = self.process.wait(timeout=timeout)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        return code
+
+    def rest(self) -> list[str]:
+        lines = []
+        while not self.out.empty():
+            lines.append(self.out.get_nowait())
+        return lines
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.wait()
+        self.process.stdout.close()
+        self.process.stderr.close()
+
+
+@pytest.fixture
+def tail_process(redis_url):
+    started: list[TailProcess] = []
+
+    def start(*args: str) -> TailProcess:
+        started.append(TailProcess(redis_url, *args))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+def log(client, label, seq, text, level="INFO", ts=None):
+    xadd_event(client, RUN, label, "log", 1, seq, {"stream": "stdout", "level": level, "text": text}, ts=ts)
+
+
+def test_tail_follows_every_label_live_and_exits_after_the_primary_finishes(
+    redis_url, store_url, tail_process
+):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        xadd_event(client, RUN, "rank1", "start", 1, 1, {"primary": False})
+        log(client, "rank0", 2, "an old line, before the tail started")
+        tail = tail_process(RUN, "--level", "info")
+        tail.wait_ready()
+
+        log(client, "rank0", 3, "hello from rank0")
+        assert tail.line() == "rank0 | hello from rank0"
+        log(client, "rank1", 2, "prefetching", level="DEBUG")  # under --level INFO
+        log(client, "rank1", 3, "two\nlines", level="WARNING")
+        assert [tail.line(), tail.line()] == ["rank1 | two", "rank1 | lines"]
+
+        # A label whose stream appears only now is found by the next scan and read from its start.
+        xadd_event(client, RUN, "worker-2", "start", 1, 1, {"primary": False})
+        log(client, "worker-2", 2, "joined late")
+        assert tail.line() == "worker-2 | joined late"
+
+        xadd_event(client, RUN, "rank1", "finish", 1, 4, {"exit_code": 0})  # a worker: tail goes on
+        log(client, "rank0", 4, "still here")
+        assert tail.line() == "rank0    | still here"  # padded to the widest label
+        xadd_event(client, RUN, "rank0", "finish", 1, 5, {"exit_code": 0})
+        log(client, "worker-2", 3, "a last line after the primary's finish")
+        assert tail.wait() == 0
+        assert tail.rest() == ["worker-2 | a last line after the primary's finish"]
+        assert not any("\x1b[" in line for line in tail.err)
+
+        # XREAD took nothing from anyone: no consumer group, every entry left for the ingesters.
+        assert client.xinfo_groups(wire.stream_key(RUN, "rank0")) == []
+    ingest(redis_url, store_url)
+    assert len(read_store(store_url, "logs", RUN)) == 7
+
+
+def test_tail_from_start_prints_the_history_of_one_label(redis_url, tail_process):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        xadd_event(client, RUN, "rank1", "start", 1, 1, {"primary": False})
+        for seq in range(2, 6):
+            log(client, "rank0", seq, f"rank0 line {seq}", ts=100.0 + seq)
+            level = "ERROR" if seq == 5 else "INFO"
+            log(client, "rank1", seq, f"rank1 line {seq}", level=level, ts=100.5 + seq)
+        xadd_event(client, RUN, "rank0", "finish", 1, 6, {"exit_code": 1})
+    tail = tail_process(RUN, "--from-start", "--label", "rank1")
+    assert tail.wait() == 0
+    assert tail.rest() == [f"rank1 | rank1 line {seq}" for seq in range(2, 6)]
+    tail = tail_process(RUN, "--from-start", "--level", "ERROR")
+    assert tail.wait() == 0
+    assert tail.rest() == ["rank1 | rank1 line 5"]
+
+
+def test_tail_of_a_finished_run_exits_at_once(redis_url, tail_process):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        log(client, "rank0", 2, "done soon")
+        xadd_event(client, RUN, "rank0", "finish", 1, 3, {"exit_code": 0})
+    tail = tail_process(RUN)
+    assert tail.wait() == 0
+    assert tail.rest() == []
+    assert any("already finished" in line for line in tail.err)
+
+
+def test_ctrl_c_exits_130_quietly(redis_url, tail_process):
+    tail = tail_process("not-started-yet")  # waits for its streams to appear
+    tail.wait_ready()
+    tail.process.send_signal(signal.SIGINT)
+    assert tail.wait() == 130
+    assert tail.rest() == []
+    assert not any("Traceback" in line for line in tail.err)
+
+
+def test_bad_arguments_and_an_unreachable_redis_are_clear_errors(tail_process):
+    tail = tail_process("bad run!")
+    assert tail.wait() == 2 and any("invalid name" in line for line in tail.err)
+    tail = TailProcess("redis://:hunter2@127.0.0.1:1/0", RUN)
+    try:
+        assert tail.wait() == 1
+        assert any("cannot read the streams" in line for line in tail.err)
+        assert not any("hunter2" in line for line in tail.err)
+    finally:
+        tail.close()
+
+
+def test_labels_get_their_own_colour_on_a_terminal(redis_url):
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        xadd_event(client, RUN, "rank10", "start", 1, 1, {"primary": False})
+        log(client, "rank0", 2, "zero", ts=10.0)
+        xadd_event(client, RUN, "rank10", "log", 1, 2, {"stream": "stderr", "text": "ten"}, ts=11.0)
+        xadd_event(client, RUN, "rank0", "finish", 1, 3, {"exit_code": 0})
+    out, err = io.StringIO(), io.StringIO()
+    settings = TailSettings(redis_url=redis_url, run_id=RUN, from_start=True, color=True, finish_grace=0.2)
+    assert Tail(settings, out=out, err=err).run() == 0
+    assert out.getvalue().splitlines() == [
+        format_line("rank0", 6, "zero", "36"),
+        format_line("rank10", 6, "ten", "33"),
+    ]
+    assert format_line("rank0", 6, "zero", "36") == "\x1b[36mrank0  |\x1b[0m zero"
+    assert format_line("rank0", 6, "zero", None) == "rank0  | zero"

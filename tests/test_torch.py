@@ -1,0 +1,183 @@
+"""PyTorch: tensors as metrics, the DDP example under torchrun, and an elastic restart."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import producer
+from ingester.localredis import free_port
+from tests.conftest import IN_CI
+from tests.helpers import ingest, read_store, run_cli
+
+try:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+except ImportError:  # torch is in the dev extra: under CI its absence is a failure
+    if IN_CI:
+        raise
+    pytest.skip("torch is not installed", allow_module_level=True)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+STEPS = 20
+
+
+def init(redis_url, run_id, **kw):
+    return producer.init(run_id=run_id, label="rank0", redis_url=redis_url, system_interval=None,
+                         hardware=False, console="off", **kw)
+
+
+def test_tensors_and_numpy_scalars_are_logged(redis_url, store_url):
+    weight = torch.tensor(2.0, requires_grad=True)
+    loss = weight * 3  # has a grad_fn
+    running = torch.tensor(1.5)
+    with init(redis_url, "tensors") as run:
+        run.log({
+            "loss": loss,
+            "running": running,
+            "one_element": torch.tensor([0.25]),
+            "half": torch.tensor(0.5, dtype=torch.bfloat16),
+            "count": torch.tensor(7),
+            "flag": torch.tensor(True),
+            "np_float": np.float32(0.125),
+            "np_int": np.int64(-3),
+            "np_bool": np.bool_(True),
+            "np_array": np.array(4.0),
+        }, step=torch.tensor(5))
+        running.add_(100.0)  # an in-place update after log() does not change what was logged
+        with pytest.raises(TypeError, match="not a scalar"):
+            run.log({"vector": torch.ones(2)})
+        with pytest.raises(TypeError, match="complex"):
+            run.log({"z": torch.tensor(1 + 2j)})
+    ingest(redis_url, store_url)
+    points = {p.key: (p.step, p.value) for p in read_store(store_url, "metrics", "tensors")}
+    assert points == {
+        "loss": (5, 6.0), "running": (5, 1.5), "one_element": (5, 0.25), "half": (5, 0.5), "count": (5, 7),
+        "flag": (5, 1), "np_float": (5, 0.125), "np_int": (5, -3), "np_bool": (5, 1), "np_array": (5, 4.0),
+    }
+    assert weight.grad is None
+
+
+def test_accelerator_tensors_are_read_off_the_training_thread(redis_url, store_url):
+    # A meta tensor has no value: reading one raises. log() accepting it shows that log() does
+    # not read device tensors; the shipper's failed read leaves a gap, never a wrong value.
+    with init(redis_url, "deferred") as run:
+        run.log({"on_device": torch.tensor(1.0, device="meta")}, step=0)
+        run.log({"plain": 2.0}, step=1)
+    assert run._shipper.failed_encodes == 1
+    ingest(redis_url, store_url)
+    assert [(p.key, p.value) for p in read_store(store_url, "metrics", "deferred")] == [("plain", 2.0)]
+    assert read_store(store_url, "run", "deferred").labels[0].missing == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_round_trip(redis_url, store_url):
+    value = torch.tensor(0.75, device="cuda")
+    with init(redis_url, "cuda") as run:
+        run.log({"loss": value * 2}, step=0)
+        value.add_(1.0)
+    ingest(redis_url, store_url)
+    assert [p.value for p in read_store(store_url, "metrics", "cuda")] == [1.5]
+
+
+def test_rank_and_world_size_from_a_process_group(redis_url, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "RUNBUS_RUN_ID", "RUNBUS_LABEL"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with producer.init(redis_url=redis_url, system_interval=None, hardware=False, console="off") as run:
+            ident = run.identity
+            assert (ident.rank, ident.world_size, run.label, run.primary) == (0, 1, "rank0", True)
+    finally:
+        dist.destroy_process_group()
+
+
+def torchrun(redis_url, run_id, nproc, *args, max_restarts=0):
+    """Run the DDP example under torchrun; the CompletedProcess (text)."""
+    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "OMP_NUM_THREADS": "1"}
+    for name in ("RUNBUS_RUN_ID", "RUNBUS_LABEL", "RUNBUS_CONSOLE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+        str(EXAMPLE), "--steps", str(STEPS), "--system-interval", "0.5", *args,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
+
+
+def test_ddp_example_under_torchrun(redis_url, store_url):
+    result = torchrun(redis_url, "ddp-4", 4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "ddp-4")
+    assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
+    assert [(lab.label, lab.primary, lab.state, lab.epoch, lab.missing) for lab in run.labels] == [
+        (f"rank{r}", r == 0, "finished", 1, 0) for r in range(4)
+    ]
+    assert run.config["backend"] in ("gloo", "nccl") and run.config["world_size"] == 4
+    assert run.labels[2].start["world_size"] == 4 and run.labels[2].start["rank"] == 2
+
+    points = read_store(store_url, "metrics", "ddp-4")
+    for rank in range(4):
+        mine = collections.defaultdict(list)
+        for p in points:
+            if p.label == f"rank{rank}":
+                mine[p.key].append(p.step)
+        assert mine["loss"] == mine["lr"] == list(range(STEPS))
+        assert mine["samples_per_s"] == [4, 9, 14, 19]
+    losses = [p.value for p in points if p.key == "loss" and p.label == "rank0"]
+    assert losses[-1] < losses[0]  # it learns
+
+    systems = {p.label for p in read_store(store_url, "system", "ddp-4")}
+    assert systems == {f"rank{r}" for r in range(4)}
+    lines = read_store(store_url, "logs", "ddp-4")
+    for rank in range(4):
+        mine = [(line.stream, line.text) for line in lines if line.label == f"rank{rank}"]
+        assert ("stdout", f"rank {rank} step 19") in [(s, t[: len(f"rank {rank} step 19")]) for s, t in mine]
+        assert ("logging", f"rank {rank} done after {STEPS} steps") in mine
+    assert not [line for line in lines if line.level == "ERROR"]
+
+    # The terminal shows the primary's console only.
+    assert "ddp_train: 4 ranks" in result.stdout and "rank 0 step 19" in result.stdout
+    assert "rank 1 step" not in result.stdout + result.stderr
+    assert "rank 0 done after" in result.stderr and "rank 3 done after" not in result.stderr
+    logs = run_cli("--store", store_url, "logs", "ddp-4", "--label", "rank3", "--grep", "step 19").stdout
+    assert logs.startswith("rank3 | ") and "rank 3 step 19 loss" in logs
+
+
+def test_an_elastic_restart_continues_the_run(redis_url, store_url):
+    fail_step = 5
+    failing = ("--fail-rank", "1", "--fail-step", str(fail_step))
+    result = torchrun(redis_url, "ddp-restart", 4, *failing, max_restarts=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank1]" in result.stderr and "injected by --fail-rank" in result.stderr
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "ddp-restart")
+    assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
+    assert [(lab.label, lab.state, lab.epoch, lab.missing) for lab in run.labels] == [
+        (f"rank{r}", "finished", 2, 0) for r in range(4)
+    ]
+    assert [lab.start["restart_count"] for lab in run.labels] == [1] * 4
+
+    loss = collections.defaultdict(list)
+    for p in read_store(store_url, "metrics", "ddp-restart", key="loss"):
+        loss[(p.label, p.epoch)].append(p.step)
+    # Epoch 1 kept what every rank logged before the failure; epoch 2 is the whole run again.
+    assert loss[("rank1", 1)] == list(range(fail_step + 1))
+    for rank in range(4):
+        assert loss[(f"rank{rank}", 2)] == list(range(STEPS))
+        assert loss[(f"rank{rank}", 1)] == list(range(len(loss[(f"rank{rank}", 1)])))
+
+    failure = read_store(store_url, "logs", "ddp-restart", label="rank1", level="ERROR")
+    assert {line.epoch for line in failure} == {1}
+    assert failure[-1].text == f"RuntimeError: rank 1 fails at step {fail_step} (injected by --fail-rank)"
+    started = read_store(store_url, "logs", "ddp-restart", label="rank1", grep="attempt ")
+    attempts = [line.text for line in started]
+    assert [text.rsplit(", ", 1)[-1] for text in attempts] == ["attempt 0", "attempt 1"]
