@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.crc import key_slot
+from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import storage
@@ -37,6 +37,8 @@ log = logging.getLogger("runbus.ingester")
 
 # Raw entries as redis-py returns them: (stream key, [(entry id, {field: value})]).
 Entries = list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]
+# Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
+REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
 # Where a decoded event came from: (stream key, entry id, raw fields).
 Source = tuple[str, bytes, dict[bytes, bytes]]
 STREAMS_PER_READ = 256
@@ -468,7 +470,7 @@ class Worker:
         while True:
             try:
                 result = await call()
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_AWAY as exc:
                 what = "redis"
                 error = exc
             except StoreError as exc:

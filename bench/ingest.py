@@ -1,0 +1,141 @@
+"""Ingest throughput: one `runbus ingest --burst` worker (and two) against the raw ceiling.
+
+EVENTS events from 8 labels are pre-loaded into Redis, the same way for every measurement. The
+raw ceiling is measured in the same run on an identical copy: XREADGROUP + orjson decode + XACK
+and no storage. Stores: SQLite always, PostgreSQL when RUNBUS_BENCH_POSTGRES_DSN is set (or
+--postgres starts a throwaway cluster, as the tests do).
+
+    python bench/ingest.py [--events 1000000] [--postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import orjson
+import redis
+from common import emit, private_redis
+
+from producer import wire
+
+LABELS = 8
+PRELOAD_BATCH = 5000
+
+
+def preload(url: str, run_id: str, events: int) -> None:
+    """EVENTS metric events (2 keys each) spread over LABELS labels, as producers write them."""
+    client = redis.Redis.from_url(url)
+    script = client.register_script(wire.XADD_MANY_SCRIPT)
+    per_label = events // LABELS
+    now = time.time()
+    for label in (f"rank{i}" for i in range(LABELS)):
+        client.sadd(wire.REGISTRY_KEY, wire.stream_key(run_id, label))
+        for first in range(1, per_label + 1, PRELOAD_BATCH):
+            entries = [
+                ("metric", 1, seq, now + seq * 1e-3, seq, orjson.dumps({"loss": 1.0 / seq, "lr": 1e-4}).decode())
+                for seq in range(first, min(per_label, first + PRELOAD_BATCH - 1) + 1)
+            ]
+            script(keys=[wire.stream_key(run_id, label)], args=wire.xadd_many_args(run_id, label, entries))
+    client.close()
+
+
+async def raw_ceiling(url: str, run_id: str, batch: int = 1000) -> float:
+    """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage)."""
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url)
+    keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
+    for key in keys:
+        await client.xgroup_create(key, "raw", id="0")
+    done, started = 0, time.perf_counter()
+    while True:
+        reply = await client.xreadgroup("raw", "raw-1", dict.fromkeys(keys, ">"), count=batch)
+        if not reply:
+            break
+        pipe = client.pipeline(transaction=False)
+        for key, items in reply:
+            for _, fields in items:
+                orjson.loads(fields[b"data"])
+            pipe.xack(key, "raw", *[entry_id for entry_id, _ in items])
+            done += len(items)
+        await pipe.execute()
+    elapsed = time.perf_counter() - started
+    await client.aclose()
+    return done / elapsed
+
+
+def burst(url: str, store_url: str, workers: int) -> float:
+    """Events/s for `workers` concurrent `runbus ingest --burst` processes until all are done."""
+    cmd = [sys.executable, "-m", "ingester", "--log-level", "WARNING", "--store", store_url, "ingest",
+           "--redis", url, "--burst"]
+    started = time.perf_counter()
+    procs = [subprocess.Popen([*cmd, "--consumer", f"bench-{i}"]) for i in range(workers)]
+    for proc in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"runbus ingest exited {proc.returncode}")
+    return time.perf_counter() - started
+
+
+def measure(url: str, store_url: str, events: int, workers: int) -> dict:
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    run_id = f"bench-{workers}w"
+    preload(url, run_id, events)
+    ceiling = asyncio.run(raw_ceiling(url, run_id))
+    # The identical copy for the workers: the same entries, re-read from id 0 by the real group.
+    client = redis.Redis.from_url(url)
+    for i in range(LABELS):
+        client.xgroup_destroy(wire.stream_key(run_id, f"rank{i}"), "raw")
+    client.close()
+    seconds = burst(url, store_url, workers)
+    stored = events - events % LABELS
+    return {
+        "workers": workers,
+        "events": stored,
+        "events_per_s": round(stored / seconds),
+        "raw_ceiling_per_s": round(ceiling),
+        "fraction_of_ceiling": round(stored / seconds / ceiling, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--postgres", action="store_true", help="start a throwaway PostgreSQL cluster")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    results: dict = {}
+    with private_redis() as url, tempfile.TemporaryDirectory() as tmp:
+        for workers in (1, 2):
+            results[f"sqlite_{workers}w"] = measure(url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers)
+        dsn = os.environ.get("RUNBUS_BENCH_POSTGRES_DSN")
+        server = None
+        if dsn is None and args.postgres:
+            from tests.pgserver import LocalPostgres
+
+            server = LocalPostgres()
+            server.start()
+            dsn = server.dsn
+        try:
+            if dsn:
+                from tests.pgserver import create_database
+
+                for workers in (1, 2):
+                    store = asyncio.run(create_database(dsn))
+                    results[f"postgres_{workers}w"] = measure(url, store, args.events, workers)
+        finally:
+            if server is not None:
+                server.cleanup()
+    emit("ingest", {"events": args.events, **results})
+
+
+if __name__ == "__main__":
+    main()
