@@ -12,7 +12,9 @@ from collections.abc import Iterator, Sequence
 import orjson
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository first: bench/producer.py must not shadow the `producer` package.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from ingester.localredis import LocalRedis  # noqa: E402
 

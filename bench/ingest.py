@@ -21,7 +21,7 @@ import time
 
 import orjson
 import redis
-from common import emit, private_redis
+from common import ROOT, emit, private_redis
 
 from producer import wire
 
@@ -76,7 +76,7 @@ def burst(url: str, store_url: str, workers: int) -> float:
     cmd = [sys.executable, "-m", "ingester", "--log-level", "WARNING", "--store", store_url, "ingest",
            "--redis", url, "--burst"]
     started = time.perf_counter()
-    procs = [subprocess.Popen([*cmd, "--consumer", f"bench-{i}"]) for i in range(workers)]
+    procs = [subprocess.Popen([*cmd, "--consumer", f"bench-{i}"], cwd=ROOT) for i in range(workers)]
     for proc in procs:
         if proc.wait() != 0:
             raise SystemExit(f"runbus ingest exited {proc.returncode}")

@@ -60,34 +60,56 @@ class RunState:
 
 def apply_event(label: LabelState, event: Event) -> LabelState:
     """Fold one event into its label's state; the result does not depend on arrival order."""
-    pos = event.position
-    changes: dict = {}
-    if pos > (label.epoch, label.last_seq):
-        changes["epoch"], changes["last_seq"] = pos
-    if label.first_ts is None or event.ts < label.first_ts:
-        changes["first_ts"] = event.ts
-    if label.last_ts is None or event.ts > label.last_ts:
-        changes["last_ts"] = event.ts
-    if event.kind == "start" and pos > label.start_pos:
-        changes.update(primary=event.data["primary"], start_pos=pos, start_data=event.data)
-    if event.kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
-        changes["dropped"] = merge_dropped(label.dropped, event.epoch, event.data["dropped_ranges"])
-    if pos > label.state_pos:
-        if event.kind == "finish":
-            code = event.data["exit_code"]
-            state = FINISHED if code == 0 else FAILED
-            changes.update(state=state, exit_code=code, state_pos=pos, state_ts=event.ts)
-        elif event.kind in ("start", "heartbeat") or label.state == CRASHED:
-            # Any later sign of life revives a label that was marked crashed.
-            changes.update(state=RUNNING, exit_code=None, state_pos=pos, state_ts=event.ts)
-    return replace(label, **changes) if changes else label
+    return apply_events(label, (event,))
 
 
 def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
-    """Fold many events of one label (any order, duplicates allowed)."""
+    """Fold many events of one label (any order, duplicates allowed).
+
+    The state lives in local variables and the record is rebuilt once: an ingester folds
+    every event it stores through here.
+    """
+    top = (label.epoch, label.last_seq)
+    first_ts, last_ts = label.first_ts, label.last_ts
+    state, exit_code, state_pos, state_ts = label.state, label.exit_code, label.state_pos, label.state_ts
+    primary, start_pos, start_data = label.primary, label.start_pos, label.start_data
+    dropped = label.dropped
     for event in events:
-        label = apply_event(label, event)
-    return label
+        pos = (event.epoch, event.seq)
+        ts = event.ts
+        if pos > top:
+            top = pos
+        if first_ts is None or ts < first_ts:
+            first_ts = ts
+        if last_ts is None or ts > last_ts:
+            last_ts = ts
+        kind = event.kind
+        if kind == "start" and pos > start_pos:
+            primary, start_pos, start_data = event.data["primary"], pos, event.data
+        elif kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
+            dropped = merge_dropped(dropped, event.epoch, event.data["dropped_ranges"])
+        if pos > state_pos:
+            if kind == "finish":
+                exit_code = event.data["exit_code"]
+                state, state_pos, state_ts = (FINISHED if exit_code == 0 else FAILED), pos, ts
+            elif kind in ("start", "heartbeat") or state == CRASHED:
+                # Any later sign of life revives a label that was marked crashed.
+                state, exit_code, state_pos, state_ts = RUNNING, None, pos, ts
+    return replace(
+        label,
+        epoch=top[0],
+        last_seq=top[1],
+        first_ts=first_ts,
+        last_ts=last_ts,
+        state=state,
+        exit_code=exit_code,
+        state_pos=state_pos,
+        state_ts=state_ts,
+        primary=primary,
+        start_pos=start_pos,
+        start_data=start_data,
+        dropped=dropped,
+    )
 
 
 def crash(label: LabelState) -> LabelState:

@@ -80,3 +80,17 @@ def test_every_entry_is_stored_or_dead_lettered(redis_server_url, generated):
             run = read_store(store_url, "run", RUN)
             assert run.counts["metric"] == len({f[b"seq"] for f in valid})
     client.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 50).flatmap(entries))
+def test_the_fast_decoder_agrees_with_the_checked_one(fields):
+    key = wire.stream_key(RUN, LABEL)
+    fast = wire._decode_plain(key, fields)
+    try:
+        checked = wire.decode_checked(key, fields)
+    except wire.InvalidEntry:
+        checked = None
+        assert fast is None
+    if fast is not None:
+        assert fast == checked
