@@ -39,7 +39,14 @@ def preload(url: str, run_id: str, events: int) -> None:
         client.sadd(wire.REGISTRY_KEY, wire.stream_key(run_id, label))
         for first in range(1, per_label + 1, PRELOAD_BATCH):
             entries = [
-                ("metric", 1, seq, now + seq * 1e-3, seq, orjson.dumps({"loss": 1.0 / seq, "lr": 1e-4}).decode())
+                (
+                    "metric",
+                    1,
+                    seq,
+                    now + seq * 1e-3,
+                    seq,
+                    orjson.dumps({"loss": 1.0 / seq, "lr": 1e-4}).decode(),
+                )
                 for seq in range(first, min(per_label, first + PRELOAD_BATCH - 1) + 1)
             ]
             script(keys=[wire.stream_key(run_id, label)], args=wire.xadd_many_args(run_id, label, entries))
@@ -73,8 +80,19 @@ async def raw_ceiling(url: str, run_id: str, batch: int = 1000) -> float:
 
 def burst(url: str, store_url: str, workers: int) -> float:
     """Events/s for `workers` concurrent `runbus ingest --burst` processes until all are done."""
-    cmd = [sys.executable, "-m", "ingester", "--log-level", "WARNING", "--store", store_url, "ingest",
-           "--redis", url, "--burst"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ingester",
+        "--log-level",
+        "WARNING",
+        "--store",
+        store_url,
+        "ingest",
+        "--redis",
+        url,
+        "--burst",
+    ]
     started = time.perf_counter()
     procs = [subprocess.Popen([*cmd, "--consumer", f"bench-{i}"], cwd=ROOT) for i in range(workers)]
     for proc in procs:
@@ -115,7 +133,9 @@ def main() -> None:
     results: dict = {}
     with private_redis() as url, tempfile.TemporaryDirectory() as tmp:
         for workers in (1, 2):
-            results[f"sqlite_{workers}w"] = measure(url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers)
+            results[f"sqlite_{workers}w"] = measure(
+                url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers
+            )
         dsn = os.environ.get("RUNBUS_BENCH_POSTGRES_DSN")
         server = None
         if dsn is None and args.postgres:

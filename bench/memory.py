@@ -31,8 +31,13 @@ def main() -> None:
     gc.collect()
     rss_before = process.memory_info().rss
     run = producer.init(
-        run_id="bench-memory", label="rank0", redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        system_interval=None, hardware=False, console="off", max_buffer_bytes=args.max_buffer_mb << 20,
+        run_id="bench-memory",
+        label="rank0",
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        system_interval=None,
+        hardware=False,
+        console="off",
+        max_buffer_bytes=args.max_buffer_mb << 20,
         finish_timeout=0.1,
     )
     peak = rss_before
@@ -50,16 +55,19 @@ def main() -> None:
     growth_mb = (peak - rss_before) / 2**20
     # The bound: the encoded backlog, plus the queue in front of it at ~0.5 KiB per event.
     bound_mb = args.max_buffer_mb + run.options.max_buffer_events * 512 / 2**20
-    emit("memory", {
-        "events": args.events,
-        "max_buffer_mb": args.max_buffer_mb,
-        "bound_mb": round(bound_mb, 1),
-        "rss_growth_mb": round(growth_mb, 1),
-        "within_bound": growth_mb <= bound_mb,
-        "held_events": held,
-        "dropped_events": dropped,
-        "log_s": round(log_s, 2),
-    })
+    emit(
+        "memory",
+        {
+            "events": args.events,
+            "max_buffer_mb": args.max_buffer_mb,
+            "bound_mb": round(bound_mb, 1),
+            "rss_growth_mb": round(growth_mb, 1),
+            "within_bound": growth_mb <= bound_mb,
+            "held_events": held,
+            "dropped_events": dropped,
+            "log_s": round(log_s, 2),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,11 @@ def bench_runbus(redis_url: str, calls: int) -> dict:
     import producer
 
     run = producer.init(
-        run_id=f"bench-{os.getpid()}", label="rank0", redis_url=redis_url, system_interval=None, hardware=False,
+        run_id=f"bench-{os.getpid()}",
+        label="rank0",
+        redis_url=redis_url,
+        system_interval=None,
+        hardware=False,
         console="off",
     )
     return measure(lambda step: run.log({"loss": 0.5, "lr": 1e-4}, step=step), calls, run.finish)
@@ -77,6 +81,7 @@ def bench_mlflow(calls: int, synchronous: bool) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
         with mlflow.start_run():
+
             def log(step: int) -> None:
                 mlflow.log_metrics({"loss": 0.5, "lr": 1e-4}, step=step, synchronous=synchronous)
 

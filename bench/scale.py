@@ -118,8 +118,22 @@ def measure(redis_url: str, store_url: str, workers: int, pairs: list[tuple[str,
     client.delete(*keys, wire.REGISTRY_KEY)
     base = free_port()
     with subprocess.Popen(
-        [sys.executable, "-m", "ingester", "--store", store_url, "--log-level", "WARNING", "ingest",
-         "--redis", redis_url, "--workers", str(workers), "--http", f"127.0.0.1:{base}"],
+        [
+            sys.executable,
+            "-m",
+            "ingester",
+            "--store",
+            store_url,
+            "--log-level",
+            "WARNING",
+            "ingest",
+            "--redis",
+            redis_url,
+            "--workers",
+            str(workers),
+            "--http",
+            f"127.0.0.1:{base}",
+        ],
     ) as supervisor:
         try:
             deadline = time.monotonic() + 120
@@ -170,12 +184,23 @@ def main() -> None:
                     asyncio.run(drop_database(dsn, store_url))
             rate = round(total / seconds)
             results.append({"workers": n, "seconds": round(seconds, 2), "events_per_s": rate})
-            print(f"{n} workers: {total} events in {seconds:.2f}s, {total / seconds:,.0f} events/s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{n} workers: {total} events in {seconds:.2f}s, {total / seconds:,.0f} events/s",
+                file=sys.stderr,
+                flush=True,
+            )
         client.delete(*[staged for staged, _ in pairs])
         client.close()
-    emit("scale", {"store": f"{args.store}: {where}", "events": total, "streams": len(pairs),
-                   "events_per_stream": args.events, "results": results})
+    emit(
+        "scale",
+        {
+            "store": f"{args.store}: {where}",
+            "events": total,
+            "streams": len(pairs),
+            "events_per_stream": args.events,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":
