@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
