@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,12 @@ REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError
 Source = tuple[str, bytes, dict[bytes, bytes]]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
+
+
+async def _settled(task: asyncio.Task | None) -> None:
+    """Wait for the batch in flight, if any (its errors propagate); always None."""
+    if task is not None:
+        await task
 
 
 def default_consumer_name() -> str:
@@ -233,36 +240,55 @@ class Worker:
         next_claim, next_maintenance, next_stats = now, now + settings.maintenance_interval, now + STATS_INTERVAL
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
-        while not self._stop_requested:
-            await self._with_redis(self.discovery.refresh)
-            now = time.monotonic()
-            if pending_first:
-                entries = await self._with_redis(lambda: self._read("0"))
-                if entries:
-                    await self._process(entries, redelivered=True)
-                elif entries is not None:
-                    pending_first = False
-                continue
-            if settings.burst or now >= next_claim:
-                claimed = await self._with_redis(self._claim)
-                next_claim = now if claimed else now + claim_every
-                if claimed:
-                    self.stats.claimed += sum(len(items) for _, items in claimed)
-                    await self._process(claimed, redelivered=True)
+        # New entries are read and decoded while the previous batch is written (in the store's
+        # thread): at most one batch in flight, and batches commit and are acknowledged in order.
+        in_flight: asyncio.Task | None = None
+        try:
+            while not self._stop_requested:
+                await self._with_redis(self.discovery.refresh)
+                now = time.monotonic()
+                if pending_first:
+                    entries = await self._with_redis(lambda: self._read("0"))
+                    if entries:
+                        await self._process(entries, redelivered=True)
+                    elif entries is not None:
+                        pending_first = False
                     continue
-            entries = await self._with_redis(lambda: self._read(">"))
-            if entries:
-                await self._process(entries)
-            elif entries is not None and settings.burst:
-                if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
-                    return
-            if now >= next_maintenance and not settings.burst:
-                next_maintenance = now + settings.maintenance_interval
-                await self._maintain()
-            if now >= next_stats:
-                next_stats = now + STATS_INTERVAL
-                s = self.stats
-                log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+                if settings.burst or now >= next_claim:
+                    claimed = await self._with_redis(self._claim)
+                    next_claim = now if claimed else now + claim_every
+                    if claimed:
+                        in_flight = await _settled(in_flight)
+                        self.stats.claimed += sum(len(items) for _, items in claimed)
+                        await self._process(claimed, redelivered=True)
+                        continue
+                entries = await self._with_redis(lambda: self._read(">"))
+                if entries:
+                    started = time.monotonic()
+                    decoded = decode_batch(entries, None, settings.max_deliveries)
+                    in_flight = await _settled(in_flight)
+                    in_flight = asyncio.create_task(self._commit(entries, *decoded, started=started))
+                else:
+                    in_flight = await _settled(in_flight)
+                    if entries is not None and settings.burst:
+                        if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
+                            return
+                if now >= next_maintenance and not settings.burst:
+                    next_maintenance = now + settings.maintenance_interval
+                    in_flight = await _settled(in_flight)
+                    await self._maintain()
+                if now >= next_stats:
+                    next_stats = now + STATS_INTERVAL
+                    s = self.stats
+                    log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+        finally:
+            if in_flight is not None:
+                # Stopping or done: the batch commits. Cancelled because the drain timed out:
+                # it is cancelled too, and stays pending for another worker.
+                if asyncio.current_task().cancelling():
+                    in_flight.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await in_flight
 
     async def _claim(self) -> Entries:
         """Entries other consumers left pending for longer than claim_idle (XAUTOCLAIM)."""
@@ -378,6 +404,17 @@ class Worker:
         started = time.monotonic()
         deliveries = await self._with_redis(lambda: self._deliveries(entries)) if redelivered else None
         events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
+        await self._commit(entries, events, sources, dead, started=started)
+
+    async def _commit(
+        self,
+        entries: Entries,
+        events: list[wire.Event],
+        sources: list[Source],
+        dead: list[DeadEntry],
+        started: float,
+    ) -> None:
+        """Write a decoded batch, dead-letter what must be, then acknowledge it all."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
         try:
             stored = await self._write(events, sources, dead)
@@ -399,10 +436,11 @@ class Worker:
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
+        for kind, n in Counter(e.kind for e in events).items():
+            s.by_kind[kind] = s.by_kind.get(kind, 0) + n
         written_at = time.time()
-        for event in events:
-            s.by_kind[event.kind] = s.by_kind.get(event.kind, 0) + 1
-            s.runs_written[event.run] = written_at
+        for run in {e.run for e in events}:
+            s.runs_written[run] = written_at
         log.debug(
             "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",
             count, len(entries), stored, len(events) - stored, len(dead),
