@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -108,6 +109,9 @@ def ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
             return response.status == 200
+    except urllib.error.HTTPError as exc:  # 503 until connected
+        exc.close()
+        return False
     except OSError:
         return False
 

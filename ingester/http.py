@@ -89,8 +89,12 @@ class OpsServer:
             raise CannotListen(f"cannot serve the ops endpoints on {self.host}:{self.port}: {exc}") from exc
         self.port = self._runner.addresses[0][1]
         shown = f"[{self.host}]" if ":" in self.host else self.host
-        log.info("ops endpoints of %s at http://%s:%d/ (healthz, readyz, metrics)",
-                 self.worker.settings.consumer, shown, self.port)
+        log.info(
+            "ops endpoints of %s at http://%s:%d/ (healthz, readyz, metrics)",
+            self.worker.settings.consumer,
+            shown,
+            self.port,
+        )
 
     async def stop(self) -> None:
         if self._missing_task is not None:
@@ -142,8 +146,12 @@ class OpsServer:
         worker = self.worker
         self._refresh_missing()
         text = telemetry.render(
-            worker.stats, worker.settings.consumer, worker.settings.group,
-            await self._backlog(), self._missing, MAX_STREAM_SERIES,
+            worker.stats,
+            worker.settings.consumer,
+            worker.settings.group,
+            await self._backlog(),
+            self._missing,
+            MAX_STREAM_SERIES,
         )
         return web.Response(body=text.encode(), headers={"Content-Type": telemetry.CONTENT_TYPE})
 

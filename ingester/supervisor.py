@@ -130,7 +130,11 @@ class Supervisor:
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         log.info(
             "supervisor %d starting %d workers, %s-0 to %s-%d",
-            os.getpid(), len(self.slots), self.worker.consumer, self.worker.consumer, len(self.slots) - 1,
+            os.getpid(),
+            len(self.slots),
+            self.worker.consumer,
+            self.worker.consumer,
+            len(self.slots) - 1,
         )
         try:
             for slot in self.slots:
@@ -195,7 +199,8 @@ class Supervisor:
     def _start(self, slot: Slot) -> None:
         slot.restart_at = None
         slot.process = self._context.Process(
-            target=run_child, args=(slot.settings, slot.http, self.setup, os.getpid()),
+            target=run_child,
+            args=(slot.settings, slot.http, self.setup, os.getpid()),
             name=slot.settings.consumer,
         )
         slot.process.start()
@@ -220,7 +225,9 @@ class Supervisor:
             slot.restarts += 1
             log.error(
                 "worker %s exited with %s; restarting it in %.1fs",
-                slot.settings.consumer, _describe(code), slot.delay,
+                slot.settings.consumer,
+                _describe(code),
+                slot.delay,
             )
             slot.delay = min(self.settings.max_restart_delay, slot.delay * 2)
 

@@ -121,42 +121,87 @@ def render(
     totals cover every stream.
     """
     out = Exposition()
-    out.family("runbus_ingester_info", "gauge", "This worker's consumer name and group.",
-               [({"consumer": consumer, "group": group}, 1)])
-    out.family("runbus_ingested_events_total", "counter",
-               "Valid events written in committed batches, by kind (a redelivered event counts again).",
-               [({"kind": kind}, count) for kind, count in sorted(stats.by_kind.items())])
+    out.family(
+        "runbus_ingester_info",
+        "gauge",
+        "This worker's consumer name and group.",
+        [({"consumer": consumer, "group": group}, 1)],
+    )
+    out.family(
+        "runbus_ingested_events_total",
+        "counter",
+        "Valid events written in committed batches, by kind (a redelivered event counts again).",
+        [({"kind": kind}, count) for kind, count in sorted(stats.by_kind.items())],
+    )
     out.single("runbus_stored_events_total", "counter", "Events new to the store.", stats.stored)
-    out.single("runbus_duplicate_events_total", "counter",
-               "Events the store already had (redeliveries), stored once.", stats.duplicates)
+    out.single(
+        "runbus_duplicate_events_total",
+        "counter",
+        "Events the store already had (redeliveries), stored once.",
+        stats.duplicates,
+    )
     out.single("runbus_entries_total", "counter", "Stream entries processed and acknowledged.", stats.entries)
     out.single("runbus_batches_total", "counter", "Batches written and acknowledged.", stats.batches)
     out.histogram("runbus_batch_size_entries", "Entries per batch.", stats.batch_sizes)
-    out.histogram("runbus_store_write_seconds", "Time of one successful store write (one transaction).",
-                  stats.write_seconds)
+    out.histogram(
+        "runbus_store_write_seconds",
+        "Time of one successful store write (one transaction).",
+        stats.write_seconds,
+    )
     out.single("runbus_dead_lettered_total", "counter", "Entries copied to runbus:dead.", stats.dead_lettered)
-    out.single("runbus_poison_total", "counter",
-               "Dead-lettered because delivered more than --max-deliveries times.", stats.poison)
+    out.single(
+        "runbus_poison_total",
+        "counter",
+        "Dead-lettered because delivered more than --max-deliveries times.",
+        stats.poison,
+    )
     out.single("runbus_claimed_total", "counter", "Entries claimed from idle consumers.", stats.claimed)
-    out.single("runbus_reconnects_total", "counter",
-               "Retries while Redis (or the store, when connecting) was unreachable.", stats.reconnects)
-    out.single("runbus_store_retries_total", "counter", "Store writes retried after a StoreError.",
-               stats.store_retries)
+    out.single(
+        "runbus_reconnects_total",
+        "counter",
+        "Retries while Redis (or the store, when connecting) was unreachable.",
+        stats.reconnects,
+    )
+    out.single(
+        "runbus_store_retries_total",
+        "counter",
+        "Store writes retried after a StoreError.",
+        stats.store_retries,
+    )
     out.single("runbus_trimmed_total", "counter", "Stored entries trimmed from the streams.", stats.trimmed)
     out.single("runbus_crashed_labels_total", "counter", "Labels this worker marked crashed.", stats.crashed)
     if backlog is not None:
         out.single("runbus_streams", "gauge", "Streams this worker reads.", len(backlog))
-        out.single("runbus_lag_entries", "gauge", "Entries the group has not read yet, all streams.",
-                   sum(b.lag or 0 for b in backlog))
-        out.single("runbus_pending_entries", "gauge", "Entries read but not acknowledged, all streams.",
-                   sum(b.pending for b in backlog))
+        out.single(
+            "runbus_lag_entries",
+            "gauge",
+            "Entries the group has not read yet, all streams.",
+            sum(b.lag or 0 for b in backlog),
+        )
+        out.single(
+            "runbus_pending_entries",
+            "gauge",
+            "Entries read but not acknowledged, all streams.",
+            sum(b.pending for b in backlog),
+        )
         top = sorted(backlog, key=lambda b: (-((b.lag or 0) + b.pending), b.stream))[:max_streams]
-        out.family("runbus_stream_lag_entries", "gauge", "Entries of a stream the group has not read yet.",
-                   [({"stream": b.stream}, b.lag) for b in top if b.lag is not None])
-        out.family("runbus_stream_pending_entries", "gauge", "Entries of a stream read, not acknowledged.",
-                   [({"stream": b.stream}, b.pending) for b in top])
+        out.family(
+            "runbus_stream_lag_entries",
+            "gauge",
+            "Entries of a stream the group has not read yet.",
+            [({"stream": b.stream}, b.lag) for b in top if b.lag is not None],
+        )
+        out.family(
+            "runbus_stream_pending_entries",
+            "gauge",
+            "Entries of a stream read, not acknowledged.",
+            [({"stream": b.stream}, b.pending) for b in top],
+        )
     if missing is not None:
-        out.family("runbus_missing_events", "gauge",
-                   "Gaps: seq numbers never stored, per run this worker wrote to in the last hour.",
-                   [({"run": run}, count) for run, count in sorted(missing.items())])
+        out.family(
+            "runbus_missing_events",
+            "gauge",
+            "Gaps: seq numbers never stored, per run this worker wrote to in the last hour.",
+            [({"run": run}, count) for run, count in sorted(missing.items())],
+        )
     return out.text()

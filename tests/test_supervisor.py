@@ -1,0 +1,173 @@
+"""`runbus ingest --workers N` against real processes: a SIGKILLed worker is restarted, SIGTERM
+drains them all, and on SQLite as on PostgreSQL every event is stored exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import redis
+
+from ingester.localredis import free_port
+from ingester.supervisor import Supervisor, SupervisorSettings
+from ingester.worker import WorkerSettings
+from producer import wire
+from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.test_faults import assert_every_event_once, finish_producers, start_producer
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store(request) -> str:
+    return request.getfixturevalue("store_url" if request.param == "sqlite" else "postgres_url")
+
+
+def free_ports(count: int) -> int:
+    """A port P such that P … P+count-1 are all free on loopback right now."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no run of free ports")
+
+
+def healthz(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return json.loads(response.read())
+    except OSError:
+        return None
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def holding_entries(redis_url: str, consumer: str, timeout: float) -> bool:
+    """Wait (at most `timeout`) until `consumer` has entries read and not yet acknowledged."""
+    deadline = time.monotonic() + timeout
+    with redis.Redis.from_url(redis_url) as client:
+        keys = [key.decode() for key in client.smembers(wire.REGISTRY_KEY)]
+        while time.monotonic() < deadline:
+            for key in keys:
+                for entry in client.xpending(key, wire.DEFAULT_GROUP)["consumers"]:
+                    if entry["name"].decode() == consumer and entry["pending"]:
+                        return True
+            time.sleep(0.002)
+    return False
+
+
+def test_three_workers_one_sigkilled_store_every_event_once(redis_url, any_store, tmp_path):
+    ranks, count, workers = 4, 3000, 3
+    base = free_ports(workers)
+    log_path = tmp_path / "supervisor.log"
+    with (
+        open(log_path, "w") as log_file,
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ingester",
+                "--store",
+                any_store,
+                "ingest",
+                "--redis",
+                redis_url,
+                "--workers",
+                str(workers),
+                "--consumer",
+                "sup",
+                "--claim-idle",
+                "2",
+                "--http",
+                f"127.0.0.1:{base}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        ) as supervisor,
+    ):
+        try:
+            pids = [wait_for(lambda p=base + i: healthz(p), 60, f"worker {i}")["pid"] for i in range(workers)]
+            assert [healthz(base + i)["consumer"] for i in range(workers)] == ["sup-0", "sup-1", "sup-2"]
+            producers = [start_producer(redis_url, "scaled", r, count, PACE="0.0005") for r in range(ranks)]
+            for proc in producers:
+                assert proc.stdout.readline() == "ready\n"
+            time.sleep(0.5)
+            victim = pids[1]
+            holding_entries(redis_url, "sup-1", timeout=3.0)  # best effort: kill it mid-batch
+            os.kill(victim, signal.SIGKILL)
+            restarted = wait_for(
+                lambda: (h := healthz(base + 1)) and h["pid"] != victim and h, 60, "the restarted worker"
+            )
+            assert restarted["consumer"] == "sup-1"
+            finish_producers(producers)
+            supervisor.send_signal(signal.SIGTERM)
+            assert supervisor.wait(timeout=60) == 0
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+    log = log_path.read_text()
+    assert "worker sup-1 exited with signal SIGKILL; restarting it" in log, log
+    assert "supervisor stopped: 1 restarts; last exit codes [0, 0, 0]" in log, log
+    stats = ingest(redis_url, any_store, claim_idle=0.0)  # whatever a drained worker left unread
+    assert stats.dead_lettered == 0
+    assert_every_event_once(any_store, "scaled", ranks, count)
+
+
+def test_a_worker_that_keeps_failing_is_restarted_with_growing_delays(redis_url, tmp_path):
+    # The store URL's scheme is unknown: every life of the worker ends with exit code 1.
+    worker = WorkerSettings(redis_url=redis_url, store_url="nosuch:///x", consumer="failing")
+    settings = SupervisorSettings(workers=1, restart_delay=0.1, max_restart_delay=0.5, handle_signals=False)
+    supervisor = Supervisor(worker, settings)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(supervisor.run()))
+    thread.start()
+    try:
+        wait_for(lambda: supervisor.slots[0].restarts >= 3, 60, "three restarts")
+    finally:
+        supervisor.request_stop()
+        thread.join(timeout=60)
+    slot = supervisor.slots[0]
+    assert slot.settings.consumer == "failing-0"
+    assert slot.exit_codes[:3] == [1, 1, 1]
+    assert slot.delay == 0.5  # 0.1, 0.2, 0.4, then capped
+    # Stopped while waiting to restart, the last life failed: 1. Stopped while a life was
+    # starting, that one got SIGTERM: 0.
+    assert codes == [1 if slot.exit_codes[-1] == 1 else 0]
+    assert slot.exit_codes[-1] in (1, -signal.SIGTERM)
+
+
+def test_burst_workers_exit_zero_when_everything_is_stored(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        for rank in range(3):
+            xadd_event(client, "burst", f"rank{rank}", "start", 1, 1, {"primary": rank == 0})
+            for seq in range(2, 202):
+                xadd_event(client, "burst", f"rank{rank}", "metric", 1, seq, {"x": 1.0}, step=seq)
+    result = run_cli("--store", store_url, "ingest", "--redis", redis_url, "--workers", "2", "--burst")
+    assert "last exit codes [0, 0]" in result.stderr
+    assert read_store(store_url, "run", "burst").counts["metric"] == 600
+
+
+def test_workers_must_be_positive(redis_url, store_url):
+    result = run_cli("--store", store_url, "ingest", "--redis", redis_url, "--workers", "0", check=False)
+    assert result.returncode == 1 and "--workers must be at least 1" in result.stderr
