@@ -116,8 +116,11 @@ def train(args: argparse.Namespace, device: torch.device, backend: str) -> None:
                 value = loss.item()  # waits for the device, once per window: throughput is honest
                 elapsed = time.perf_counter() - window_start
                 metrics["samples_per_s"] = window_samples / elapsed
-                print(f"rank {rank} step {step} loss {value:.4f} lr {lr:.4f} "
-                      f"{metrics['samples_per_s']:.0f} samples/s", flush=True)
+                print(
+                    f"rank {rank} step {step} loss {value:.4f} lr {lr:.4f} "
+                    f"{metrics['samples_per_s']:.0f} samples/s",
+                    flush=True,
+                )
                 window_start, window_samples = time.perf_counter(), 0
             run.log(metrics, step=step)
             if rank == args.fail_rank and step == args.fail_step and attempt == 0:

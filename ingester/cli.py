@@ -62,21 +62,54 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
     ingest.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
     ingest.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
-    ingest.add_argument("--claim-idle", type=float, default=30.0, metavar="SECONDS",
-                        help="claim other consumers' entries pending this long (default %(default)s)")
-    ingest.add_argument("--max-deliveries", type=int, default=5,
-                        help="dead-letter an entry delivered more often (default %(default)s)")
-    ingest.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="on SIGTERM, finish the batch in flight for at most this (default %(default)s)")
-    ingest.add_argument("--retain", type=float, default=3600.0, metavar="SECONDS",
-                        help="trim stored entries older than this from the streams (default %(default)s)")
-    ingest.add_argument("--crash-after", type=float, default=120.0, metavar="SECONDS",
-                        help="a label silent this long without a finish is crashed (default %(default)s)")
-    ingest.add_argument("--workers", type=int, default=1,
-                        help="worker processes in the group, crashed ones restarted (default %(default)s)")
-    ingest.add_argument("--http", type=_ops_address, default=None, metavar="[HOST:]PORT",
-                        help="serve /healthz, /readyz, /metrics (host 127.0.0.1 unless given; "
-                        "with --workers N, worker i on PORT+i)")
+    ingest.add_argument(
+        "--claim-idle",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="claim other consumers' entries pending this long (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=5,
+        help="dead-letter an entry delivered more often (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, finish the batch in flight for at most this (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--retain",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="trim stored entries older than this from the streams (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--crash-after",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="a label silent this long without a finish is crashed (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes in the group, crashed ones restarted (default %(default)s)",
+    )
+    ingest.add_argument(
+        "--http",
+        type=_ops_address,
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve /healthz, /readyz, /metrics (host 127.0.0.1 unless given; "
+        "with --workers N, worker i on PORT+i)",
+    )
 
     dead = commands.add_parser("dead", help="list (or replay) dead-lettered entries")
     _redis_option(dead)
@@ -163,7 +196,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print(output.dumps(output.runs_document(runs)))
         return 0
     rows = [
-        (r.run_id, output.state_text(r), r.primary, r.label_count, output.when(r.started_ts), output.when(r.last_ts))
+        (
+            r.run_id,
+            output.state_text(r),
+            r.primary,
+            r.label_count,
+            output.when(r.started_ts),
+            output.when(r.last_ts),
+        )
         for r in runs
     ]
     print(output.table(("RUN", "STATE", "PRIMARY", "LABELS", "STARTED", "LAST EVENT"), rows))
@@ -193,7 +233,9 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     async def read(store):
         await _known_run(store, args.run, args.store)
-        return await store.logs(args.run, label=args.label, level=args.level, grep=args.grep, limit=args.limit)
+        return await store.logs(
+            args.run, label=args.label, level=args.level, grep=args.grep, limit=args.limit
+        )
 
     lines = asyncio.run(_with_store(args.store, read))
     if args.json:

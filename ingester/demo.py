@@ -35,8 +35,17 @@ def torch_job(ranks: int, steps: int) -> list[str] | None:
     if not DDP_EXAMPLE.is_file() or importlib.util.find_spec("torch") is None:
         return None
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-        str(DDP_EXAMPLE), "--steps", str(steps), "--system-interval", "0.5",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(DDP_EXAMPLE),
+        "--steps",
+        str(steps),
+        "--system-interval",
+        "0.5",
     ]
 
 

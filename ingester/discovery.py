@@ -61,9 +61,7 @@ class Discovery:
                 self._registry_size = size
         if force or now >= self._next_scan:
             self._next_scan = now + self.scan_interval
-            async for key in self.redis.scan_iter(
-                match=wire.scan_pattern(), count=1000, _type="stream"
-            ):
+            async for key in self.redis.scan_iter(match=wire.scan_pattern(), count=1000, _type="stream"):
                 found.append(key.decode())
         new = [key for key in dict.fromkeys(found) if key not in self._known and is_event_stream(key)]
         for key in new:

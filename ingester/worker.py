@@ -177,7 +177,9 @@ class Worker:
             self._stop_requested = True
             self._stop_time = time.monotonic()
             if self._loop_task is not None:
-                asyncio.get_running_loop().call_later(self.settings.drain_timeout + 1.0, self._loop_task.cancel)
+                asyncio.get_running_loop().call_later(
+                    self.settings.drain_timeout + 1.0, self._loop_task.cancel
+                )
 
     def _drain_expired(self) -> bool:
         return self._stop_time is not None and (
@@ -227,9 +229,19 @@ class Worker:
                 "worker %s stopped after %.1fs: %d batches, %d entries, %d stored, %d duplicates, "
                 "%d dead-lettered (%d poison), %d claimed, %d trimmed, %d crashed, %d store retries, "
                 "%d reconnects",
-                settings.consumer, time.monotonic() - started, s.batches, s.entries, s.stored,
-                s.duplicates, s.dead_lettered, s.poison, s.claimed, s.trimmed, s.crashed,
-                s.store_retries, s.reconnects,
+                settings.consumer,
+                time.monotonic() - started,
+                s.batches,
+                s.entries,
+                s.stored,
+                s.duplicates,
+                s.dead_lettered,
+                s.poison,
+                s.claimed,
+                s.trimmed,
+                s.crashed,
+                s.store_retries,
+                s.reconnects,
             )
         return self.stats
 
@@ -237,7 +249,11 @@ class Worker:
         settings = self.settings
         claim_every = max(0.5, settings.claim_idle / 2)
         now = time.monotonic()
-        next_claim, next_maintenance, next_stats = now, now + settings.maintenance_interval, now + STATS_INTERVAL
+        next_claim, next_maintenance, next_stats = (
+            now,
+            now + settings.maintenance_interval,
+            now + STATS_INTERVAL,
+        )
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
         # New entries are read and decoded while the previous batch is written (in the store's
@@ -270,9 +286,9 @@ class Worker:
                     in_flight = asyncio.create_task(self._commit(entries, *decoded, started=started))
                 else:
                     in_flight = await _settled(in_flight)
-                    if entries is not None and settings.burst:
-                        if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
-                            return
+                    finished = entries is not None and settings.burst
+                    if finished and not await self._with_redis(lambda: self.discovery.refresh(force=True)):
+                        return
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
                     in_flight = await _settled(in_flight)
@@ -296,8 +312,12 @@ class Worker:
         for key in list(self.discovery.streams):
             try:
                 reply = await self.redis.xautoclaim(
-                    key, settings.group, settings.consumer, int(settings.claim_idle * 1000),
-                    start_id="0-0", count=settings.batch_size,
+                    key,
+                    settings.group,
+                    settings.consumer,
+                    int(settings.claim_idle * 1000),
+                    start_id="0-0",
+                    count=settings.batch_size,
                 )
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -316,7 +336,11 @@ class Worker:
         counts: dict[bytes, int] = {}
         for key, items in entries:
             pending = await self.redis.xpending_range(
-                key, self.settings.group, min=items[0][0], max=items[-1][0], count=len(items) * 2,
+                key,
+                self.settings.group,
+                min=items[0][0],
+                max=items[-1][0],
+                count=len(items) * 2,
                 consumername=self.settings.consumer,
             )
             counts.update((p["message_id"], p["times_delivered"]) for p in pending)
@@ -330,8 +354,12 @@ class Worker:
             for key, items in entries:
                 try:
                     await self.redis.xclaim(
-                        key, self.settings.group, self.settings.consumer, 0,
-                        [entry_id for entry_id, _ in items], justid=True,
+                        key,
+                        self.settings.group,
+                        self.settings.consumer,
+                        0,
+                        [entry_id for entry_id, _ in items],
+                        justid=True,
                     )
                 except Exception as exc:  # best effort: a lapse only risks a deduplicated rewrite
                     log.debug("keep-alive of %s failed: %s", key, exc)
@@ -355,7 +383,9 @@ class Worker:
     async def _release_consumer(self) -> None:
         for key in list(self.discovery.streams):
             try:
-                await maintenance.release_consumer(self.redis, key, self.settings.group, self.settings.consumer)
+                await maintenance.release_consumer(
+                    self.redis, key, self.settings.group, self.settings.consumer
+                )
             except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.debug("could not release consumer on %s: %s", key, exc)
                 return
@@ -443,11 +473,17 @@ class Worker:
             s.runs_written[run] = written_at
         log.debug(
             "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",
-            count, len(entries), stored, len(events) - stored, len(dead),
+            count,
+            len(entries),
+            stored,
+            len(events) - stored,
+            len(dead),
             (time.monotonic() - started) * 1000,
         )
 
-    async def _write(self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]) -> int | None:
+    async def _write(
+        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
+    ) -> int | None:
         """Store events, retrying while the store is unavailable; None if a drain ran out of time.
 
         An error that is not the store being unavailable is taken to come from the data: the
@@ -471,7 +507,9 @@ class Worker:
             except Exception as exc:
                 if len(events) == 1:
                     log.error("the store rejected %s %s: %r", sources[0][0], sources[0][1].decode(), exc)
-                    dead.append(DeadEntry(*sources[0], reason=f"storage rejected it: {type(exc).__name__}: {exc}"))
+                    dead.append(
+                        DeadEntry(*sources[0], reason=f"storage rejected it: {type(exc).__name__}: {exc}")
+                    )
                     return 0
                 half = len(events) // 2
                 first = await self._write(events[:half], sources[:half], dead)

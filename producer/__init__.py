@@ -29,8 +29,16 @@ log = logging.getLogger("runbus.producer")
 
 _RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids", "console"}
 _SHIPPER_OPTIONS = {
-    "flush_interval", "batch_size", "heartbeat_interval", "primary_ttl", "connect_timeout",
-    "socket_timeout", "max_backoff", "max_buffer_bytes", "spool_dir", "max_spool_bytes",
+    "flush_interval",
+    "batch_size",
+    "heartbeat_interval",
+    "primary_ttl",
+    "connect_timeout",
+    "socket_timeout",
+    "max_backoff",
+    "max_buffer_bytes",
+    "spool_dir",
+    "max_spool_bytes",
 }
 _active: dict[tuple[str, str], Run] = {}
 _active_lock = threading.Lock()
@@ -72,9 +80,7 @@ def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]
     from producer import console
 
     run_kw["console"] = console.check_mode(run_kw.get("console") or console.default_mode())
-    return RunOptions(**run_kw), ShipperOptions(
-        **{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS}
-    )
+    return RunOptions(**run_kw), ShipperOptions(**{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS})
 
 
 def init(

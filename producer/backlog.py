@@ -90,9 +90,7 @@ class Spool:
     def append(self, record: Record) -> int:
         if self._file is None:
             self.open()
-        line = orjson.dumps(
-            [record.kind, record.epoch, record.seq, record.ts, record.step, record.data]
-        )
+        line = orjson.dumps([record.kind, record.epoch, record.seq, record.ts, record.step, record.data])
         self._file.write(line + b"\n")
         self.size += len(line) + 1
         return len(line) + 1

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from producer import wire
-from producer.environment import Identity
 from producer.backlog import DropLog
+from producer.environment import Identity
 from producer.outbox import Outbox
 from producer.shipper import Shipper, ShipperOptions
 
@@ -203,7 +203,11 @@ class Run:
             metrics = checked_metrics(metrics)
         else:
             for key, value in metrics.items():
-                if type(value) not in _PLAIN_NUMBERS or type(key) is not str or not 0 < len(key) <= MAX_KEY_LENGTH:
+                if (
+                    type(value) not in _PLAIN_NUMBERS
+                    or type(key) is not str
+                    or not 0 < len(key) <= MAX_KEY_LENGTH
+                ):
                     metrics = checked_metrics(metrics)
                     break
             else:
@@ -221,7 +225,9 @@ class Run:
         if stream not in wire.LOG_STREAMS:
             raise ValueError(f"stream must be one of {sorted(wire.LOG_STREAMS)}, not {stream!r}")
         if len(text) > wire.MAX_DATA_BYTES // 4 and len(text.encode()) > wire.MAX_DATA_BYTES - 1024:
-            raise ValueError(f"log text of {len(text.encode())} bytes is over the {wire.MAX_DATA_BYTES} limit")
+            raise ValueError(
+                f"log text of {len(text.encode())} bytes is over the {wire.MAX_DATA_BYTES} limit"
+            )
         self._put("log", None, {"stream": stream, "level": str(level), "text": text})
 
     def logging_handler(self, level: int = logging.NOTSET) -> logging.Handler:

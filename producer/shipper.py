@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from producer import wire
-from producer.environment import Identity
 from producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
+from producer.environment import Identity
 from producer.outbox import Outbox, Pending
 from producer.urls import safe_url
 
@@ -257,7 +257,9 @@ class Shipper(threading.Thread):
         if self.backlog.spool is not None:
             log.warning(
                 "runbus: %d events could not reach Redis in time and wait in %s for the next "
-                "init() of this run and label", spooled, self.backlog.spool.path,
+                "init() of this run and label",
+                spooled,
+                self.backlog.spool.path,
             )
             self._close_spool(remove=False)
         else:
@@ -294,7 +296,9 @@ class Shipper(threading.Thread):
             return
         self._next_heartbeat = now + self.options.heartbeat_interval
         self.outbox.put(
-            "heartbeat", None, {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped}
+            "heartbeat",
+            None,
+            {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped},
         )
         if self.primary and self._client is not None and self._outage_since is None:
             self._refresh_primary(self._client)
@@ -350,7 +354,9 @@ class Shipper(threading.Thread):
         if self._xadd_many is None or self._xadd_many.registered_client is not client:
             self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
         entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
-        self._xadd_many(keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries))
+        self._xadd_many(
+            keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
+        )
 
     def _flush(self) -> None:
         client = self._connection()
@@ -368,7 +374,9 @@ class Shipper(threading.Thread):
         if not self.options.spool_dir:
             return
         client = self._connection()
-        for spool in orphan_spools(self.options.spool_dir, self.identity.run_id, self.identity.label, os.getpid()):
+        for spool in orphan_spools(
+            self.options.spool_dir, self.identity.run_id, self.identity.label, os.getpid()
+        ):
             epoch = spool.recorded_epoch()
             shipped = 0
             while True:

@@ -65,16 +65,21 @@ class LocalCluster:
             for _ in range(self.masters):
                 node = LocalRedis(port=cluster_port())
                 node.extra_args = (
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", os.path.join(node.directory, f"nodes-{node.port}.conf"),
-                    "--cluster-node-timeout", "5000",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    os.path.join(node.directory, f"nodes-{node.port}.conf"),
+                    "--cluster-node-timeout",
+                    "5000",
                 )
                 self.nodes.append(node)
                 node.start()
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             created = subprocess.run(
                 [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                capture_output=True, text=True, timeout=timeout,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
             if created.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
@@ -117,4 +122,3 @@ def redis_cluster_url() -> Iterator[str]:
         yield cluster.url
     finally:
         cluster.cleanup()
-

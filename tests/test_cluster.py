@@ -154,8 +154,14 @@ def test_producer_rides_out_a_cluster_that_does_not_answer():
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     started = time.monotonic()
     run = producer.init(
-        run_id="nocluster", label="rank0", redis_url=url, system_interval=None, hardware=False,
-        finish_timeout=0.5, max_backoff=0.1, console="off",
+        run_id="nocluster",
+        label="rank0",
+        redis_url=url,
+        system_interval=None,
+        hardware=False,
+        finish_timeout=0.5,
+        max_backoff=0.1,
+        console="off",
     )
     assert time.monotonic() - started < 2
     run.log({"loss": 1.0})

@@ -76,8 +76,10 @@ def test_progress_bars_long_lines_and_binary_junk(redis_url, store_url, capfd):
     assert [len(text) for _, _, text in lines[2:5]] == [MAX_LINE_CHARS, MAX_LINE_CHARS, 10]
     assert lines[5] == ("stdout", "INFO", "café \ufffd\ufffd junk")
     # NUL is kept by the producer; a store may replace it (PostgreSQL text cannot hold it).
-    assert lines[6][2] in ("lone \ufffd\ufffd\ufffd surrogate, nul \x00 byte",
-                           "lone \ufffd\ufffd\ufffd surrogate, nul \ufffd byte")
+    assert lines[6][2] in (
+        "lone \ufffd\ufffd\ufffd surrogate, nul \x00 byte",
+        "lone \ufffd\ufffd\ufffd surrogate, nul \ufffd byte",
+    )
     assert len(lines) == 7
     out, err = capfd.readouterr()
     assert "\r50%|#####|\r100%" in err
@@ -157,8 +159,9 @@ def test_line_levels():
         "error rate 0.1, Errors are fine here",
     ]
     levels = [stderr.level(line) for line in block]
-    assert levels == ["WARNING", "WARNING"] + ["ERROR"] * 4 + ["WARNING"] + ["ERROR"] * 5 + ["WARNING"] + \
-        ["ERROR"] * 6 + ["WARNING"]
+    assert levels == ["WARNING", "WARNING"] + ["ERROR"] * 4 + ["WARNING"] + ["ERROR"] * 5 + ["WARNING"] + [
+        "ERROR"
+    ] * 6 + ["WARNING"]
     assert LineLevels("INFO").level("loss 0.25") == "INFO"
     assert clean_text("ok \udcff") == "ok \ufffd\ufffd\ufffd"
 
@@ -183,8 +186,14 @@ RANK = textwrap.dedent(
 
 
 def run_rank(redis_url, run_id, rank, console):
-    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "RANK": str(rank),
-           "WORLD_SIZE": "2", "RUNBUS_CONSOLE": console}
+    env = {
+        **os.environ,
+        "RUNBUS_REDIS_URL": redis_url,
+        "RUNBUS_RUN_ID": run_id,
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "RUNBUS_CONSOLE": console,
+    }
     result = subprocess.run([sys.executable, "-c", RANK], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
     return result.stdout, result.stderr
@@ -262,8 +271,14 @@ CONFIGURED_LATE = textwrap.dedent(
 
 def test_logging_configured_after_init(redis_url, store_url):
     env = {**os.environ, "RUNBUS_REDIS_URL": redis_url}
-    result = subprocess.run([sys.executable, "-c", CONFIGURED_LATE], env=env, capture_output=True, text=True,
-                            timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", CONFIGURED_LATE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert result.stderr.startswith("INFO:train:configured after init\nERROR:train:step failed\nTraceback")
     assert result.stderr.endswith("WARNING:train:after finish\n")
     lines = stored(redis_url, store_url, "late")

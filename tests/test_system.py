@@ -660,5 +660,12 @@ def test_secret_options_are_redacted_from_the_command_line():
 
     argv = ["train.py", "--api-key", "abc", "--TOKEN=xyz", "--lr", "0.1", "--db-password=pw", "--keys-file"]
     assert redacted_argv(argv) == [
-        "train.py", "--api-key", "***", "--TOKEN=***", "--lr", "0.1", "--db-password=***", "--keys-file",
+        "train.py",
+        "--api-key",
+        "***",
+        "--TOKEN=***",
+        "--lr",
+        "0.1",
+        "--db-password=***",
+        "--keys-file",
     ]

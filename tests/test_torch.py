@@ -29,8 +29,15 @@ STEPS = 20
 
 
 def init(redis_url, run_id, **kw):
-    return producer.init(run_id=run_id, label="rank0", redis_url=redis_url, system_interval=None,
-                         hardware=False, console="off", **kw)
+    return producer.init(
+        run_id=run_id,
+        label="rank0",
+        redis_url=redis_url,
+        system_interval=None,
+        hardware=False,
+        console="off",
+        **kw,
+    )
 
 
 def test_tensors_and_numpy_scalars_are_logged(redis_url, store_url):
@@ -38,18 +45,21 @@ def test_tensors_and_numpy_scalars_are_logged(redis_url, store_url):
     loss = weight * 3  # has a grad_fn
     running = torch.tensor(1.5)
     with init(redis_url, "tensors") as run:
-        run.log({
-            "loss": loss,
-            "running": running,
-            "one_element": torch.tensor([0.25]),
-            "half": torch.tensor(0.5, dtype=torch.bfloat16),
-            "count": torch.tensor(7),
-            "flag": torch.tensor(True),
-            "np_float": np.float32(0.125),
-            "np_int": np.int64(-3),
-            "np_bool": np.bool_(True),
-            "np_array": np.array(4.0),
-        }, step=torch.tensor(5))
+        run.log(
+            {
+                "loss": loss,
+                "running": running,
+                "one_element": torch.tensor([0.25]),
+                "half": torch.tensor(0.5, dtype=torch.bfloat16),
+                "count": torch.tensor(7),
+                "flag": torch.tensor(True),
+                "np_float": np.float32(0.125),
+                "np_int": np.int64(-3),
+                "np_bool": np.bool_(True),
+                "np_array": np.array(4.0),
+            },
+            step=torch.tensor(5),
+        )
         running.add_(100.0)  # an in-place update after log() does not change what was logged
         with pytest.raises(TypeError, match="not a scalar"):
             run.log({"vector": torch.ones(2)})
@@ -58,8 +68,16 @@ def test_tensors_and_numpy_scalars_are_logged(redis_url, store_url):
     ingest(redis_url, store_url)
     points = {p.key: (p.step, p.value) for p in read_store(store_url, "metrics", "tensors")}
     assert points == {
-        "loss": (5, 6.0), "running": (5, 1.5), "one_element": (5, 0.25), "half": (5, 0.5), "count": (5, 7),
-        "flag": (5, 1), "np_float": (5, 0.125), "np_int": (5, -3), "np_bool": (5, 1), "np_array": (5, 4.0),
+        "loss": (5, 6.0),
+        "running": (5, 1.5),
+        "one_element": (5, 0.25),
+        "half": (5, 0.5),
+        "count": (5, 7),
+        "flag": (5, 1),
+        "np_float": (5, 0.125),
+        "np_int": (5, -3),
+        "np_bool": (5, 1),
+        "np_array": (5, 4.0),
     }
     assert weight.grad is None
 
@@ -104,10 +122,29 @@ def torchrun(redis_url, run_id, nproc, *args, max_restarts=0):
     for name in ("RUNBUS_RUN_ID", "RUNBUS_LABEL", "RUNBUS_CONSOLE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-        str(EXAMPLE), "--steps", str(STEPS), "--system-interval", "0.5", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        str(EXAMPLE),
+        "--steps",
+        str(STEPS),
+        "--system-interval",
+        "0.5",
+        *args,
     ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
 
