@@ -307,8 +307,6 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
 def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):
     primary = start_producer(redis_url, "crash", 0, 10, HANG="1", HEARTBEAT="0.2")
     worker = start_producer(redis_url, "crash", 1, 10, HANG="1", HEARTBEAT="0.2")
-    for proc in (primary, worker):
-        assert proc.stdout.readline() == "ready\n"
 
     async def scenario():
         w = Worker(
@@ -334,12 +332,14 @@ def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):
         await task
         return run
 
-    try:
+    try:  # both hang until killed: never leave them behind, whatever fails
+        for proc in (primary, worker):
+            assert proc.stdout.readline() == "ready\n"
         run = asyncio.run(scenario())
     finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.communicate(timeout=30)
-        primary.communicate(timeout=30)
+        for proc in (primary, worker):
+            proc.kill()
+            proc.communicate(timeout=30)
     states = {lab.label: lab.state for lab in run.labels}
     assert states == {"rank0": "crashed", "rank1": "running"}  # rank1 kept its heartbeats
 
