@@ -135,12 +135,8 @@ def _label_state(run: str, row: sqlite3.Row) -> LabelState:
     )
 
 
-def _real(value: float) -> float | None:
-    # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
 def _unreal(value: float | None) -> float:
+    # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
     return math.nan if value is None else float(value)
 
 
@@ -251,39 +247,51 @@ class SQLiteStore:
                 "WHERE id = ?",
                 (*rows.label_columns(folded), seen_at, row["id"]),
             )
+        event_rows, metric_rows, system_rows, log_rows = [], [], [], []
+        for (run, label), group in by_label.items():
+            lid = ids[run, label]
+            event_rows += [(lid, e.epoch, e.seq, e.kind, e.ts) for e in group]
+            # Inline rather than through helpers: this runs once per stored value. `v == v` is
+            # False only for NaN, which SQLite cannot keep (it would store NULL anyway).
+            metric_rows += [
+                (
+                    lid,
+                    k if "\x00" not in k else rows.storable_text(k),
+                    e.epoch,
+                    e.seq,
+                    e.step,
+                    e.ts,
+                    v if v == v else None,
+                )
+                for e in group
+                if e.kind == "metric"
+                for k, v in e.data.items()
+            ]
+            system_rows += [
+                (lid, rows.storable_text(k), e.epoch, e.seq, e.ts, v if v == v else None)
+                for e in group
+                if e.kind == "system"
+                for k, v in e.data.items()
+            ]
+            log_rows += [(lid, e.epoch, e.seq, e.ts, *rows.log_columns(e)) for e in group if e.kind == "log"]
         before = con.total_changes
         con.executemany(
-            "INSERT OR IGNORE INTO events (label_id, epoch, seq, kind, ts) VALUES (?, ?, ?, ?, ?)",
-            [(ids[e.run, e.label], e.epoch, e.seq, e.kind, e.ts) for e in events],
+            "INSERT OR IGNORE INTO events (label_id, epoch, seq, kind, ts) VALUES (?, ?, ?, ?, ?)", event_rows
         )
         new = con.total_changes - before
         con.executemany(
             "INSERT OR IGNORE INTO metrics (label_id, key, epoch, seq, step, ts, value) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [
-                (ids[e.run, e.label], rows.storable_text(key), e.epoch, e.seq, e.step, e.ts, _real(value))
-                for e in events
-                if e.kind == "metric"
-                for key, value in e.data.items()
-            ],
+            metric_rows,
         )
         con.executemany(
             "INSERT OR IGNORE INTO system (label_id, key, epoch, seq, ts, value) VALUES (?, ?, ?, ?, ?, ?)",
-            [
-                (ids[e.run, e.label], rows.storable_text(key), e.epoch, e.seq, e.ts, _real(value))
-                for e in events
-                if e.kind == "system"
-                for key, value in e.data.items()
-            ],
+            system_rows,
         )
         con.executemany(
             "INSERT OR IGNORE INTO logs (label_id, epoch, seq, ts, stream, level, levelno, text) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (ids[e.run, e.label], e.epoch, e.seq, e.ts, *rows.log_columns(e))
-                for e in events
-                if e.kind == "log"
-            ],
+            log_rows,
         )
         for run in runs:
             self._update_run(con, run)
