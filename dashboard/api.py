@@ -25,6 +25,7 @@ from aiohttp import web
 import storage
 from dashboard import downsample, security
 from dashboard.deadletters import DeadLetters
+from ingester import output
 from producer import wire
 
 STATIC = Path(str(resources.files("dashboard") / "static"))
@@ -124,20 +125,6 @@ def _label_document(label: storage.LabelSummary) -> dict[str, Any]:
     }
 
 
-def _run_head(run: storage.RunSummary) -> dict[str, Any]:
-    return {
-        "run_id": run.run_id,
-        "state": run.state,
-        "primary": run.primary,
-        "exit_code": run.exit_code,
-        "started_ts": run.started_ts,
-        "ended_ts": run.ended_ts,
-        "last_ts": run.last_ts,
-        "label_count": run.label_count,
-        "counts": run.counts,
-    }
-
-
 def _series(
     points: Sequence[storage.Point], limit: int, x_of: Callable[[storage.Point], float | int]
 ) -> list[dict[str, Any]]:
@@ -165,7 +152,7 @@ async def runs(request: web.Request) -> web.Response:
     documents = []
     for summary in page:
         run = await store.run(summary.run_id) or summary
-        document = _run_head(run)
+        document = output.run_head(run)
         document["labels"] = [
             {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in run.labels
         ]
@@ -175,7 +162,7 @@ async def runs(request: web.Request) -> web.Response:
 
 async def run(request: web.Request) -> web.Response:
     summary = await _known_run(request)
-    document = _run_head(summary)
+    document = output.run_head(summary)
     document["labels"] = [_label_document(lab) for lab in summary.labels]
     document["gaps"] = sum(lab.missing for lab in summary.labels)
     document["config"] = summary.config

@@ -36,8 +36,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     )
 
 
-def run_document(run: RunSummary) -> dict[str, Any]:
-    """The `runbus show --json` object."""
+def run_head(run: RunSummary) -> dict[str, Any]:
+    """A run's own fields, as the CLI's and the API's JSON documents start."""
     return {
         "run_id": run.run_id,
         "state": run.state,
@@ -45,6 +45,16 @@ def run_document(run: RunSummary) -> dict[str, Any]:
         "exit_code": run.exit_code,
         "started_ts": run.started_ts,
         "ended_ts": run.ended_ts,
+        "last_ts": run.last_ts,
+        "label_count": run.label_count,
+        "counts": run.counts,
+    }
+
+
+def run_document(run: RunSummary) -> dict[str, Any]:
+    """The `runbus show --json` object."""
+    return {
+        **run_head(run),
         "labels": [
             {
                 "label": lab.label,
@@ -62,7 +72,6 @@ def run_document(run: RunSummary) -> dict[str, Any]:
             }
             for lab in run.labels
         ],
-        "counts": run.counts,
         "config": run.config,
     }
 
