@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
@@ -28,14 +27,6 @@ def parse_id(entry_id: bytes | str) -> tuple[int, int]:
 
 def format_id(entry_id: tuple[int, int]) -> str:
     return f"{entry_id[0]}-{entry_id[1]}"
-
-
-@dataclass
-class MaintenanceStats:
-    trimmed: int = 0
-    consumers_removed: int = 0
-    streams_removed: int = 0
-    crashed: int = 0
 
 
 async def safe_trim_id(redis: Redis, key: str, retain_ms: int, now_ms: int) -> tuple[int, int] | None:

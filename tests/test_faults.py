@@ -113,18 +113,34 @@ def hold_write_lock(store_url: str) -> sqlite3.Connection:
     return con
 
 
+def seed_stream(client: redis.Redis, redis_url: str, store_url: str, run: str, metrics: int) -> str:
+    """A stream whose start is already stored (so the store and the group exist), followed by
+    `metrics` unread metric entries; its key."""
+    xadd_event(client, run, "rank0", "start", 1, 1, {"primary": True})
+    ingest(redis_url, store_url)
+    for seq in range(2, metrics + 2):
+        xadd_event(client, run, "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
+    return wire.stream_key(run, "rank0")
+
+
+def pending(client: redis.Redis, key: str) -> int:
+    return client.xpending(key, wire.DEFAULT_GROUP)["pending"]
+
+
+def wait_pending(client: redis.Redis, key: str, count: int) -> None:
+    """Until a worker has read (and not acknowledged) `count` entries of `key`."""
+    deadline = time.monotonic() + 20
+    while pending(client, key) < count:
+        assert time.monotonic() < deadline, f"{count} entries of {key} were never read"
+        time.sleep(0.05)
+
+
 def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url):
     with redis.Redis.from_url(redis_url) as client:
-        xadd_event(client, "claim", "rank0", "start", 1, 1, {"primary": True})
-        ingest(redis_url, store_url)  # creates the store and the group
-        for seq in range(2, 52):
-            xadd_event(client, "claim", "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
+        key = seed_stream(client, redis_url, store_url, "claim", 50)
         lock = hold_write_lock(store_url)
         stuck = start_ingester(redis_url, store_url, "--consumer", "doomed")
-        deadline = time.monotonic() + 20
-        while client.xpending(wire.stream_key("claim", "rank0"), wire.DEFAULT_GROUP)["pending"] < 50:
-            assert time.monotonic() < deadline, "the doomed worker never read the entries"
-            time.sleep(0.05)
+        wait_pending(client, key, 50)
         stuck.send_signal(signal.SIGKILL)
         stuck.communicate(timeout=30)
         lock.rollback()
@@ -133,23 +149,16 @@ def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url
         time.sleep(1.0)
         stats = ingest(redis_url, store_url, claim_idle=1.0)
         assert stats.claimed == 50 and stats.stored == 50
-        assert client.xpending(wire.stream_key("claim", "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending(client, key) == 0
     assert read_store(store_url, "run", "claim").counts["metric"] == 50
 
 
 def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_path):
     with redis.Redis.from_url(redis_url) as client:
-        xadd_event(client, "slow", "rank0", "start", 1, 1, {"primary": True})
-        ingest(redis_url, store_url)
-        for seq in range(2, 22):
-            xadd_event(client, "slow", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
-    lock = hold_write_lock(store_url)
-    slow = start_ingester(redis_url, store_url, "--consumer", "slow", "--claim-idle", "1")
-    with redis.Redis.from_url(redis_url) as client:
-        deadline = time.monotonic() + 20
-        while client.xpending(wire.stream_key("slow", "rank0"), wire.DEFAULT_GROUP)["pending"] < 20:
-            assert time.monotonic() < deadline, "the slow worker never read the entries"
-            time.sleep(0.05)
+        key = seed_stream(client, redis_url, store_url, "slow", 20)
+        lock = hold_write_lock(store_url)
+        slow = start_ingester(redis_url, store_url, "--consumer", "slow", "--claim-idle", "1")
+        wait_pending(client, key, 20)
 
     async def watch_other_worker() -> int:
         other = Worker(
@@ -183,24 +192,17 @@ def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_pa
 
 def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url, store_url):
     with redis.Redis.from_url(redis_url) as client:
-        xadd_event(client, "drain", "rank0", "start", 1, 1, {"primary": True})
-        ingest(redis_url, store_url)
-        for seq in range(2, 12):
-            xadd_event(client, "drain", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
+        key = seed_stream(client, redis_url, store_url, "drain", 10)
         lock = hold_write_lock(store_url)
         worker = start_ingester(redis_url, store_url, "--consumer", "draining", "--drain-timeout", "1")
-        key = wire.stream_key("drain", "rank0")
-        deadline = time.monotonic() + 20
-        while client.xpending(key, wire.DEFAULT_GROUP)["pending"] < 10:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_pending(client, key, 10)
         started = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)
         assert worker.returncode == 0 and "stopping" in err
         assert time.monotonic() - started < 10
         # It could not commit, so it acknowledged nothing: the entries wait for another worker.
-        assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 10
+        assert pending(client, key) == 10
         lock.rollback()
         lock.close()
     assert ingest(redis_url, store_url, claim_idle=0.0).stored == 10
