@@ -40,7 +40,7 @@ log = logging.getLogger("runbus.ingester")
 Entries = list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]
 # Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
-# Where a decoded event came from: (stream key, entry id, raw fields).
+# Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
 Source = tuple[str, bytes, dict[bytes, bytes]]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
@@ -120,14 +120,27 @@ def decode_batch(
             count = deliveries.get(entry_id, 1)
             if max_deliveries and count > max_deliveries:
                 reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
-                dead.append(DeadEntry(key, entry_id, fields, reason, count))
+                dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
                 continue
             try:
-                events.append(wire.decode_entry(key, fields))
+                if type(fields) is dict:
+                    events.append(wire.decode_entry(key, fields))
+                else:
+                    events.append(wire.decode_flat(key, fields))
                 sources.append((key, entry_id, fields))
             except wire.InvalidEntry as exc:
-                dead.append(DeadEntry(key, entry_id, fields, str(exc)))
+                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(exc)))
     return events, sources, dead
+
+
+def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
+    return fields if type(fields) is dict else wire.fields_dict(fields)
+
+
+def _raw_reply(response, **options):
+    """XREADGROUP's reply as the server sent it: entries stay flat [name, value, ...] lists,
+    decoded by position (wire.decode_flat) instead of becoming a dict each."""
+    return response
 
 
 @functools.lru_cache(maxsize=65536)
@@ -193,6 +206,7 @@ class Worker:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self.request_stop)
         self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
+        self.redis.set_response_callback("XREADGROUP", _raw_reply)
         self.discovery = Discovery(
             self.redis, settings.group, settings.registry_interval, settings.scan_interval
         )
@@ -414,7 +428,7 @@ class Worker:
                     raise
                 await self._recover_groups(chunk)
                 continue
-            for key, items in reply or []:
+            for key, items in reply.items() if isinstance(reply, dict) else reply or []:
                 if items:
                     entries.append((key.decode(), items))
         if not entries and block is None and len(chunks) > 1 and not self.settings.burst:
@@ -507,9 +521,9 @@ class Worker:
             except Exception as exc:
                 if len(events) == 1:
                     log.error("the store rejected %s %s: %r", sources[0][0], sources[0][1].decode(), exc)
-                    dead.append(
-                        DeadEntry(*sources[0], reason=f"storage rejected it: {type(exc).__name__}: {exc}")
-                    )
+                    key, entry_id, fields = sources[0]
+                    reason = f"storage rejected it: {type(exc).__name__}: {exc}"
+                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
                     return 0
                 half = len(events) // 2
                 first = await self._write(events[:half], sources[:half], dead)

@@ -247,20 +247,62 @@ def _decode_plain(key: str, fields: dict[bytes, bytes]) -> Event | None:
     """The common case, quickly: an entry that is valid as it stands. None sends the entry to
     the checked path, which finds the reason (or the conversion, such as "NaN" to a float)."""
     try:
-        names = _key_names(key)
-        kind = _KIND_BY_BYTES.get(fields[b"kind"])
-        if names is None or kind is None or fields[b"v"] != _VERSION_BYTES:
-            return None
-        if fields[b"run"] != names[2] or fields[b"label"] != names[3]:
-            return None
-        epoch, seq, ts = int(fields[b"epoch"]), int(fields[b"seq"]), float(fields[b"ts"])
-        raw_step = fields.get(b"step")
-        step = None if raw_step is None else int(raw_step)
-        raw = fields[b"data"]
-        if len(raw) > MAX_DATA_BYTES:
-            return None
+        values = [fields[name] for name in _NAMES]
+    except KeyError:
+        return None
+    return _decode_values(key, *values, fields.get(b"step"))
+
+
+# The order producers write fields in (XADD_MANY_SCRIPT): a reply's flat list in this order is
+# decoded by position, without building a dict per entry.
+_NAMES = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"data"]
+_NAMES_WITH_STEP = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"step", b"data"]
+
+
+def decode_flat(key: str, flat: list[bytes] | None) -> Event:
+    """decode_entry for an entry as a raw reply holds it: [name, value, name, value, ...]."""
+    event = None
+    if flat:
+        names = flat[0::2]
+        if names == _NAMES:
+            event = _decode_values(key, *flat[1::2], None)
+        elif names == _NAMES_WITH_STEP:
+            v, kind, run, label, epoch, seq, ts, step, data = flat[1::2]
+            event = _decode_values(key, v, kind, run, label, epoch, seq, ts, data, step)
+    return event if event is not None else decode_checked(key, fields_dict(flat))
+
+
+def fields_dict(flat: list[bytes] | None) -> dict[bytes, bytes]:
+    """A reply's flat [name, value, ...] list as a dict (a deleted entry's None as {})."""
+    if not flat:
+        return {}
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
+
+
+def _decode_values(
+    key: str,
+    v: bytes,
+    kind_raw: bytes,
+    run: bytes,
+    label: bytes,
+    epoch_raw: bytes,
+    seq_raw: bytes,
+    ts_raw: bytes,
+    raw: bytes,
+    step_raw: bytes | None,
+) -> Event | None:
+    names = _key_names(key)
+    kind = _KIND_BY_BYTES.get(kind_raw)
+    if names is None or kind is None or v != _VERSION_BYTES or run != names[2] or label != names[3]:
+        return None
+    if len(raw) > MAX_DATA_BYTES:
+        return None
+    try:
+        epoch, seq, ts = int(epoch_raw), int(seq_raw), float(ts_raw)
+        step = None if step_raw is None else int(step_raw)
         data = orjson.loads(raw)
-    except (KeyError, ValueError):  # orjson.JSONDecodeError is a ValueError
+    except ValueError:  # orjson.JSONDecodeError is a ValueError
         return None
     if not (0 < epoch < 2**63 and 0 < seq < 2**63 and math.isfinite(ts)) or type(data) is not dict:
         return None

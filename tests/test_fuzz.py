@@ -94,3 +94,24 @@ def test_the_fast_decoder_agrees_with_the_checked_one(fields):
         assert fast is None
     if fast is not None:
         assert fast == checked
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 50).flatmap(entries), st.randoms(use_true_random=False))
+def test_decoding_a_flat_reply_agrees_with_decoding_the_dict(fields, rnd):
+    key = wire.stream_key(RUN, LABEL)
+    pairs = list(fields.items())
+    if rnd.random() < 0.5:  # producers' order is decoded by position; any other order via a dict
+        rnd.shuffle(pairs)
+    flat = [part for pair in pairs for part in pair]
+    try:
+        expected = wire.decode_checked(key, fields)
+    except wire.InvalidEntry as exc:
+        try:
+            wire.decode_flat(key, flat)
+        except wire.InvalidEntry as again:
+            assert str(again) == str(exc)
+        else:
+            raise AssertionError("the flat decoder accepted an invalid entry") from None
+    else:
+        assert wire.decode_flat(key, flat) == expected
