@@ -169,6 +169,11 @@ class SQLiteStore:
         con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         self._use_wal(con)
         con.execute("PRAGMA synchronous = NORMAL")
+        # A 64 MiB page cache and checkpoints every ~40 MB of WAL rather than 4 MB: with the
+        # defaults a growing store spends its time re-reading index pages and checkpointing
+        # (bench/ingest.py, 1M events: 45k -> 53k events/s).
+        con.execute("PRAGMA cache_size = -65536")
+        con.execute("PRAGMA wal_autocheckpoint = 10000")
         self._con = con
         self._migrate()
 
