@@ -68,3 +68,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
     if check and result.returncode != 0:
         raise AssertionError(f"runbus {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
+
+
+def ingest_command(redis_url: str, store_url: str, *args: str) -> list[str]:
+    """The argv of `runbus ingest` against this Redis and store, as its own process."""
+    return [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url, *args]

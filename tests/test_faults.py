@@ -19,7 +19,7 @@ import redis
 import producer
 from ingester.worker import Worker, WorkerSettings
 from producer import wire
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
 
 PRODUCER = textwrap.dedent(
     r"""
@@ -72,7 +72,7 @@ def finish_producers(procs: list[subprocess.Popen]) -> list[dict]:
 
 def start_ingester(redis_url: str, store_url: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url, *args],
+        ingest_command(redis_url, store_url, *args),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ from ingester.http import OpsServer, parse_address
 from ingester.localredis import free_port
 from ingester.worker import Worker, WorkerSettings
 from producer import wire
-from tests.helpers import xadd_event
+from tests.helpers import ingest_command, xadd_event
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
 SAMPLE = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? \S+$")
@@ -201,18 +200,7 @@ def status(url: str) -> int | None:
 def test_the_cli_serves_them_and_stops_on_sigterm(redis_url, store_url):
     port = free_port()
     with subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ingester",
-            "--store",
-            store_url,
-            "ingest",
-            "--redis",
-            redis_url,
-            "--http",
-            f"127.0.0.1:{port}",
-        ],
+        ingest_command(redis_url, store_url, "--http", f"127.0.0.1:{port}"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -233,18 +221,7 @@ def test_an_address_in_use_is_a_clean_error(redis_url, store_url):
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ingester",
-                "--store",
-                store_url,
-                "ingest",
-                "--redis",
-                redis_url,
-                "--http",
-                f"127.0.0.1:{port}",
-            ],
+            ingest_command(redis_url, store_url, "--http", f"127.0.0.1:{port}"),
             capture_output=True,
             text=True,
             timeout=60,

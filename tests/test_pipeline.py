@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.helpers import ingest, read_store, run_cli
+from tests.helpers import ingest, ingest_command, read_store, run_cli
 
 RANK = textwrap.dedent(
     """
@@ -85,7 +85,7 @@ def test_ranks_log_into_one_run_then_burst_ingest(redis_url, store_url):
 def test_ranks_log_while_an_ingester_runs(redis_url, store_url):
     world, steps = 4, 300
     worker = subprocess.Popen(
-        [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url],
+        ingest_command(redis_url, store_url),
         stderr=subprocess.PIPE,
         text=True,
     )

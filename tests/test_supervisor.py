@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -20,7 +19,7 @@ from ingester.localredis import free_port
 from ingester.supervisor import Supervisor, SupervisorSettings
 from ingester.worker import WorkerSettings
 from producer import wire
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
 from tests.test_faults import assert_every_event_once, finish_producers, start_producer
 
 
@@ -84,15 +83,9 @@ def test_three_workers_one_sigkilled_store_every_event_once(redis_url, any_store
     with (
         open(log_path, "w") as log_file,
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ingester",
-                "--store",
-                any_store,
-                "ingest",
-                "--redis",
+            ingest_command(
                 redis_url,
+                any_store,
                 "--workers",
                 str(workers),
                 "--consumer",
@@ -101,7 +94,7 @@ def test_three_workers_one_sigkilled_store_every_event_once(redis_url, any_store
                 "2",
                 "--http",
                 f"127.0.0.1:{base}",
-            ],
+            ),
             stdout=subprocess.DEVNULL,
             stderr=log_file,
         ) as supervisor,
