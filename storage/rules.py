@@ -58,11 +58,6 @@ class RunState:
     ended_ts: float | None = None
 
 
-def apply_event(label: LabelState, event: Event) -> LabelState:
-    """Fold one event into its label's state; the result does not depend on arrival order."""
-    return apply_events(label, (event,))
-
-
 def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
     """Fold many events of one label (any order, duplicates allowed).
 
