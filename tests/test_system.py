@@ -265,6 +265,9 @@ def test_machine_figures_and_rates(sampler, monkeypatch) -> None:
                 reader.start()
                 client.sendall(payload)
                 reader.join()
+        # CPU times advance in clock ticks (10 ms): a faster transfer than one tick would leave
+        # no interval to compute sys.cpu_percent from, and the sampler rightly omits it then.
+        time.sleep(0.05)
         used_before = psutil.virtual_memory().used / MIB
         figures = s.sample()
         used_after = psutil.virtual_memory().used / MIB
