@@ -284,13 +284,12 @@ class Worker:
                     elif entries is not None:
                         pending_first = False
                     continue
-                if settings.burst or now >= next_claim:
+                if now >= next_claim:
                     claimed = await self._with_redis(self._claim)
                     next_claim = now if claimed else now + claim_every
                     if claimed:
                         in_flight = await _settled(in_flight)
-                        self.stats.claimed += sum(len(items) for _, items in claimed)
-                        await self._process(claimed, redelivered=True)
+                        await self._process_claimed(claimed)
                         continue
                 entries = await self._with_redis(lambda: self._read(">"))
                 if entries:
@@ -300,9 +299,14 @@ class Worker:
                     in_flight = asyncio.create_task(self._commit(entries, *decoded, started=started))
                 else:
                     in_flight = await _settled(in_flight)
-                    finished = entries is not None and settings.burst
-                    if finished and not await self._with_redis(lambda: self.discovery.refresh(force=True)):
-                        return
+                    if entries is not None and settings.burst:
+                        # Before a burst finishes, whatever other consumers left idle is its too.
+                        claimed = await self._with_redis(self._claim)
+                        if claimed:
+                            await self._process_claimed(claimed)
+                            continue
+                        if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
+                            return
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
                     in_flight = await _settled(in_flight)
@@ -344,6 +348,10 @@ class Worker:
         if claimed:
             log.info("claimed %d idle entries from other consumers", sum(len(i) for _, i in claimed))
         return claimed
+
+    async def _process_claimed(self, claimed: Entries) -> None:
+        self.stats.claimed += sum(len(items) for _, items in claimed)
+        await self._process(claimed, redelivered=True)
 
     async def _deliveries(self, entries: Entries) -> dict[bytes, int]:
         """How often each entry has been delivered (XPENDING), to spot poison entries."""
