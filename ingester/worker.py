@@ -285,11 +285,10 @@ class Worker:
                         pending_first = False
                     continue
                 if now >= next_claim:
-                    claimed = await self._with_redis(self._claim)
-                    next_claim = now if claimed else now + claim_every
-                    if claimed:
-                        in_flight = await _settled(in_flight)
-                        await self._process_claimed(claimed)
+                    in_flight = await _settled(in_flight)
+                    took_over = await self._take_over_idle()
+                    next_claim = now if took_over else now + claim_every
+                    if took_over:
                         continue
                 entries = await self._with_redis(lambda: self._read(">"))
                 if entries:
@@ -301,9 +300,7 @@ class Worker:
                     in_flight = await _settled(in_flight)
                     if entries is not None and settings.burst:
                         # Before a burst finishes, whatever other consumers left idle is its too.
-                        claimed = await self._with_redis(self._claim)
-                        if claimed:
-                            await self._process_claimed(claimed)
+                        if await self._take_over_idle():
                             continue
                         if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
                             return
@@ -349,9 +346,13 @@ class Worker:
             log.info("claimed %d idle entries from other consumers", sum(len(i) for _, i in claimed))
         return claimed
 
-    async def _process_claimed(self, claimed: Entries) -> None:
-        self.stats.claimed += sum(len(items) for _, items in claimed)
-        await self._process(claimed, redelivered=True)
+    async def _take_over_idle(self) -> bool:
+        """Claim and process what other consumers left idle; whether there was any."""
+        claimed = await self._with_redis(self._claim)
+        if claimed:
+            self.stats.claimed += sum(len(items) for _, items in claimed)
+            await self._process(claimed, redelivered=True)
+        return bool(claimed)
 
     async def _deliveries(self, entries: Entries) -> dict[bytes, int]:
         """How often each entry has been delivered (XPENDING), to spot poison entries."""

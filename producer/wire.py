@@ -310,11 +310,11 @@ def _decode_values(
     if step is not None and (kind != "metric" or not 0 <= step < 2**63):
         return None
     if kind == "metric" or kind == "system":
-        if not data:
-            return None if kind == "metric" else Event(names[0], names[1], kind, epoch, seq, ts, data, step)
+        if not data and kind == "metric":
+            return None
         # Whole-dict checks through map() run in C: this is the ingester's per-value hot path.
         types = set(map(type, data.values()))
-        if not types <= _NUMBER_TYPES or not 0 < min(map(len, data)) <= max(map(len, data)) <= 256:
+        if not types <= _NUMBER_TYPES or (data and not 0 < min(map(len, data)) <= max(map(len, data)) <= 256):
             return None
         if int in types and not all(v in INT64 for v in data.values() if type(v) is int):
             return None
