@@ -192,6 +192,28 @@ async def test_write_counts_only_new_events_across_labels_and_runs(store: Store)
     assert [(lab.label, lab.events) for lab in other.labels] == [("a", 1)]
 
 
+
+async def test_a_batch_bigger_than_one_insert_statement_is_stored_whole(store: Store) -> None:
+    # 1,500 metric events of 2 keys: 3,000 metric rows, several multi-row statements in SQLite.
+    many = [metric(seq, {"loss": 1.0 / seq, "acc": float(seq)}, step=seq) for seq in range(1, 1501)]
+    assert await store.write([start(1, primary=True), *many[1:]]) == 1500
+    assert await store.write(many[1:700]) == 0
+    points = await store.metrics(RUN, key="acc")
+    assert [p.step for p in points] == list(range(2, 1501))
+    assert [p.value for p in points] == [float(seq) for seq in range(2, 1501)]
+    run = await store.run(RUN)
+    assert run is not None and run.counts["metric"] == 1499
+
+
+def test_sqlite_splits_rows_into_cached_statement_sizes() -> None:
+    limit = sqlite_backend.MAX_ROWS_PER_INSERT
+    assert sqlite_backend._statement_sizes(0) == []
+    assert sqlite_backend._statement_sizes(1) == [1]
+    assert sqlite_backend._statement_sizes(2 * limit + 11) == [limit, limit, 8, 2, 1]
+    for count in range(3 * limit):
+        sizes = sqlite_backend._statement_sizes(count)
+        assert sum(sizes) == count and len(set(sizes) - {limit}) == len(sizes) - sizes.count(limit)
+
 # -- ordering by (epoch, seq) --------------------------------------------------------------------
 
 
