@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import subprocess
@@ -54,26 +55,39 @@ def preload(url: str, run_id: str, events: int) -> None:
 
 
 async def raw_ceiling(url: str, run_id: str, batch: int = 1000) -> float:
-    """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage)."""
+    """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage).
+
+    Replies are read the way the worker reads them (flat, not one dict per entry, which would
+    halve this ceiling) and with its garbage-collector settings, so the fraction of the ceiling
+    is what validation and storage cost.
+    """
     from redis.asyncio import Redis
 
+    from ingester.worker import GC_THRESHOLDS, _raw_reply
+
     client = Redis.from_url(url)
+    client.set_response_callback("XREADGROUP", _raw_reply)
     keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
     for key in keys:
         await client.xgroup_create(key, "raw", id="0")
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     done, started = 0, time.perf_counter()
     while True:
         reply = await client.xreadgroup("raw", "raw-1", dict.fromkeys(keys, ">"), count=batch)
         if not reply:
             break
         pipe = client.pipeline(transaction=False)
-        for key, items in reply:
+        for key, items in reply.items() if isinstance(reply, dict) else reply:
             for _, fields in items:
-                orjson.loads(fields[b"data"])
+                orjson.loads(wire.fields_dict(fields)[b"data"])
             pipe.xack(key, "raw", *[entry_id for entry_id, _ in items])
             done += len(items)
         await pipe.execute()
     elapsed = time.perf_counter() - started
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
     await client.aclose()
     return done / elapsed
 

@@ -86,7 +86,8 @@ def finite_to_wire(value: float) -> float | str:
 
 
 INT64 = range(-(2**63), 2**63)
-_NUMBER_TYPES = {float, int}
+_NUMBER_TYPES = frozenset({float, int})
+_FLOAT = frozenset({float})
 
 
 def number_from_wire(value: object) -> float | int:
@@ -312,11 +313,19 @@ def _decode_values(
     if kind == "metric" or kind == "system":
         if not data and kind == "metric":
             return None
-        # Whole-dict checks through map() run in C: this is the ingester's per-value hot path.
-        types = set(map(type, data.values()))
-        if not types <= _NUMBER_TYPES or (data and not 0 < min(map(len, data)) <= max(map(len, data)) <= 256):
-            return None
-        if int in types and not all(v in INT64 for v in data.values() if type(v) is int):
+        # Whole-dict checks in C (map, issuperset): this is the ingester's per-value hot path.
+        values = data.values()
+        if not _FLOAT.issuperset(map(type, values)):
+            if not _NUMBER_TYPES.issuperset(map(type, values)):
+                return None
+            if not all(v in INT64 for v in values if type(v) is int):
+                return None
+        # Keys are no longer than the JSON holding them, and an empty key is written `""`.
+        if (
+            (len(raw) > 256 or b'""' in raw)
+            and data
+            and not 0 < min(map(len, data)) <= max(map(len, data)) <= 256
+        ):
             return None
     else:
         try:

@@ -18,7 +18,17 @@ junk = st.one_of(st.binary(max_size=20), st.text(max_size=20).map(str.encode))
 numbers = st.one_of(
     st.floats(allow_nan=True), st.integers(-(2**63), 2**63 - 1), st.sampled_from(["NaN", "Infinity"])
 )
-metric_data = st.dictionaries(st.text(min_size=1, max_size=10), numbers, min_size=1, max_size=4)
+# Now and then a value or key the contract refuses or converts: beyond 64 bits, a bool, a string,
+# a list, an empty or over-long name (the limit is 256).
+odd_values = st.one_of(
+    st.integers(2**63, 2**64 - 1),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+    st.lists(st.integers(-5, 5), max_size=2),
+)
+keys = st.one_of(st.text(min_size=1, max_size=10), st.just(""), st.text(min_size=250, max_size=260))
+metric_data = st.dictionaries(keys, st.one_of(numbers, numbers, numbers, odd_values), min_size=1, max_size=4)
 
 
 @st.composite
