@@ -12,7 +12,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows, safe_url
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, crash, run_state
+from storage.rules import LabelState, apply_events, by_epoch, crash, run_state, take_new
 
 T = TypeVar("T")
 
@@ -94,6 +94,17 @@ MIGRATIONS: list[str] = [
     ALTER TABLE labels ADD COLUMN dropped JSON;
     CREATE INDEX labels_running ON labels (state, seen_at);
     """,
+    # One row per run of consecutive seqs received, instead of one `events` row per event.
+    """
+    CREATE TABLE seen (
+        label_id BIGINT NOT NULL,
+        epoch BIGINT NOT NULL,
+        first_seq BIGINT NOT NULL,
+        last_seq BIGINT NOT NULL,
+        PRIMARY KEY (label_id, epoch, last_seq)
+    );
+    """
+    + rows.SEEN_MIGRATION,
 ]
 
 # pg_advisory_xact_lock key serialising migrations per database ("runbus" in ASCII).
@@ -108,19 +119,11 @@ _RUN_WITH_LABEL_COUNT = (
     "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
 )
 
-# (staging table, target table, columns) for the COPY-then-insert of each kind's rows.
-_EVENTS = ("runbus_events_in", "events", ("label_id", "epoch", "seq", "kind", "ts"))
-_METRICS = (
-    "runbus_metrics_in",
-    "metrics",
-    ("label_id", "key", "epoch", "seq", "step", "ts", "value"),
-)
-_SYSTEM = ("runbus_system_in", "system", ("label_id", "key", "epoch", "seq", "ts", "value"))
-_LOGS = (
-    "runbus_logs_in",
-    "logs",
-    ("label_id", "epoch", "seq", "ts", "stream", "level", "levelno", "text"),
-)
+# (table, columns) that each kind's rows are copied into.
+_METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"))
+_SYSTEM = ("system", ("label_id", "key", "epoch", "seq", "ts", "value"))
+_LOGS = ("logs", ("label_id", "epoch", "seq", "ts", "stream", "level", "levelno", "text"))
+_SEEN = ("seen", ("label_id", "epoch", "first_seq", "last_seq"))
 
 _ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
 
@@ -144,38 +147,27 @@ def _label_state(row: asyncpg.Record) -> LabelState:
     )
 
 
-def _staged_rows(
-    events: Sequence[Event], ids: dict[tuple[str, str], int]
-) -> dict[tuple[str, str, tuple[str, ...]], list[tuple]]:
-    """The rows each table receives from a batch, keyed by its (staging, target, columns)."""
-    staged: dict[tuple[str, str, tuple[str, ...]], list[tuple]] = {
-        _EVENTS: [],
-        _METRICS: [],
-        _SYSTEM: [],
-        _LOGS: [],
-    }
-    for e in events:
+def _table_rows(
+    fresh: Sequence[Event], ids: dict[tuple[str, str], int]
+) -> dict[tuple[str, tuple[str, ...]], list[tuple]]:
+    """The rows each table receives from a batch's new events, keyed by its (table, columns)."""
+    tables: dict[tuple[str, tuple[str, ...]], list[tuple]] = {_METRICS: [], _SYSTEM: [], _LOGS: []}
+    for e in fresh:
         label_id = ids[e.run, e.label]
-        staged[_EVENTS].append((label_id, e.epoch, e.seq, e.kind, e.ts))
         if e.kind == "metric":
-            staged[_METRICS].extend(
+            tables[_METRICS].extend(
                 (label_id, rows.storable_text(key), e.epoch, e.seq, e.step, e.ts, float(value))
                 for key, value in e.data.items()
             )
         elif e.kind == "system":
-            staged[_SYSTEM].extend(
+            tables[_SYSTEM].extend(
                 (label_id, rows.storable_text(key), e.epoch, e.seq, e.ts, float(value))
                 for key, value in e.data.items()
             )
         elif e.kind == "log":
             stream, level, levelno, text = rows.log_columns(e)
-            staged[_LOGS].append((label_id, e.epoch, e.seq, e.ts, stream, level, levelno, text))
-    return {table: found for table, found in staged.items() if found}
-
-
-def _inserted(status: str) -> int:
-    # asyncpg returns the command tag, "INSERT 0 <rows>".
-    return int(status.rsplit(" ", 1)[1])
+            tables[_LOGS].append((label_id, e.epoch, e.seq, e.ts, stream, level, levelno, text))
+    return {table: found for table, found in tables.items() if found}
 
 
 class PostgresStore:
@@ -275,45 +267,73 @@ class PostgresStore:
                 run_ids,
                 labels,
             )
-            ids: dict[tuple[str, str], int] = {}
+            ids = {(row["run_id"], row["label"]): row["id"] for row in locked}
+            fresh = await self._take_new(con, ids, by_label)
             updates = []
             seen_at = time.time()
             for row in locked:
                 label = _label_state(row)
-                ids[label.run, label.label] = row["id"]
                 folded = apply_events(label, by_label[label.run, label.label])
-                updates.append((*rows.label_columns(folded), seen_at, row["id"]))
+                mine = fresh[label.run, label.label]
+                updates.append((*rows.label_columns(folded), seen_at, *rows.kind_counts(mine), row["id"]))
             await con.executemany(
                 "UPDATE labels SET state = $1, exit_code = $2, state_epoch = $3, "
                 "state_seq = $4, state_ts = $5, is_primary = $6, start_epoch = $7, "
                 "start_seq = $8, start_data = $9, epoch = $10, last_seq = $11, "
-                "first_ts = $12, last_ts = $13, dropped = $14, seen_at = $15 WHERE id = $16",
+                "first_ts = $12, last_ts = $13, dropped = $14, seen_at = $15, "
+                "metric_events = metric_events + $16, log_events = log_events + $17, "
+                "system_events = system_events + $18 WHERE id = $19",
                 updates,
             )
-            new = await self._insert_rows(con, _staged_rows(events, ids))
+            new = [e for mine in fresh.values() for e in mine]
+            # Only new events' rows, so straight into the tables: the labels are locked, and no
+            # other writer can store these (label, epoch, seq) meanwhile.
+            for (table, columns), found in _table_rows(new, ids).items():
+                await con.copy_records_to_table(table, records=found, columns=columns)
             await self._update_runs(con, runs)
-            return new
+            return len(new)
 
-    async def _insert_rows(
-        self, con: asyncpg.Connection, staged: dict[tuple[str, str, tuple[str, ...]], list[tuple]]
-    ) -> int:
-        """COPY each table's rows into a staging table, then keep those not already stored."""
-        await con.execute(
-            "".join(
-                f"CREATE TEMP TABLE {staging} (LIKE {target}) ON COMMIT DROP;"
-                for staging, target, _ in staged
+    async def _take_new(
+        self,
+        con: asyncpg.Connection,
+        ids: dict[tuple[str, str], int],
+        by_label: dict[tuple[str, str], list[Event]],
+    ) -> dict[tuple[str, str], list[Event]]:
+        """Each label's events never stored before; their seqs join the labels' `seen` ranges."""
+        spans = [
+            (key, ids[key], epoch, mine)
+            for key, group in by_label.items()
+            for epoch, mine in by_epoch(group).items()
+        ]
+        near: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for row in await con.fetch(
+            "SELECT s.label_id, s.epoch, s.first_seq, s.last_seq FROM seen s "
+            "JOIN unnest($1::int8[], $2::int8[], $3::int8[], $4::int8[]) AS u(label_id, epoch, lo, hi) "
+            "ON s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq >= u.lo AND s.first_seq <= u.hi",
+            [label_id for _, label_id, _, _ in spans],
+            [epoch for _, _, epoch, _ in spans],
+            [mine[0].seq - 1 for _, _, _, mine in spans],
+            [mine[-1].seq + 1 for _, _, _, mine in spans],
+        ):
+            near.setdefault((row["label_id"], row["epoch"]), []).append((row["first_seq"], row["last_seq"]))
+        fresh: dict[tuple[str, str], list[Event]] = {key: [] for key in by_label}
+        replaced, ranges = [], []
+        for key, label_id, epoch, mine in spans:
+            seen = take_new(epoch, mine, near.get((label_id, epoch), ()))
+            if seen.fresh:
+                replaced += [(label_id, epoch, last) for _, last in seen.replaced]
+                ranges += [(label_id, epoch, first, last) for first, last in seen.ranges]
+                fresh[key] += seen.fresh
+        if replaced:
+            await con.execute(
+                "DELETE FROM seen s USING unnest($1::int8[], $2::int8[], $3::int8[]) "
+                "AS u(label_id, epoch, last_seq) "
+                "WHERE s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq = u.last_seq",
+                *map(list, zip(*replaced, strict=True)),
             )
-        )
-        new = 0
-        for (staging, target, columns), found in staged.items():
-            await con.copy_records_to_table(staging, records=found, columns=columns)
-            names = ", ".join(columns)
-            status = await con.execute(
-                f"INSERT INTO {target} ({names}) SELECT {names} FROM {staging} ON CONFLICT DO NOTHING"
-            )
-            if target == "events":
-                new = _inserted(status)
-        return new
+        if ranges:
+            await con.copy_records_to_table(_SEEN[0], records=ranges, columns=_SEEN[1])
+        return fresh
 
     async def _update_runs(self, con: asyncpg.Connection, runs: list[str]) -> None:
         # Every writer updates its labels before it takes the run lock, so whoever takes it last
@@ -370,17 +390,8 @@ class PostgresStore:
             row = await con.fetchrow(f"{_RUN_WITH_LABEL_COUNT} WHERE r.run_id = $1", run_id)
             if row is None:
                 return None
-            epochs = await con.fetch(
-                "SELECT e.label_id, e.epoch, max(e.seq) AS top, count(*) AS seen FROM events e "
-                "JOIN labels l ON l.id = e.label_id WHERE l.run_id = $1 "
-                "GROUP BY e.label_id, e.epoch",
-                run_id,
-            )
-            counts = await con.fetch(
-                "SELECT e.kind, count(*) AS n FROM events e JOIN labels l ON l.id = e.label_id "
-                "WHERE l.run_id = $1 GROUP BY e.kind",
-                run_id,
-            )
+            epochs = await con.fetch(rows.EPOCHS_SQL.format(param="$1"), run_id)
+            counts = await con.fetchrow(rows.KIND_COUNTS_SQL.format(param="$1"), run_id)
             missing = await con.fetch(
                 rows.MISSING_RANGES_SQL.format(param="$1", limit=rows.MAX_GAPS_SHOWN), run_id
             )
@@ -393,7 +404,7 @@ class PostgresStore:
             mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
             gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
             labels.append(rows.label_summary(_label_state(label_row), mine, gaps))
-        return rows.run_summary(dict(row), labels=labels, counts={c["kind"]: c["n"] for c in counts})
+        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def metric_keys(self, run_id: str) -> list[str]:
         query = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,14 +15,50 @@ from storage.rules import LabelState, RunState, explain_gaps, missing_count, pri
 KINDS_COUNTED = ("metric", "log", "system")
 MAX_GAPS_SHOWN = 1000
 
-# Seq ranges that never arrived, per label and epoch; the same SQL runs on SQLite and PostgreSQL.
+# The schema change from one `events` row per event to per-label seq ranges (`seen`) and kind
+# counters: the same statements on SQLite and PostgreSQL (a migration splits them at ";").
+SEEN_MIGRATION = """
+    INSERT INTO seen (label_id, epoch, first_seq, last_seq)
+        SELECT label_id, epoch, min(seq), max(seq) FROM (
+            SELECT label_id, epoch, seq,
+                   seq - ROW_NUMBER() OVER (PARTITION BY label_id, epoch ORDER BY seq) AS island
+            FROM events
+        ) AS numbered
+        GROUP BY label_id, epoch, island;
+    ALTER TABLE labels ADD COLUMN metric_events BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE labels ADD COLUMN log_events BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE labels ADD COLUMN system_events BIGINT NOT NULL DEFAULT 0;
+    UPDATE labels SET
+        metric_events = (SELECT count(*) FROM events e WHERE e.label_id = labels.id AND e.kind = 'metric'),
+        log_events = (SELECT count(*) FROM events e WHERE e.label_id = labels.id AND e.kind = 'log'),
+        system_events = (SELECT count(*) FROM events e WHERE e.label_id = labels.id AND e.kind = 'system');
+    DROP TABLE events
+"""
+
+# Per label and epoch of a run: the highest seq received and how many distinct seqs were.
+EPOCHS_SQL = """
+    SELECT s.label_id, s.epoch, max(s.last_seq) AS top,
+           CAST(sum(s.last_seq - s.first_seq + 1) AS BIGINT) AS seen
+    FROM seen s JOIN labels l ON l.id = s.label_id WHERE l.run_id = {param}
+    GROUP BY s.label_id, s.epoch
+"""
+
+# A run's events by kind, from its labels' counters.
+KIND_COUNTS_SQL = """
+    SELECT CAST(coalesce(sum(metric_events), 0) AS BIGINT) AS metric,
+           CAST(coalesce(sum(log_events), 0) AS BIGINT) AS log,
+           CAST(coalesce(sum(system_events), 0) AS BIGINT) AS system
+    FROM labels WHERE run_id = {param}
+"""
+
+# Seq ranges that never arrived, per label and epoch: the holes between received ranges.
 MISSING_RANGES_SQL = """
-    SELECT label_id, epoch, prev + 1 AS first, seq - 1 AS last FROM (
-        SELECT label_id, epoch, seq,
-               COALESCE(LAG(seq) OVER (PARTITION BY label_id, epoch ORDER BY seq), 0) AS prev
-        FROM events WHERE label_id IN (SELECT id FROM labels WHERE run_id = {param})
+    SELECT label_id, epoch, prev + 1 AS first, first_seq - 1 AS last FROM (
+        SELECT label_id, epoch, first_seq,
+               COALESCE(LAG(last_seq) OVER (PARTITION BY label_id, epoch ORDER BY last_seq), 0) AS prev
+        FROM seen WHERE label_id IN (SELECT id FROM labels WHERE run_id = {param})
     ) AS numbered
-    WHERE seq - prev > 1
+    WHERE first_seq - prev > 1
     ORDER BY label_id, epoch, first
     LIMIT {limit}
 """
@@ -35,6 +72,12 @@ def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]
     for group in groups.values():
         group.sort(key=lambda e: e.position)
     return groups
+
+
+def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
+    """How many metric, log and system events there are among `fresh`."""
+    counts = Counter(e.kind for e in fresh)
+    return counts["metric"], counts["log"], counts["system"]
 
 
 def label_columns(label: LabelState) -> tuple:

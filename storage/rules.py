@@ -6,7 +6,7 @@ state is its primary label's state, so only the primary's finish ends the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from producer.wire import Event
@@ -121,6 +121,57 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ..
         else:
             merged.append([first, last])
     return tuple((a, b) for a, b in merged)
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What one batch adds to one label and epoch's received seqs (`take_new`).
+
+    `fresh` are the batch's events never stored before (each seq once, in seq order); the
+    stored ranges `replaced` give way to `ranges`, which cover them and the fresh seqs.
+    """
+
+    epoch: int
+    fresh: list[Event]
+    replaced: tuple[tuple[int, int], ...]
+    ranges: tuple[tuple[int, int], ...]
+
+
+def take_new(epoch: int, events: Sequence[Event], stored: Iterable[tuple[int, int]]) -> Seen:
+    """Which of one epoch's events (sorted by seq) the stored seq ranges do not cover yet.
+
+    `stored` need only hold the ranges that touch the events' span (from the first seq less one
+    to the last plus one): the others neither cover an event nor merge with one.
+    """
+    replaced = tuple(sorted(stored))
+    fresh: list[Event] = []
+    runs: list[tuple[int, int]] = []
+    at, previous = 0, None
+    for event in events:
+        seq = event.seq
+        if seq == previous:
+            continue  # the same event twice in one batch
+        previous = seq
+        while at < len(replaced) and replaced[at][1] < seq:
+            at += 1
+        if at < len(replaced) and replaced[at][0] <= seq:
+            continue
+        fresh.append(event)
+        if runs and runs[-1][1] == seq - 1:
+            runs[-1] = (runs[-1][0], seq)
+        else:
+            runs.append((seq, seq))
+    return Seen(epoch, fresh, replaced, merge_ranges([*replaced, *runs]) if runs else replaced)
+
+
+def by_epoch(events: Sequence[Event]) -> dict[int, list[Event]]:
+    """One label's events (sorted by position) split by epoch, each list in seq order."""
+    if events and events[0].epoch == events[-1].epoch:
+        return {events[0].epoch: list(events)}
+    epochs: dict[int, list[Event]] = {}
+    for event in events:
+        epochs.setdefault(event.epoch, []).append(event)
+    return epochs
 
 
 def merge_dropped(

@@ -19,7 +19,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, crash, run_state
+from storage.rules import LabelState, apply_events, by_epoch, crash, run_state, take_new
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
@@ -100,6 +100,17 @@ MIGRATIONS: list[str] = [
     ALTER TABLE labels ADD COLUMN dropped TEXT;
     CREATE INDEX labels_running ON labels (state, seen_at);
     """,
+    # One row per run of consecutive seqs received, instead of one `events` row per event.
+    """
+    CREATE TABLE seen (
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        first_seq INTEGER NOT NULL,
+        last_seq INTEGER NOT NULL,
+        PRIMARY KEY (label_id, epoch, last_seq)
+    ) WITHOUT ROWID;
+    """
+    + rows.SEEN_MIGRATION,
 ]
 
 _LABEL_COLUMNS = (
@@ -273,25 +284,25 @@ class SQLiteStore:
         runs = {run for run, _ in by_label}
         con.executemany("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", [(r,) for r in runs])
         con.executemany("INSERT OR IGNORE INTO labels (run_id, label) VALUES (?, ?)", by_label)
-        ids: dict[tuple[str, str], int] = {}
         seen_at = time.time()
-        for run, label in by_label:
+        new = 0
+        metric_rows, system_rows, log_rows = [], [], []
+        for (run, label), group in by_label.items():
             row = con.execute(
                 f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? AND label = ?", (run, label)
             ).fetchone()
-            ids[run, label] = row["id"]
-            folded = apply_events(_label_state(run, row), by_label[run, label])
+            lid = row["id"]
+            fresh = self._take_new(con, lid, group)
+            new += len(fresh)
+            folded = apply_events(_label_state(run, row), group)
             con.execute(
                 "UPDATE labels SET state = ?, exit_code = ?, state_epoch = ?, state_seq = ?, "
                 "state_ts = ?, is_primary = ?, start_epoch = ?, start_seq = ?, start_data = ?, "
-                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ?, dropped = ?, seen_at = ? "
-                "WHERE id = ?",
-                (*rows.label_columns(folded), seen_at, row["id"]),
+                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ?, dropped = ?, seen_at = ?, "
+                "metric_events = metric_events + ?, log_events = log_events + ?, "
+                "system_events = system_events + ? WHERE id = ?",
+                (*rows.label_columns(folded), seen_at, *rows.kind_counts(fresh), lid),
             )
-        event_rows, metric_rows, system_rows, log_rows = [], [], [], []
-        for (run, label), group in by_label.items():
-            lid = ids[run, label]
-            event_rows += [(lid, e.epoch, e.seq, e.kind, e.ts) for e in group]
             # Inline rather than through helpers: this runs once per stored value. `v == v` is
             # False only for NaN, which SQLite cannot keep (it would store NULL anyway).
             metric_rows += [
@@ -304,26 +315,46 @@ class SQLiteStore:
                     e.ts,
                     v if v == v else None,
                 )
-                for e in group
+                for e in fresh
                 if e.kind == "metric"
                 for k, v in e.data.items()
             ]
             system_rows += [
                 (lid, rows.storable_text(k), e.epoch, e.seq, e.ts, v if v == v else None)
-                for e in group
+                for e in fresh
                 if e.kind == "system"
                 for k, v in e.data.items()
             ]
-            log_rows += [(lid, e.epoch, e.seq, e.ts, *rows.log_columns(e)) for e in group if e.kind == "log"]
-        before = con.total_changes
-        _insert(con, "events (label_id, epoch, seq, kind, ts)", 5, event_rows)
-        new = con.total_changes - before
+            log_rows += [(lid, e.epoch, e.seq, e.ts, *rows.log_columns(e)) for e in fresh if e.kind == "log"]
         _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
         for run in runs:
             self._update_run(con, run)
         return new
+
+    @staticmethod
+    def _take_new(con: sqlite3.Connection, label_id: int, events: Sequence[Event]) -> list[Event]:
+        """One label's events never stored before; their seqs join the label's `seen` ranges."""
+        fresh: list[Event] = []
+        for epoch, mine in by_epoch(events).items():
+            stored = con.execute(
+                "SELECT first_seq, last_seq FROM seen "
+                "WHERE label_id = ? AND epoch = ? AND last_seq >= ? AND first_seq <= ?",
+                (label_id, epoch, mine[0].seq - 1, mine[-1].seq + 1),
+            )
+            seen = take_new(epoch, mine, [tuple(r) for r in stored])
+            if seen.fresh:
+                con.executemany(
+                    "DELETE FROM seen WHERE label_id = ? AND epoch = ? AND last_seq = ?",
+                    [(label_id, epoch, last) for _, last in seen.replaced],
+                )
+                con.executemany(
+                    "INSERT INTO seen (label_id, epoch, first_seq, last_seq) VALUES (?, ?, ?, ?)",
+                    [(label_id, epoch, first, last) for first, last in seen.ranges],
+                )
+                fresh += seen.fresh
+        return fresh
 
     def _update_run(self, con: sqlite3.Connection, run: str) -> None:
         labels = [
@@ -376,16 +407,8 @@ class SQLiteStore:
         ).fetchone()
         if row is None:
             return None
-        epochs = con.execute(
-            "SELECT e.label_id, e.epoch, max(e.seq) AS top, count(*) AS seen FROM events e "
-            "JOIN labels l ON l.id = e.label_id WHERE l.run_id = ? GROUP BY e.label_id, e.epoch",
-            (run_id,),
-        ).fetchall()
-        counts = con.execute(
-            "SELECT e.kind, count(*) FROM events e JOIN labels l ON l.id = e.label_id "
-            "WHERE l.run_id = ? GROUP BY e.kind",
-            (run_id,),
-        ).fetchall()
+        epochs = con.execute(rows.EPOCHS_SQL.format(param="?"), (run_id,)).fetchall()
+        counts = con.execute(rows.KIND_COUNTS_SQL.format(param="?"), (run_id,)).fetchone()
         missing = con.execute(
             rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
         ).fetchall()

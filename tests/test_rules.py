@@ -8,7 +8,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from producer.wire import Event
-from storage.rules import FAILED, FINISHED, RUNNING, LabelState, apply_events, missing_count, run_state
+from storage.rules import (
+    FAILED,
+    FINISHED,
+    RUNNING,
+    LabelState,
+    apply_events,
+    by_epoch,
+    merge_ranges,
+    missing_count,
+    run_state,
+    take_new,
+)
 
 
 def ev(label: str, kind: str, epoch: int, seq: int, **data) -> Event:
@@ -82,3 +93,28 @@ def test_state_does_not_depend_on_arrival_order_or_duplicates(raw, rnd: random.R
     shuffled = events + rnd.sample(events, k=min(5, len(events)))
     rnd.shuffle(shuffled)
     assert fold("rank0", shuffled) == expected
+
+
+seq_sets = st.sets(st.integers(1, 60), max_size=40)
+
+
+@given(seq_sets, st.lists(st.integers(1, 60), max_size=40), st.booleans())
+def test_take_new_agrees_with_a_set_of_seqs(stored, batch, only_near):
+    ranges = merge_ranges((seq, seq) for seq in stored)
+    events = [ev("rank0", "metric", 1, seq) for seq in sorted(batch)]
+    if only_near and events:
+        # As the stores ask: only the ranges touching the batch's span, one seq either side.
+        low, high = events[0].seq - 1, events[-1].seq + 1
+        ranges = tuple((a, b) for a, b in ranges if b >= low and a <= high)
+    seen = take_new(1, events, ranges)
+    assert [e.seq for e in seen.fresh] == sorted(set(batch) - stored)
+    assert seen.replaced == tuple(sorted(ranges))
+    kept = {seq for a, b in seen.replaced for seq in range(a, b + 1)} | set(batch)
+    assert seen.ranges == merge_ranges((seq, seq) for seq in kept)
+
+
+def test_by_epoch_splits_a_label_s_events_in_order():
+    events = [ev("rank0", "metric", epoch, seq) for epoch, seq in [(1, 1), (1, 2), (2, 1), (3, 5)]]
+    assert {e: [x.seq for x in xs] for e, xs in by_epoch(events).items()} == {1: [1, 2], 2: [1], 3: [5]}
+    assert by_epoch(events[:2]) == {1: events[:2]}
+    assert by_epoch([]) == {}

@@ -192,7 +192,6 @@ async def test_write_counts_only_new_events_across_labels_and_runs(store: Store)
     assert [(lab.label, lab.events) for lab in other.labels] == [("a", 1)]
 
 
-
 async def test_a_batch_bigger_than_one_insert_statement_is_stored_whole(store: Store) -> None:
     # 1,500 metric events of 2 keys: 3,000 metric rows, several multi-row statements in SQLite.
     many = [metric(seq, {"loss": 1.0 / seq, "acc": float(seq)}, step=seq) for seq in range(1, 1501)]
@@ -213,6 +212,7 @@ def test_sqlite_splits_rows_into_cached_statement_sizes() -> None:
     for count in range(3 * limit):
         sizes = sqlite_backend._statement_sizes(count)
         assert sum(sizes) == count and len(set(sizes) - {limit}) == len(sizes) - sizes.count(limit)
+
 
 # -- ordering by (epoch, seq) --------------------------------------------------------------------
 
@@ -594,6 +594,81 @@ async def test_migrations_are_idempotent(open_stores: OpenStore, any_store_url: 
     assert run is not None
     assert (run.state, run.labels[0].events) == ("finished", 2)
     assert await again.write([start(1, primary=True), heartbeat(3)]) == 1
+
+
+async def make_version_2_store(url: str) -> None:
+    """A store at schema version 2, as runbus 0.1 left it: one `events` row per event.
+
+    rank0 of RUN holds start 1, metrics 2-5 and log 8 of epoch 1 (6 and 7 never arrived) and
+    heartbeat 1 of epoch 2; rank1 holds system 1.
+    """
+    events = [(1, 1, 1, "start"), *[(1, 1, seq, "metric") for seq in range(2, 6)], (1, 1, 8, "log")]
+    events += [(1, 2, 1, "heartbeat"), (2, 1, 1, "system")]
+    inserts = [  # (table, columns, rows)
+        ("runs", "run_id", [(RUN,)]),
+        ("labels", "id, run_id, label, epoch, last_seq", [(1, RUN, "rank0", 2, 1), (2, RUN, "rank1", 1, 1)]),
+        ("events", "label_id, epoch, seq, kind, ts", [(*e, T0 + n) for n, e in enumerate(events)]),
+        (
+            "metrics",
+            "label_id, key, epoch, seq, step, ts, value",
+            [(1, "loss", 1, seq, seq, T0 + seq, 1.0 / seq) for seq in range(2, 6)],
+        ),
+    ]
+
+    def insert_sql(table: str, columns: str, marks: list[str]) -> str:
+        return f"INSERT INTO {table} ({columns}) VALUES ({', '.join(marks[: columns.count(',') + 1])})"
+
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        for script in sqlite_backend.MIGRATIONS[:2]:
+            for statement in script.split(";"):
+                if statement.strip():
+                    con.execute(statement)
+        for table, columns, values in inserts:
+            con.executemany(insert_sql(table, columns, ["?"] * 8), values)
+        con.execute("PRAGMA user_version = 2")
+        con.close()
+        return
+    pg = await asyncpg.connect(url)
+    try:
+        await pg.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ)")
+        for number, script in enumerate(postgres_backend.MIGRATIONS[:2], start=1):
+            await pg.execute(script)
+            await pg.execute("INSERT INTO schema_version (version) VALUES ($1)", number)
+        for table, columns, values in inserts:
+            await pg.executemany(insert_sql(table, columns, [f"${n}" for n in range(1, 9)]), values)
+    finally:
+        await pg.close()
+
+
+async def test_version_2_events_become_seen_ranges_and_counts(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    await make_version_2_store(any_store_url)
+    store = await open_stores()
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.counts == {"metric": 4, "log": 1, "system": 1}
+    rank0, rank1 = run.labels
+    assert (rank0.events, rank0.missing, [(g.epoch, g.first, g.last) for g in rank0.gaps]) == (
+        7,
+        2,
+        [(1, 6, 7)],
+    )
+    assert (rank1.events, rank1.missing) == (1, 0)
+
+    # Stored events stay stored once; the gap fills, and the counters go on from the old counts.
+    assert (
+        await store.write(
+            [metric(3, {"loss": 9.0}), metric(6, {"loss": 0.25}, step=6), heartbeat(1, epoch=2)]
+        )
+        == 1
+    )
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.counts["metric"] == 5
+    assert (run.labels[0].events, run.labels[0].missing) == (8, 1)
+    assert [p.value for p in await store.metrics(RUN, key="loss")] == [0.5, 1 / 3, 0.25, 0.2, 0.25]
 
 
 async def test_stores_starting_together_migrate_once(open_stores: OpenStore) -> None:
