@@ -122,27 +122,34 @@ def decode_batch(
     events: list[wire.Event] = []
     sources: list[Source] = []
     dead: list[DeadEntry] = []
-    deliveries = deliveries or {}
     for key, items in entries:
-        for entry_id, fields in items:
-            count = deliveries.get(entry_id, 1)
-            if max_deliveries and count > max_deliveries:
-                reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
-                continue
-            try:
-                if type(fields) is dict:
-                    events.append(wire.decode_entry(key, fields))
+        if deliveries and max_deliveries:
+            fresh = []
+            for entry_id, fields in items:
+                count = deliveries.get(entry_id, 1)
+                if count > max_deliveries:
+                    reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
+                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
                 else:
-                    events.append(wire.decode_flat(key, fields))
+                    fresh.append((entry_id, fields))
+            items = fresh
+        flats = [_as_flat(fields) for _, fields in items]
+        for (entry_id, fields), decoded in zip(items, wire.decode_stream(key, flats), strict=True):
+            if isinstance(decoded, wire.InvalidEntry):
+                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(decoded)))
+            else:
+                events.append(decoded)
                 sources.append((key, entry_id, fields))
-            except wire.InvalidEntry as exc:
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(exc)))
     return events, sources, dead
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
     return fields if type(fields) is dict else wire.fields_dict(fields)
+
+
+def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | None:
+    # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
+    return [item for pair in fields.items() for item in pair] if type(fields) is dict else fields
 
 
 def _raw_reply(response, **options):
