@@ -119,7 +119,7 @@ _RUN_WITH_LABEL_COUNT = (
     "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
 )
 
-# (table, columns) that each kind's rows are copied into.
+# (table, columns) that rows are copied into; the columns in rows.value_rows's order.
 _METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"))
 _SYSTEM = ("system", ("label_id", "key", "epoch", "seq", "ts", "value"))
 _LOGS = ("logs", ("label_id", "epoch", "seq", "ts", "stream", "level", "levelno", "text"))
@@ -145,29 +145,6 @@ def _label_state(row: asyncpg.Record) -> LabelState:
         last_ts=row["last_ts"],
         dropped=rows.dropped_from_json(row["dropped"]),
     )
-
-
-def _table_rows(
-    fresh: Sequence[Event], ids: dict[tuple[str, str], int]
-) -> dict[tuple[str, tuple[str, ...]], list[tuple]]:
-    """The rows each table receives from a batch's new events, keyed by its (table, columns)."""
-    tables: dict[tuple[str, tuple[str, ...]], list[tuple]] = {_METRICS: [], _SYSTEM: [], _LOGS: []}
-    for e in fresh:
-        label_id = ids[e.run, e.label]
-        if e.kind == "metric":
-            tables[_METRICS].extend(
-                (label_id, rows.storable_text(key), e.epoch, e.seq, e.step, e.ts, float(value))
-                for key, value in e.data.items()
-            )
-        elif e.kind == "system":
-            tables[_SYSTEM].extend(
-                (label_id, rows.storable_text(key), e.epoch, e.seq, e.ts, float(value))
-                for key, value in e.data.items()
-            )
-        elif e.kind == "log":
-            stream, level, levelno, text = rows.log_columns(e)
-            tables[_LOGS].append((label_id, e.epoch, e.seq, e.ts, stream, level, levelno, text))
-    return {table: found for table, found in tables.items() if found}
 
 
 class PostgresStore:
@@ -285,13 +262,17 @@ class PostgresStore:
                 "system_events = system_events + $18 WHERE id = $19",
                 updates,
             )
-            new = [e for mine in fresh.values() for e in mine]
+            tables: tuple[list[tuple], list[tuple], list[tuple]] = ([], [], [])
+            for key, mine in fresh.items():
+                for table, found in zip(tables, rows.value_rows(ids[key], mine), strict=True):
+                    table += found
             # Only new events' rows, so straight into the tables: the labels are locked, and no
             # other writer can store these (label, epoch, seq) meanwhile.
-            for (table, columns), found in _table_rows(new, ids).items():
-                await con.copy_records_to_table(table, records=found, columns=columns)
+            for (table, columns), found in zip((_METRICS, _SYSTEM, _LOGS), tables, strict=True):
+                if found:
+                    await con.copy_records_to_table(table, records=found, columns=columns)
             await self._update_runs(con, runs)
-            return len(new)
+            return sum(map(len, fresh.values()))
 
     async def _take_new(
         self,

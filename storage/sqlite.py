@@ -303,29 +303,10 @@ class SQLiteStore:
                 "system_events = system_events + ? WHERE id = ?",
                 (*rows.label_columns(folded), seen_at, *rows.kind_counts(fresh), lid),
             )
-            # Inline rather than through helpers: this runs once per stored value. `v == v` is
-            # False only for NaN, which SQLite cannot keep (it would store NULL anyway).
-            metric_rows += [
-                (
-                    lid,
-                    k if "\x00" not in k else rows.storable_text(k),
-                    e.epoch,
-                    e.seq,
-                    e.step,
-                    e.ts,
-                    v if v == v else None,
-                )
-                for e in fresh
-                if e.kind == "metric"
-                for k, v in e.data.items()
-            ]
-            system_rows += [
-                (lid, rows.storable_text(k), e.epoch, e.seq, e.ts, v if v == v else None)
-                for e in fresh
-                if e.kind == "system"
-                for k, v in e.data.items()
-            ]
-            log_rows += [(lid, e.epoch, e.seq, e.ts, *rows.log_columns(e)) for e in fresh if e.kind == "log"]
+            metrics, system, logs = rows.value_rows(lid, fresh)
+            metric_rows += metrics
+            system_rows += system
+            log_rows += logs
         _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
