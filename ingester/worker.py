@@ -49,7 +49,7 @@ STATS_INTERVAL = 30.0
 # Every event allocates a handful of container objects (none in reference cycles). At the default
 # gen-0 threshold of 700 the cyclic collector runs every ~100 events and its older generations
 # sweep every live object in turn: a third of a worker's CPU (bench/ingest.py, SQLite, one worker:
-# 41k -> 66k events/s with start-up objects frozen and these thresholds). Raised, not disabled,
+# 41k -> 58k-75k events/s with start-up objects frozen and these thresholds). Raised, not disabled,
 # so cycles (the tracebacks of retried errors) are still freed.
 GC_THRESHOLDS = (20_000, 50, 100)
 
