@@ -124,15 +124,15 @@ def decode_batch(
     dead: list[DeadEntry] = []
     for key, items in entries:
         if deliveries and max_deliveries:
-            fresh = []
+            kept = []
             for entry_id, fields in items:
                 count = deliveries.get(entry_id, 1)
                 if count > max_deliveries:
                     reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
                     dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
                 else:
-                    fresh.append((entry_id, fields))
-            items = fresh
+                    kept.append((entry_id, fields))
+            items = kept
         flats = [_as_flat(fields) for _, fields in items]
         for (entry_id, fields), decoded in zip(items, wire.decode_stream(key, flats), strict=True):
             if isinstance(decoded, wire.InvalidEntry):

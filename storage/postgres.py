@@ -123,7 +123,6 @@ _RUN_WITH_LABEL_COUNT = (
 _METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"))
 _SYSTEM = ("system", ("label_id", "key", "epoch", "seq", "ts", "value"))
 _LOGS = ("logs", ("label_id", "epoch", "seq", "ts", "stream", "level", "levelno", "text"))
-_SEEN = ("seen", ("label_id", "epoch", "first_seq", "last_seq"))
 
 _ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
 
@@ -313,7 +312,9 @@ class PostgresStore:
                 *map(list, zip(*replaced, strict=True)),
             )
         if ranges:
-            await con.copy_records_to_table(_SEEN[0], records=ranges, columns=_SEEN[1])
+            await con.copy_records_to_table(
+                "seen", records=ranges, columns=("label_id", "epoch", "first_seq", "last_seq")
+            )
         return fresh
 
     async def _update_runs(self, con: asyncpg.Connection, runs: list[str]) -> None:
