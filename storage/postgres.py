@@ -299,7 +299,7 @@ class PostgresStore:
         fresh: dict[tuple[str, str], list[Event]] = {key: [] for key in by_label}
         replaced, ranges = [], []
         for key, label_id, epoch, mine in spans:
-            seen = take_new(epoch, mine, near.get((label_id, epoch), ()))
+            seen = take_new(mine, near.get((label_id, epoch), ()))
             if seen.fresh:
                 replaced += [(label_id, epoch, last) for _, last in seen.replaced]
                 ranges += [(label_id, epoch, first, last) for first, last in seen.ranges]

@@ -77,7 +77,8 @@ def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]
 def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     """How many metric, log and system events there are among `fresh`."""
     counts = Counter(e.kind for e in fresh)
-    return counts["metric"], counts["log"], counts["system"]
+    metric, log, system = (counts[kind] for kind in KINDS_COUNTED)
+    return metric, log, system
 
 
 def value_rows(label_id: int, fresh: Sequence[Event]) -> tuple[list[tuple], list[tuple], list[tuple]]:

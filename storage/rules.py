@@ -131,13 +131,12 @@ class Seen:
     stored ranges `replaced` give way to `ranges`, which cover them and the fresh seqs.
     """
 
-    epoch: int
     fresh: list[Event]
     replaced: tuple[tuple[int, int], ...]
     ranges: tuple[tuple[int, int], ...]
 
 
-def take_new(epoch: int, events: Sequence[Event], stored: Iterable[tuple[int, int]]) -> Seen:
+def take_new(events: Sequence[Event], stored: Iterable[tuple[int, int]]) -> Seen:
     """Which of one epoch's events (sorted by seq) the stored seq ranges do not cover yet.
 
     `stored` need only hold the ranges that touch the events' span (from the first seq less one
@@ -161,7 +160,7 @@ def take_new(epoch: int, events: Sequence[Event], stored: Iterable[tuple[int, in
             runs[-1] = (runs[-1][0], seq)
         else:
             runs.append((seq, seq))
-    return Seen(epoch, fresh, replaced, merge_ranges([*replaced, *runs]) if runs else replaced)
+    return Seen(fresh, replaced, merge_ranges([*replaced, *runs]) if runs else replaced)
 
 
 def by_epoch(events: Sequence[Event]) -> dict[int, list[Event]]:

@@ -324,7 +324,7 @@ class SQLiteStore:
                 "WHERE label_id = ? AND epoch = ? AND last_seq >= ? AND first_seq <= ?",
                 (label_id, epoch, mine[0].seq - 1, mine[-1].seq + 1),
             )
-            seen = take_new(epoch, mine, [tuple(r) for r in stored])
+            seen = take_new(mine, [tuple(r) for r in stored])
             if seen.fresh:
                 con.executemany(
                     "DELETE FROM seen WHERE label_id = ? AND epoch = ? AND last_seq = ?",

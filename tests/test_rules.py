@@ -106,7 +106,7 @@ def test_take_new_agrees_with_a_set_of_seqs(stored, batch, only_near):
         # As the stores ask: only the ranges touching the batch's span, one seq either side.
         low, high = events[0].seq - 1, events[-1].seq + 1
         ranges = tuple((a, b) for a, b in ranges if b >= low and a <= high)
-    seen = take_new(1, events, ranges)
+    seen = take_new(events, ranges)
     assert [e.seq for e in seen.fresh] == sorted(set(batch) - stored)
     assert seen.replaced == tuple(sorted(ranges))
     kept = {seq for a, b in seen.replaced for seq in range(a, b + 1)} | set(batch)
