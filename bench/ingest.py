@@ -15,12 +15,14 @@ import asyncio
 import gc
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 
 import orjson
+import psutil
 import redis
 from common import ROOT, emit, private_redis
 
@@ -126,8 +128,11 @@ def measure(url: str, store_url: str, events: int, workers: int) -> dict:
     client = redis.Redis.from_url(url)
     for i in range(LABELS):
         client.xgroup_destroy(wire.stream_key(run_id, f"rank{i}"), "raw")
+    redis_server = local_process(client)
     client.close()
+    before = cpu_seconds(redis_server)
     seconds = burst(url, store_url, workers)
+    after = cpu_seconds(redis_server)
     stored = events - events % LABELS
     return {
         "workers": workers,
@@ -135,7 +140,34 @@ def measure(url: str, store_url: str, events: int, workers: int) -> dict:
         "events_per_s": round(stored / seconds),
         "raw_ceiling_per_s": round(ceiling),
         "fraction_of_ceiling": round(stored / seconds / ceiling, 2),
+        "cpu_us_per_event": {
+            part: None if b is None else round((a - b) / stored * 1e6, 2)
+            for part, a, b in zip(("workers", "redis", "rest"), after, before, strict=True)
+        },
     }
+
+
+def local_process(client: redis.Redis) -> psutil.Process | None:
+    """The redis-server process behind `client`, when it runs on this machine."""
+    try:
+        return psutil.Process(int(client.info("server")["process_id"]))
+    except (psutil.Error, KeyError, ValueError):
+        return None
+
+
+def cpu_seconds(redis_server: psutil.Process | None) -> tuple[float, float | None, float]:
+    """CPU seconds so far of (finished child processes: the workers, redis-server, the rest of
+    the machine: PostgreSQL and anything else). CPU per event is steadier than rates on a
+    shared VM."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    workers = children.ru_utime + children.ru_stime
+    server = None
+    if redis_server is not None:
+        times = redis_server.cpu_times()
+        server = times.user + times.system
+    machine = psutil.cpu_times()
+    busy = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
+    return workers, server, busy - workers - (server or 0.0)
 
 
 def main() -> None:
