@@ -154,7 +154,7 @@ def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | N
 
 def _raw_reply(response, **options):
     """XREADGROUP's reply as the server sent it: entries stay flat [name, value, ...] lists,
-    decoded by position (wire.decode_flat) instead of becoming a dict each."""
+    decoded by position (wire.decode_stream) instead of becoming a dict each."""
     return response
 
 

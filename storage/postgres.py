@@ -261,10 +261,7 @@ class PostgresStore:
                 "system_events = system_events + $18 WHERE id = $19",
                 updates,
             )
-            tables: tuple[list[tuple], list[tuple], list[tuple]] = ([], [], [])
-            for key, mine in fresh.items():
-                for table, found in zip(tables, rows.value_rows(ids[key], mine), strict=True):
-                    table += found
+            tables = rows.value_rows((ids[key], mine) for key, mine in fresh.items())
             # Only new events' rows, so straight into the tables: the labels are locked, and no
             # other writer can store these (label, epoch, seq) meanwhile.
             for (table, columns), found in zip((_METRICS, _SYSTEM, _LOGS), tables, strict=True):

@@ -81,23 +81,30 @@ def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     return metric, log, system
 
 
-def value_rows(label_id: int, fresh: Sequence[Event]) -> tuple[list[tuple], list[tuple], list[tuple]]:
-    """The metrics, system and logs rows of one label's new events, in the column order the
-    tables declare. Inline rather than through helpers: this runs once per stored value. Values
-    stay as decoded (NaN included: SQLite stores it as NULL, PostgreSQL as NaN)."""
-    metrics = [
-        (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.step, e.ts, v)
-        for e in fresh
-        if e.kind == "metric"
-        for k, v in e.data.items()
-    ]
-    system = [
-        (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.ts, v)
-        for e in fresh
-        if e.kind == "system"
-        for k, v in e.data.items()
-    ]
-    logs = [(label_id, e.epoch, e.seq, e.ts, *log_columns(e)) for e in fresh if e.kind == "log"]
+def value_rows(
+    fresh: Iterable[tuple[int, Sequence[Event]]],
+) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """The metrics, system and logs rows of new events, given as (label id, its events) pairs,
+    in the column order the tables declare. Inline rather than through helpers: this runs once
+    per stored value. Values stay as decoded (NaN included: SQLite stores it as NULL,
+    PostgreSQL as NaN)."""
+    metrics: list[tuple] = []
+    system: list[tuple] = []
+    logs: list[tuple] = []
+    for label_id, events in fresh:
+        metrics += [
+            (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.step, e.ts, v)
+            for e in events
+            if e.kind == "metric"
+            for k, v in e.data.items()
+        ]
+        system += [
+            (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.ts, v)
+            for e in events
+            if e.kind == "system"
+            for k, v in e.data.items()
+        ]
+        logs += [(label_id, e.epoch, e.seq, e.ts, *log_columns(e)) for e in events if e.kind == "log"]
     return metrics, system, logs
 
 

@@ -285,15 +285,14 @@ class SQLiteStore:
         con.executemany("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", [(r,) for r in runs])
         con.executemany("INSERT OR IGNORE INTO labels (run_id, label) VALUES (?, ?)", by_label)
         seen_at = time.time()
-        new = 0
-        metric_rows, system_rows, log_rows = [], [], []
+        fresh_by_label: list[tuple[int, list[Event]]] = []
         for (run, label), group in by_label.items():
             row = con.execute(
                 f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? AND label = ?", (run, label)
             ).fetchone()
             lid = row["id"]
             fresh = self._take_new(con, lid, group)
-            new += len(fresh)
+            fresh_by_label.append((lid, fresh))
             folded = apply_events(_label_state(run, row), group)
             con.execute(
                 "UPDATE labels SET state = ?, exit_code = ?, state_epoch = ?, state_seq = ?, "
@@ -303,16 +302,13 @@ class SQLiteStore:
                 "system_events = system_events + ? WHERE id = ?",
                 (*rows.label_columns(folded), seen_at, *rows.kind_counts(fresh), lid),
             )
-            metrics, system, logs = rows.value_rows(lid, fresh)
-            metric_rows += metrics
-            system_rows += system
-            log_rows += logs
+        metric_rows, system_rows, log_rows = rows.value_rows(fresh_by_label)
         _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
         for run in runs:
             self._update_run(con, run)
-        return new
+        return sum(len(fresh) for _, fresh in fresh_by_label)
 
     @staticmethod
     def _take_new(con: sqlite3.Connection, label_id: int, events: Sequence[Event]) -> list[Event]:
