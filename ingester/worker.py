@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 
 from redis.asyncio import Redis
 from redis.crc import key_slot
@@ -133,14 +135,27 @@ def decode_batch(
                 else:
                     kept.append((entry_id, fields))
             items = kept
-        flats = [_as_flat(fields) for _, fields in items]
-        for (entry_id, fields), decoded in zip(items, wire.decode_stream(key, flats), strict=True):
-            if isinstance(decoded, wire.InvalidEntry):
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(decoded)))
+        if not items:
+            continue
+        ids, fieldses = zip(*items, strict=True)
+        # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
+        flats = fieldses if dict not in set(map(type, fieldses)) else list(map(_as_flat, fieldses))
+        decoded = wire.decode_stream(key, flats)
+        if _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, without a loop in Python
+            events += decoded
+            sources += zip(repeat(key), ids, fieldses, strict=False)
+            continue
+        for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
+            if isinstance(event, wire.InvalidEntry):
+                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
             else:
-                events.append(decoded)
+                events.append(event)
                 sources.append((key, entry_id, fields))
     return events, sources, dead
+
+
+_ONLY_EVENTS = frozenset({wire.Event})
+_KIND, _RUN = attrgetter("kind"), attrgetter("run")
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
@@ -148,7 +163,6 @@ def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, byt
 
 
 def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | None:
-    # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
     return [item for pair in fields.items() for item in pair] if type(fields) is dict else fields
 
 
@@ -510,10 +524,10 @@ class Worker:
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
-        for kind, n in Counter(e.kind for e in events).items():
+        for kind, n in Counter(map(_KIND, events)).items():
             s.by_kind[kind] = s.by_kind.get(kind, 0) + n
         written_at = time.time()
-        for run in {e.run for e in events}:
+        for run in set(map(_RUN, events)):
             s.runs_written[run] = written_at
         log.debug(
             "batch of %d from %d stream(s): %d stored, %d duplicates, %d dead in %.1f ms",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import groupby
+from operator import attrgetter
 from typing import Any
 
 import orjson
@@ -67,16 +69,22 @@ MISSING_RANGES_SQL = """
 def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]]:
     """Events grouped by (run, label), each group in (epoch, seq) order."""
     groups: dict[tuple[str, str], list[Event]] = {}
-    for event in events:
-        groups.setdefault((event.run, event.label), []).append(event)
+    # A batch holds each stream's events together: grouped a stretch at a time, in C.
+    for names, stretch in groupby(events, _LABEL_OF):
+        groups.setdefault(names, []).extend(stretch)
     for group in groups.values():
-        group.sort(key=lambda e: e.position)
+        group.sort(key=_POSITION)
     return groups
+
+
+_LABEL_OF = attrgetter("run", "label")
+_POSITION = attrgetter("epoch", "seq")
+_KIND = attrgetter("kind")
 
 
 def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     """How many metric, log and system events there are among `fresh`."""
-    counts = Counter(e.kind for e in fresh)
+    counts = Counter(map(_KIND, fresh))
     metric, log, system = (counts[kind] for kind in KINDS_COUNTED)
     return metric, log, system
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from producer.wire import Event
 
@@ -58,12 +59,40 @@ class RunState:
     ended_ts: float | None = None
 
 
+# Event fields read by the batch paths below, with C getters rather than Python lambdas.
+_KIND, _SEQ, _TS = attrgetter("kind"), attrgetter("seq"), attrgetter("ts")
+_POSITION = attrgetter("epoch", "seq")
+# Kinds that never change a label's state, primary or start record.
+_NO_STATE_KINDS = frozenset({"metric", "log", "system"})
+
+
 def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
     """Fold many events of one label (any order, duplicates allowed).
 
     The state lives in local variables and the record is rebuilt once: an ingester folds
     every event it stores through here.
     """
+    events = list(events)
+    if not events:
+        return label
+    if _NO_STATE_KINDS.issuperset(map(_KIND, events)) and label.state != CRASHED:
+        # Metrics, logs and system figures (nearly every event) move only the highest position
+        # and the time span: folded with C loops (map, max, min) rather than event by event.
+        top = max((label.epoch, label.last_seq), max(map(_POSITION, events)))
+        stamps = list(map(_TS, events))
+        first, last = min(stamps), max(stamps)
+        return replace(
+            label,
+            epoch=top[0],
+            last_seq=top[1],
+            first_ts=first if label.first_ts is None else min(label.first_ts, first),
+            last_ts=last if label.last_ts is None else max(label.last_ts, last),
+        )
+    return _fold_each(label, events)
+
+
+def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
+    """apply_events for any kinds, one event at a time."""
     top = (label.epoch, label.last_seq)
     first_ts, last_ts = label.first_ts, label.last_ts
     state, exit_code, state_pos, state_ts = label.state, label.exit_code, label.state_pos, label.state_ts
@@ -143,6 +172,12 @@ def take_new(events: Sequence[Event], stored: Iterable[tuple[int, int]]) -> Seen
     to the last plus one): the others neither cover an event nor merge with one.
     """
     replaced = tuple(sorted(stored))
+    seqs = list(map(_SEQ, events))
+    if seqs and seqs[-1] - seqs[0] == len(seqs) - 1 and len(set(seqs)) == len(seqs):
+        # One unbroken run of seqs (the common case): new unless a stored range overlaps it.
+        first, last = seqs[0], seqs[-1]
+        if not any(a <= last and b >= first for a, b in replaced):
+            return Seen(list(events), replaced, merge_ranges([*replaced, (first, last)]))
     fresh: list[Event] = []
     runs: list[tuple[int, int]] = []
     at, previous = 0, None

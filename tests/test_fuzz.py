@@ -125,3 +125,40 @@ def test_decoding_a_flat_reply_agrees_with_decoding_the_dict(fields, rnd):
             raise AssertionError("the flat decoder accepted an invalid entry") from None
     else:
         assert wire.decode_flat(key, flat) == expected
+
+
+@st.composite
+def producer_entries(draw, seq: int) -> list[bytes]:
+    """An entry as a producer writes it (flat, in its field order): a metric at a step, a metric,
+    system figures or a log line; now and then with one value broken."""
+    kind = draw(st.sampled_from(["metric", "metric", "metric", "system", "log"]))
+    if kind == "log":
+        data = {"stream": "stdout", "text": draw(st.text(max_size=5))}
+    else:
+        plain = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-(2**63), 2**63 - 1))
+        rare = st.integers(0, 19).flatmap(lambda n: st.one_of(numbers, odd_values) if n == 0 else plain)
+        data = draw(st.dictionaries(st.text(min_size=1, max_size=5), rare, min_size=1, max_size=3))
+        data = {k: wire.finite_to_wire(v) if isinstance(v, float) else v for k, v in data.items()}
+    step = draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))) if kind == "metric" else None
+    ts = draw(st.floats(min_value=0, max_value=4e9))
+    fields = wire.encode_fields(kind, RUN, LABEL, 1, seq, ts, orjson.dumps(data), step)
+    flat = []
+    for name, value in fields.items():
+        flat += [name.encode(), value if isinstance(value, bytes) else str(value).encode()]
+    if draw(st.integers(0, 29)) == 0:
+        flat[draw(st.integers(0, len(flat) // 2 - 1)) * 2 + 1] = draw(junk)
+    return flat
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40).flatmap(lambda n: st.tuples(*[producer_entries(seq) for seq in range(1, n + 1)])))
+def test_decoding_a_stream_by_columns_agrees_with_entry_by_entry(flats):
+    key = wire.stream_key(RUN, LABEL)
+    one_by_one = []
+    for flat in flats:
+        try:
+            one_by_one.append(wire.decode_flat(key, flat))
+        except wire.InvalidEntry as exc:
+            one_by_one.append(str(exc))
+    together = wire.decode_stream(key, list(flats))
+    assert [str(d) if isinstance(d, wire.InvalidEntry) else d for d in together] == one_by_one

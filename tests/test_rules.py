@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 from producer.wire import Event
 from storage.rules import (
+    CRASHED,
     FAILED,
     FINISHED,
     RUNNING,
     LabelState,
+    _fold_each,
     apply_events,
     by_epoch,
     merge_ranges,
@@ -98,7 +100,14 @@ def test_state_does_not_depend_on_arrival_order_or_duplicates(raw, rnd: random.R
 seq_sets = st.sets(st.integers(1, 60), max_size=40)
 
 
-@given(seq_sets, st.lists(st.integers(1, 60), max_size=40), st.booleans())
+# A batch is usually one unbroken run of seqs (take_new's fast path); any list otherwise.
+seq_batches = st.one_of(
+    st.lists(st.integers(1, 60), max_size=40),
+    st.builds(lambda first, size: list(range(first, first + size)), st.integers(1, 60), st.integers(1, 40)),
+)
+
+
+@given(seq_sets, seq_batches, st.booleans())
 def test_take_new_agrees_with_a_set_of_seqs(stored, batch, only_near):
     ranges = merge_ranges((seq, seq) for seq in stored)
     events = [ev("rank0", "metric", 1, seq) for seq in sorted(batch)]
@@ -111,6 +120,21 @@ def test_take_new_agrees_with_a_set_of_seqs(stored, batch, only_near):
     assert seen.replaced == tuple(sorted(ranges))
     kept = {seq for a, b in seen.replaced for seq in range(a, b + 1)} | set(batch)
     assert seen.ranges == merge_ranges((seq, seq) for seq in kept)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 30), st.sampled_from(["metric", "log", "system"])),
+        min_size=1,
+        max_size=40,
+    ),
+    st.sampled_from([RUNNING, FINISHED, CRASHED]),
+    st.sampled_from([None, 0.5, 5000.0]),
+)
+def test_folding_events_that_change_no_state_agrees_with_folding_one_by_one(raw, state, ts):
+    events = [ev("rank0", kind, epoch, seq) for epoch, seq, kind in raw]
+    label = LabelState("r", "rank0", state=state, epoch=2, last_seq=3, first_ts=ts, last_ts=ts)
+    assert apply_events(label, events) == _fold_each(label, events)
 
 
 def test_by_epoch_splits_a_label_s_events_in_order():
