@@ -60,14 +60,13 @@ async def raw_ceiling(url: str, run_id: str, batch: int = 1000) -> float:
     """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage).
 
     Replies are read the way the worker reads them (flat, not one dict per entry, which would
-    halve this ceiling) and with its garbage-collector settings, so the fraction of the ceiling
-    is what validation and storage cost.
+    halve this ceiling), through the worker's client (commands packed by hiredis) and with its
+    garbage-collector settings, so the fraction of the ceiling is what validation and storage cost.
     """
-    from redis.asyncio import Redis
-
     from ingester.worker import GC_THRESHOLDS, _raw_reply
+    from producer.connection import async_client
 
-    client = Redis.from_url(url)
+    client = async_client(url)
     client.set_response_callback("XREADGROUP", _raw_reply)
     keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
     for key in keys:

@@ -93,7 +93,10 @@ def async_client(url: str, **options: Any):
     from redis.asyncio import Redis
 
     if not is_cluster(url):
-        return Redis.from_url(url, **options)
+        client = Redis.from_url(url, **options)
+        pool = client.connection_pool
+        pool.connection_class = _packing_with_hiredis(pool.connection_class)
+        return client
     from redis.asyncio.cluster import ClusterNode
 
     first, nodes = cluster_nodes(url)
@@ -148,3 +151,35 @@ def _async_cluster_class() -> type:
                 raise RedisConnectionError(str(exc)) from exc
 
     return Cluster
+
+
+@functools.cache
+def _packing_with_hiredis(base: type) -> type:
+    """`base` (an asyncio connection class) packing commands with hiredis, in C, as redis-py's
+    blocking connections already do. Its asyncio ones pack in Python, at about 0.6 µs an
+    argument: an ingester pays that per event, acknowledging a thousand entries per XACK."""
+    try:
+        import hiredis
+    except ImportError:
+        return base
+    from redis.exceptions import DataError
+
+    class HiredisPacking(base):
+        def pack_command(self, *args: Any) -> list[bytes]:
+            # As redis-py does: a command named with a space ("CONFIG GET") is sent as two words.
+            if isinstance(args[0], str):
+                args = (*args[0].encode().split(), *args[1:])
+            elif b" " in args[0]:
+                args = (*args[0].split(), *args[1:])
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:
+                pass
+            args = tuple(bytes(a) if isinstance(a, bytearray | memoryview) else a for a in args)
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError as exc:
+                raise DataError(str(exc)) from exc
+
+    HiredisPacking.__name__ = HiredisPacking.__qualname__ = base.__name__
+    return HiredisPacking

@@ -156,3 +156,23 @@ def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis
     assert [(p.label, p.key, p.value) for p in read_store(store_url, "metrics", "cli")] == [
         ("rank0", "loss", 0.5)
     ]
+
+
+async def test_the_asyncio_client_packs_commands_with_hiredis(redis_url):
+    from redis.exceptions import DataError
+
+    from producer.connection import async_client
+
+    client = async_client(redis_url)
+    try:
+        assert "HiredisPacking" in repr(client.connection_pool.connection_class.pack_command)
+        ids = [await client.xadd("packed", {"n": i, "f": 0.1, "b": bytearray(b"x")}) for i in range(3)]
+        await client.xgroup_create("packed", "g", id="0")
+        await client.xreadgroup("g", "c", {"packed": ">"})
+        assert await client.xack("packed", "g", *ids, memoryview(b"0-1")) == 3
+        assert (await client.xrange("packed"))[0][1] == {b"n": b"0", b"f": b"0.1", b"b": b"x"}
+        assert "maxmemory" in await client.execute_command("CONFIG GET", "maxmemory")
+        with pytest.raises(DataError):
+            await client.set("packed-none", None)
+    finally:
+        await client.aclose()
