@@ -12,7 +12,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows, safe_url
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, by_epoch, crash, run_state, take_new
+from storage.rules import LabelState, apply_events, crash, run_state
 
 T = TypeVar("T")
 
@@ -277,42 +277,28 @@ class PostgresStore:
         by_label: dict[tuple[str, str], list[Event]],
     ) -> dict[tuple[str, str], list[Event]]:
         """Each label's events never stored before; their seqs join the labels' `seen` ranges."""
-        spans = [
-            (key, ids[key], epoch, mine)
-            for key, group in by_label.items()
-            for epoch, mine in by_epoch(group).items()
-        ]
+        batch = rows.spans(by_label, ids)
         near: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for row in await con.fetch(
             "SELECT s.label_id, s.epoch, s.first_seq, s.last_seq FROM seen s "
             "JOIN unnest($1::int8[], $2::int8[], $3::int8[], $4::int8[]) AS u(label_id, epoch, lo, hi) "
             "ON s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq >= u.lo AND s.first_seq <= u.hi",
-            [label_id for _, label_id, _, _ in spans],
-            [epoch for _, _, epoch, _ in spans],
-            [mine[0].seq - 1 for _, _, _, mine in spans],
-            [mine[-1].seq + 1 for _, _, _, mine in spans],
+            *map(list, zip(*rows.near_bounds(batch), strict=True)),
         ):
             near.setdefault((row["label_id"], row["epoch"]), []).append((row["first_seq"], row["last_seq"]))
-        fresh: dict[tuple[str, str], list[Event]] = {key: [] for key in by_label}
-        replaced, ranges = [], []
-        for key, label_id, epoch, mine in spans:
-            seen = take_new(mine, near.get((label_id, epoch), ()))
-            if seen.fresh:
-                replaced += [(label_id, epoch, last) for _, last in seen.replaced]
-                ranges += [(label_id, epoch, first, last) for first, last in seen.ranges]
-                fresh[key] += seen.fresh
-        if replaced:
+        changes = rows.seen_changes(batch, near)
+        if changes.replaced:
             await con.execute(
                 "DELETE FROM seen s USING unnest($1::int8[], $2::int8[], $3::int8[]) "
                 "AS u(label_id, epoch, last_seq) "
                 "WHERE s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq = u.last_seq",
-                *map(list, zip(*replaced, strict=True)),
+                *map(list, zip(*changes.replaced, strict=True)),
             )
-        if ranges:
+        if changes.ranges:
             await con.copy_records_to_table(
-                "seen", records=ranges, columns=("label_id", "epoch", "first_seq", "last_seq")
+                "seen", records=changes.ranges, columns=("label_id", "epoch", "first_seq", "last_seq")
             )
-        return fresh
+        return changes.fresh
 
     async def _update_runs(self, con: asyncpg.Connection, runs: list[str]) -> None:
         # Every writer updates its labels before it takes the run lock, so whoever takes it last

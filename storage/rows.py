@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
 from typing import Any
@@ -12,7 +13,15 @@ import orjson
 
 from producer.wire import Event, level_number
 from storage.base import LabelSummary, RunSummary
-from storage.rules import LabelState, RunState, explain_gaps, missing_count, primary_label
+from storage.rules import (
+    LabelState,
+    RunState,
+    by_epoch,
+    explain_gaps,
+    missing_count,
+    primary_label,
+    take_new,
+)
 
 KINDS_COUNTED = ("metric", "log", "system")
 MAX_GAPS_SHOWN = 1000
@@ -80,6 +89,47 @@ def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]
 _LABEL_OF = attrgetter("run", "label")
 _POSITION = attrgetter("epoch", "seq")
 _KIND = attrgetter("kind")
+
+
+# One label's events of one epoch in a batch: ((run, label), label id, epoch, events in seq order).
+Span = tuple[tuple[str, str], int, int, list[Event]]
+
+
+def spans(by_label: dict[tuple[str, str], list[Event]], ids: dict[tuple[str, str], int]) -> list[Span]:
+    """A batch's events (grouped by label, each group in order) split by label and epoch."""
+    return [
+        (key, ids[key], epoch, mine)
+        for key, group in by_label.items()
+        for epoch, mine in by_epoch(group).items()
+    ]
+
+
+def near_bounds(batch: Iterable[Span]) -> list[tuple[int, int, int, int]]:
+    """(label id, epoch, lowest, highest seq) to read the stored `seen` ranges a span touches:
+    those that overlap it or end or start right beside it."""
+    return [(label_id, epoch, mine[0].seq - 1, mine[-1].seq + 1) for _, label_id, epoch, mine in batch]
+
+
+@dataclass
+class SeenChanges:
+    """What a batch does to `seen` (rules.take_new per span), as rows for every backend."""
+
+    fresh: dict[tuple[str, str], list[Event]]  # per label, the events never stored before
+    replaced: list[tuple[int, int, int]]  # (label id, epoch, last seq) of ranges to delete
+    ranges: list[tuple[int, int, int, int]]  # (label id, epoch, first, last seq) to insert
+
+
+def seen_changes(batch: Sequence[Span], near: dict[tuple[int, int], list[tuple[int, int]]]) -> SeenChanges:
+    """The new events of each span and the `seen` rows to replace, given the stored ranges
+    near each span (by label id and epoch, as near_bounds asked for them)."""
+    changes = SeenChanges({key: [] for key, _, _, _ in batch}, [], [])
+    for key, label_id, epoch, mine in batch:
+        seen = take_new(mine, near.get((label_id, epoch), ()))
+        if seen.fresh:
+            changes.replaced += [(label_id, epoch, last) for _, last in seen.replaced]
+            changes.ranges += [(label_id, epoch, first, last) for first, last in seen.ranges]
+            changes.fresh[key] += seen.fresh
+    return changes
 
 
 def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:

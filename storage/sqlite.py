@@ -19,7 +19,7 @@ import orjson
 from producer.wire import Event, level_number
 from storage import rows
 from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, by_epoch, crash, run_state, take_new
+from storage.rules import LabelState, apply_events, crash, run_state
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
@@ -120,22 +120,27 @@ _LABEL_COLUMNS = (
 
 
 # Rows per INSERT statement, at most: a power of two, so any count splits into a few statement
-# sizes that stay in the connection's statement cache. 512 rows of 8 columns stay well inside
+# sizes that stay in the connection's statement cache. 4096 rows of 8 columns stay inside
 # SQLite's default limit of 32,766 bound parameters.
-MAX_ROWS_PER_INSERT = 512
+MAX_ROWS_PER_INSERT = 4096
+# Label rows per statement when a batch's labels are read or updated together: 1024 of 19 columns.
+MAX_LABELS_PER_STATEMENT = 1024
 
 
-def _insert(con: sqlite3.Connection, table: str, width: int, values: list[tuple]) -> None:
-    """INSERT OR IGNORE `values` into `table` ("name (col, ...)") as multi-row VALUES statements.
+def _insert(
+    con: sqlite3.Connection, table: str, width: int, values: list[tuple], verb: str = "INSERT OR IGNORE"
+) -> None:
+    """`verb` INTO `table` ("name (col, ...)") `values` as multi-row VALUES statements.
 
-    Not executemany: it takes the GIL back after every row, so beside the ingester's busy asyncio
-    thread each row waits out a switch interval (bench/gil.py). One statement runs all its rows
-    in a single sqlite3_step with the GIL released, beside that thread rather than after it.
+    Not executemany, and as few statements as the parameter limit allows: each call takes the GIL
+    back after releasing it (executemany after every row), and beside the ingester's busy asyncio
+    thread each taking back can wait out a switch interval (bench/gil.py). One statement runs all
+    its rows in a single sqlite3_step with the GIL released, beside that thread rather than after it.
     """
     flat = list(chain.from_iterable(values))
     done = 0
     for size in _statement_sizes(len(values)):
-        con.execute(_values_sql(table, width, size), flat[done * width : (done + size) * width])
+        con.execute(_values_sql(verb, table, width, size), flat[done * width : (done + size) * width])
         done += size
 
 
@@ -148,9 +153,48 @@ def _statement_sizes(count: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _values_sql(table: str, width: int, size: int) -> str:
+def _values_sql(verb: str, table: str, width: int, size: int) -> str:
+    return f"{verb} INTO {table} VALUES " + _rows_sql(width, size)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_sql(width: int, size: int) -> str:
+    """`size` rows of `width` parameters: "(?, ?), (?, ?)"."""
     row = "(" + ", ".join("?" * width) + ")"
-    return f"INSERT OR IGNORE INTO {table} VALUES " + ", ".join([row] * size)
+    return ", ".join([row] * size)
+
+
+def _chunks(values: list, size: int) -> list[list]:
+    return [values[i : i + size] for i in range(0, len(values), size)]
+
+
+@functools.lru_cache(maxsize=64)
+def _update_labels_sql(count: int) -> str:
+    """UPDATE `count` labels from rows of (id, rows.label_columns, seen_at, rows.kind_counts)."""
+    return (
+        f"WITH v(id, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
+        f"start_seq, start_data, epoch, last_seq, first_ts, last_ts, dropped, seen_at, "
+        f"metric_events, log_events, system_events) AS (VALUES {_rows_sql(19, count)}) "
+        "UPDATE labels SET state = v.state, exit_code = v.exit_code, state_epoch = v.state_epoch, "
+        "state_seq = v.state_seq, state_ts = v.state_ts, is_primary = v.is_primary, "
+        "start_epoch = v.start_epoch, start_seq = v.start_seq, start_data = v.start_data, "
+        "epoch = v.epoch, last_seq = v.last_seq, first_ts = v.first_ts, last_ts = v.last_ts, "
+        "dropped = v.dropped, seen_at = v.seen_at, "
+        "metric_events = labels.metric_events + v.metric_events, "
+        "log_events = labels.log_events + v.log_events, "
+        "system_events = labels.system_events + v.system_events "
+        "FROM v WHERE labels.id = v.id"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _near_ranges_sql(count: int) -> str:
+    """The `seen` ranges touching `count` (label id, epoch, lowest, highest seq) bounds."""
+    return (
+        f"WITH u(label_id, epoch, lo, hi) AS (VALUES {_rows_sql(4, count)}) "
+        "SELECT s.label_id, s.epoch, s.first_seq, s.last_seq FROM u JOIN seen s "
+        "ON s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq >= u.lo AND s.first_seq <= u.hi"
+    )
 
 
 def _path(url: str) -> str:
@@ -280,64 +324,69 @@ class SQLiteStore:
         return await self._call(self._in_transaction, self._write_in_transaction, events)
 
     def _write_in_transaction(self, con: sqlite3.Connection, events: Sequence[Event]) -> int:
+        # A statement for all the batch's labels at each step rather than a few per label: every
+        # statement takes the GIL back once per row it returns (see _insert).
         by_label = rows.group_by_label(events)
-        runs = {run for run, _ in by_label}
-        con.executemany("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", [(r,) for r in runs])
-        con.executemany("INSERT OR IGNORE INTO labels (run_id, label) VALUES (?, ?)", by_label)
-        seen_at = time.time()
-        fresh_by_label: list[tuple[int, list[Event]]] = []
-        for (run, label), group in by_label.items():
-            row = con.execute(
-                f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? AND label = ?", (run, label)
-            ).fetchone()
-            lid = row["id"]
-            fresh = self._take_new(con, lid, group)
-            fresh_by_label.append((lid, fresh))
-            folded = apply_events(_label_state(run, row), group)
-            con.execute(
-                "UPDATE labels SET state = ?, exit_code = ?, state_epoch = ?, state_seq = ?, "
-                "state_ts = ?, is_primary = ?, start_epoch = ?, start_seq = ?, start_data = ?, "
-                "epoch = ?, last_seq = ?, first_ts = ?, last_ts = ?, dropped = ?, seen_at = ?, "
-                "metric_events = metric_events + ?, log_events = log_events + ?, "
-                "system_events = system_events + ? WHERE id = ?",
-                (*rows.label_columns(folded), seen_at, *rows.kind_counts(fresh), lid),
+        runs = sorted({run for run, _ in by_label})
+        _insert(con, "runs (run_id)", 1, [(run,) for run in runs])
+        _insert(con, "labels (run_id, label)", 2, list(by_label))
+        # Every label of the batch's runs: the batch's own to fold its events into, all of them
+        # to derive each run's state.
+        stored = {
+            (row["run_id"], row["label"]): row
+            for chunk in _chunks(runs, MAX_LABELS_PER_STATEMENT)
+            for row in con.execute(
+                f"SELECT run_id, {_LABEL_COLUMNS} FROM labels "
+                f"WHERE run_id IN (VALUES {_rows_sql(1, len(chunk))})",
+                chunk,
             )
-        metric_rows, system_rows, log_rows = rows.value_rows(fresh_by_label)
+        }
+        fresh = self._take_new(con, rows.spans(by_label, {key: stored[key]["id"] for key in by_label}))
+        seen_at = time.time()
+        labels = {key: _label_state(key[0], row) for key, row in stored.items()}
+        updates = []
+        for key, group in by_label.items():
+            labels[key] = apply_events(labels[key], group)
+            updates.append(
+                (stored[key]["id"], *rows.label_columns(labels[key]), seen_at, *rows.kind_counts(fresh[key]))
+            )
+        for chunk in _chunks(updates, MAX_LABELS_PER_STATEMENT):
+            con.execute(_update_labels_sql(len(chunk)), list(chain.from_iterable(chunk)))
+        metric_rows, system_rows, log_rows = rows.value_rows(
+            (stored[key]["id"], new) for key, new in fresh.items()
+        )
         _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
         for run in runs:
-            self._update_run(con, run)
-        return sum(len(fresh) for _, fresh in fresh_by_label)
+            self._update_run(con, run, [label for (owner, _), label in labels.items() if owner == run])
+        return sum(map(len, fresh.values()))
 
     @staticmethod
-    def _take_new(con: sqlite3.Connection, label_id: int, events: Sequence[Event]) -> list[Event]:
-        """One label's events never stored before; their seqs join the label's `seen` ranges."""
-        fresh: list[Event] = []
-        for epoch, mine in by_epoch(events).items():
-            stored = con.execute(
-                "SELECT first_seq, last_seq FROM seen "
-                "WHERE label_id = ? AND epoch = ? AND last_seq >= ? AND first_seq <= ?",
-                (label_id, epoch, mine[0].seq - 1, mine[-1].seq + 1),
+    def _take_new(con: sqlite3.Connection, batch: list[rows.Span]) -> dict[tuple[str, str], list[Event]]:
+        """Each label's events never stored before; their seqs join the labels' `seen` ranges."""
+        near: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for chunk in _chunks(rows.near_bounds(batch), MAX_LABELS_PER_STATEMENT):
+            for label_id, epoch, first, last in con.execute(
+                _near_ranges_sql(len(chunk)), list(chain.from_iterable(chunk))
+            ):
+                near.setdefault((label_id, epoch), []).append((first, last))
+        changes = rows.seen_changes(batch, near)
+        for chunk in _chunks(changes.replaced, MAX_LABELS_PER_STATEMENT):
+            con.execute(
+                f"DELETE FROM seen WHERE (label_id, epoch, last_seq) IN (VALUES {_rows_sql(3, len(chunk))})",
+                list(chain.from_iterable(chunk)),
             )
-            seen = take_new(mine, [tuple(r) for r in stored])
-            if seen.fresh:
-                con.executemany(
-                    "DELETE FROM seen WHERE label_id = ? AND epoch = ? AND last_seq = ?",
-                    [(label_id, epoch, last) for _, last in seen.replaced],
-                )
-                con.executemany(
-                    "INSERT INTO seen (label_id, epoch, first_seq, last_seq) VALUES (?, ?, ?, ?)",
-                    [(label_id, epoch, first, last) for first, last in seen.ranges],
-                )
-                fresh += seen.fresh
-        return fresh
+        _insert(con, "seen (label_id, epoch, first_seq, last_seq)", 4, changes.ranges, verb="INSERT")
+        return changes.fresh
 
-    def _update_run(self, con: sqlite3.Connection, run: str) -> None:
-        labels = [
-            _label_state(run, row)
-            for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
-        ]
+    def _update_run(self, con: sqlite3.Connection, run: str, labels: list[LabelState] | None = None) -> None:
+        """Derive a run's state from its labels (read here unless given: all of the run's)."""
+        if labels is None:
+            labels = [
+                _label_state(run, row)
+                for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
+            ]
         derived = run_state(labels)
         con.execute(
             "UPDATE runs SET state = ?, primary_label = ?, exit_code = ?, ended_ts = ?, "
