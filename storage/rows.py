@@ -82,13 +82,14 @@ def group_by_label(events: Sequence[Event]) -> dict[tuple[str, str], list[Event]
     for names, stretch in groupby(events, _LABEL_OF):
         groups.setdefault(names, []).extend(stretch)
     for group in groups.values():
-        group.sort(key=_POSITION)
+        # By seq, then (a stable sort) by epoch: int keys, cheaper than (epoch, seq) tuples.
+        group.sort(key=_SEQ)
+        group.sort(key=_EPOCH)
     return groups
 
 
 _LABEL_OF = attrgetter("run", "label")
-_POSITION = attrgetter("epoch", "seq")
-_KIND = attrgetter("kind")
+_EPOCH, _SEQ, _KIND = attrgetter("epoch"), attrgetter("seq"), attrgetter("kind")
 
 
 # One label's events of one epoch in a batch: ((run, label), label id, epoch, events in seq order).

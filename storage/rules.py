@@ -61,7 +61,7 @@ class RunState:
 
 # Event fields read by the batch paths below, with C getters rather than Python lambdas.
 _KIND, _SEQ, _TS = attrgetter("kind"), attrgetter("seq"), attrgetter("ts")
-_POSITION = attrgetter("epoch", "seq")
+_EPOCH = attrgetter("epoch")
 # Kinds that never change a label's state, primary or start record.
 _NO_STATE_KINDS = frozenset({"metric", "log", "system"})
 
@@ -78,7 +78,13 @@ def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
     if _NO_STATE_KINDS.issuperset(map(_KIND, events)) and label.state != CRASHED:
         # Metrics, logs and system figures (nearly every event) move only the highest position
         # and the time span: folded with C loops (map, max, min) rather than event by event.
-        top = max((label.epoch, label.last_seq), max(map(_POSITION, events)))
+        # The highest (epoch, seq) without a tuple per event: one epoch is the usual case.
+        epoch = max(map(_EPOCH, events))
+        if min(map(_EPOCH, events)) == epoch:
+            seq = max(map(_SEQ, events))
+        else:
+            seq = max(e.seq for e in events if e.epoch == epoch)
+        top = max((label.epoch, label.last_seq), (epoch, seq))
         stamps = list(map(_TS, events))
         first, last = min(stamps), max(stamps)
         return replace(
