@@ -197,6 +197,16 @@ def _near_ranges_sql(count: int) -> str:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _delete_ranges_sql(count: int) -> str:
+    """DELETE `count` `seen` ranges given as (label id, epoch, last seq)."""
+    # Through a CTE: with `IN (VALUES …)` SQLite scans the whole table instead of searching its key.
+    return (
+        f"WITH u(label_id, epoch, last_seq) AS (VALUES {_rows_sql(3, count)}) "
+        "DELETE FROM seen WHERE (label_id, epoch, last_seq) IN (SELECT * FROM u)"
+    )
+
+
 def _path(url: str) -> str:
     prefix = "sqlite:///"
     if not url.startswith(prefix) or len(url) == len(prefix):
@@ -373,10 +383,7 @@ class SQLiteStore:
                 near.setdefault((label_id, epoch), []).append((first, last))
         changes = rows.seen_changes(batch, near)
         for chunk in _chunks(changes.replaced, MAX_LABELS_PER_STATEMENT):
-            con.execute(
-                f"DELETE FROM seen WHERE (label_id, epoch, last_seq) IN (VALUES {_rows_sql(3, len(chunk))})",
-                list(chain.from_iterable(chunk)),
-            )
+            con.execute(_delete_ranges_sql(len(chunk)), list(chain.from_iterable(chunk)))
         _insert(con, "seen (label_id, epoch, first_seq, last_seq)", 4, changes.ranges, verb="INSERT")
         return changes.fresh
 

@@ -214,6 +214,21 @@ def test_sqlite_splits_rows_into_cached_statement_sizes() -> None:
         assert sum(sizes) == count and len(set(sizes) - {limit}) == len(sizes) - sizes.count(limit)
 
 
+@pytest.mark.parametrize(
+    "statement",
+    [sqlite_backend._near_ranges_sql, sqlite_backend._delete_ranges_sql, sqlite_backend._update_labels_sql],
+)
+def test_sqlite_batch_statements_search_by_key(tmp_path, statement) -> None:
+    # One statement for all of a batch's labels must still find each by its key, not scan the table.
+    store = sqlite_backend.SQLiteStore(f"sqlite:///{tmp_path}/plan.db")
+    asyncio.run(store.connect())
+    sql = statement(3)
+    plan = [row[3] for row in store._con.execute("EXPLAIN QUERY PLAN " + sql, [0] * sql.count("?"))]
+    asyncio.run(store.close())
+    assert any(step.startswith("SEARCH") for step in plan), plan
+    assert not any(step.startswith(("SCAN seen", "SCAN labels")) for step in plan), plan
+
+
 # -- ordering by (epoch, seq) --------------------------------------------------------------------
 
 
