@@ -168,13 +168,20 @@ def _chunks(values: list, size: int) -> list[list]:
     return [values[i : i + size] for i in range(0, len(values), size)]
 
 
+def _given_rows(name: str, columns: str, count: int, statement: str) -> str:
+    """`statement` with `count` rows of parameters as a table `name` (`columns`): a CTE."""
+    return f"WITH {name}({columns}) AS (VALUES {_rows_sql(columns.count(',') + 1, count)}) {statement}"
+
+
 @functools.lru_cache(maxsize=64)
 def _update_labels_sql(count: int) -> str:
     """UPDATE `count` labels from rows of (id, rows.label_columns, seen_at, rows.kind_counts)."""
-    return (
-        f"WITH v(id, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
-        f"start_seq, start_data, epoch, last_seq, first_ts, last_ts, dropped, seen_at, "
-        f"metric_events, log_events, system_events) AS (VALUES {_rows_sql(19, count)}) "
+    return _given_rows(
+        "v",
+        "id, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, start_seq, "
+        "start_data, epoch, last_seq, first_ts, last_ts, dropped, seen_at, metric_events, log_events, "
+        "system_events",
+        count,
         "UPDATE labels SET state = v.state, exit_code = v.exit_code, state_epoch = v.state_epoch, "
         "state_seq = v.state_seq, state_ts = v.state_ts, is_primary = v.is_primary, "
         "start_epoch = v.start_epoch, start_seq = v.start_seq, start_data = v.start_data, "
@@ -183,17 +190,19 @@ def _update_labels_sql(count: int) -> str:
         "metric_events = labels.metric_events + v.metric_events, "
         "log_events = labels.log_events + v.log_events, "
         "system_events = labels.system_events + v.system_events "
-        "FROM v WHERE labels.id = v.id"
+        "FROM v WHERE labels.id = v.id",
     )
 
 
 @functools.lru_cache(maxsize=64)
 def _near_ranges_sql(count: int) -> str:
     """The `seen` ranges touching `count` (label id, epoch, lowest, highest seq) bounds."""
-    return (
-        f"WITH u(label_id, epoch, lo, hi) AS (VALUES {_rows_sql(4, count)}) "
-        "SELECT s.label_id, s.epoch, s.first_seq, s.last_seq FROM u JOIN seen s "
-        "ON s.label_id = u.label_id AND s.epoch = u.epoch AND s.last_seq >= u.lo AND s.first_seq <= u.hi"
+    return _given_rows(
+        "u",
+        "label_id, epoch, lo, hi",
+        count,
+        "SELECT s.label_id, s.epoch, s.first_seq, s.last_seq FROM u JOIN seen s ON s.label_id = "
+        "u.label_id AND s.epoch = u.epoch AND s.last_seq >= u.lo AND s.first_seq <= u.hi",
     )
 
 
@@ -201,9 +210,11 @@ def _near_ranges_sql(count: int) -> str:
 def _delete_ranges_sql(count: int) -> str:
     """DELETE `count` `seen` ranges given as (label id, epoch, last seq)."""
     # Through a CTE: with `IN (VALUES …)` SQLite scans the whole table instead of searching its key.
-    return (
-        f"WITH u(label_id, epoch, last_seq) AS (VALUES {_rows_sql(3, count)}) "
-        "DELETE FROM seen WHERE (label_id, epoch, last_seq) IN (SELECT * FROM u)"
+    return _given_rows(
+        "u",
+        "label_id, epoch, last_seq",
+        count,
+        "DELETE FROM seen WHERE (label_id, epoch, last_seq) IN (SELECT * FROM u)",
     )
 
 
