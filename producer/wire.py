@@ -321,6 +321,7 @@ COLUMNS_FROM = 8
 _WITH_STEP = len(_NAMES_WITH_STEP) * 2  # a metric entry with a step, flat: 18 items
 _WITHOUT_STEP = len(_NAMES) * 2
 _DICT = frozenset({dict})
+_TALLIED = frozenset({b"metric", b"system"})  # kinds whose data is name -> number
 _INT = frozenset({int})
 
 
@@ -330,29 +331,31 @@ def _decode_by_columns(
     """Many entries decoded a column at a time (slices, map, count: loops in C rather than
     Python), for the common case of plainly valid entries in the producers' field order.
 
-    Entries with a step (metrics at a step: most of a training run's stream) go by columns,
-    and so do the others when all of them are metric or system events. None when that cannot
-    be done, or one of those entries is not plainly valid: then every entry goes one by one.
+    Metrics at a step go by columns, and so do metrics and system figures without one; logs,
+    start, heartbeat and finish events go one by one. None when an entry of the first two kinds
+    is not plainly valid: then every entry goes one by one, and the reason is found.
     """
     try:
         widths = list(map(len, flats))
     except TypeError:  # a deleted entry's None, among pending entries
         return None
-    stepped = widths.count(_WITH_STEP)
-    if stepped == len(flats):
+    if widths.count(_WITH_STEP) == len(flats):  # the usual stream: metrics at every step
         return _decode_columns(names, flats, _NAMES_WITH_STEP)
-    if stepped == 0:
-        return _decode_columns(names, flats, _NAMES) if widths.count(_WITHOUT_STEP) == len(flats) else None
-    if stepped < COLUMNS_FROM:
-        return None
-    by_columns = _decode_columns(
-        names, [f for f, w in zip(flats, widths, strict=True) if w == _WITH_STEP], _NAMES_WITH_STEP
+    shapes = [
+        w if w == _WITH_STEP or (w == _WITHOUT_STEP and flat[3] in _TALLIED) else 0
+        for flat, w in zip(flats, widths, strict=True)
+    ]
+    decoded = {}
+    for shape, order in ((_WITH_STEP, _NAMES_WITH_STEP), (_WITHOUT_STEP, _NAMES)):
+        mine = [flat for flat, its in zip(flats, shapes, strict=True) if its == shape]
+        by_columns = _decode_columns(names, mine, order) if mine else []
+        if by_columns is None:
+            return None
+        decoded[shape] = iter(by_columns)
+    decoded[0] = iter(
+        _decode_each(key, names, [flat for flat, its in zip(flats, shapes, strict=True) if its == 0])
     )
-    if by_columns is None:
-        return None
-    columns = iter(by_columns)
-    rest = iter(_decode_each(key, names, [f for f, w in zip(flats, widths, strict=True) if w != _WITH_STEP]))
-    return [next(columns) if w == _WITH_STEP else next(rest) for w in widths]
+    return [next(decoded[shape]) for shape in shapes]
 
 
 def _decode_columns(
