@@ -308,7 +308,11 @@ class Worker:
         pending_first = True
         # New entries are read and decoded while the previous batch is written (in the store's
         # thread): at most one batch in flight, and batches commit and are acknowledged in order.
+        # After a batch of new entries the next is asked for at once (read_ahead), so Redis
+        # serves it while this one is decoded instead of after.
         in_flight: asyncio.Task | None = None
+        read_ahead: asyncio.Task | None = None
+        finished = False
         try:
             while not self._stop_requested:
                 await self._with_redis(self.discovery.refresh)
@@ -326,8 +330,12 @@ class Worker:
                     next_claim = now if took_over else now + claim_every
                     if took_over:
                         continue
-                entries = await self._with_redis(lambda: self._read(">"))
+                if read_ahead is None:
+                    entries = await self._with_redis(lambda: self._read(">"))
+                else:
+                    entries, read_ahead = await read_ahead, None
                 if entries:
+                    read_ahead = self._read_new_ahead()
                     started = time.monotonic()
                     decoded = decode_batch(entries, None, settings.max_deliveries)
                     in_flight = await _settled(in_flight)
@@ -339,7 +347,7 @@ class Worker:
                         if await self._take_over_idle():
                             continue
                         if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
-                            return
+                            break
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
                     in_flight = await _settled(in_flight)
@@ -348,14 +356,34 @@ class Worker:
                     next_stats = now + STATS_INTERVAL
                     s = self.stats
                     log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+            finished = True
         finally:
+            # Stopping or done: the batch in flight commits, then what was read ahead. Cancelled
+            # because the drain timed out, or on an error: both are cancelled, and stay pending
+            # for another worker (or this one, restarted under its name).
+            cancelled = asyncio.current_task().cancelling()
+            keep_ahead = finished and not cancelled
+            if read_ahead is not None and not keep_ahead:
+                read_ahead.cancel()
             if in_flight is not None:
-                # Stopping or done: the batch commits. Cancelled because the drain timed out:
-                # it is cancelled too, and stays pending for another worker.
-                if asyncio.current_task().cancelling():
+                if cancelled:
                     in_flight.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await in_flight
+            if read_ahead is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    ahead = await read_ahead
+                    if ahead and keep_ahead:
+                        await self._process(ahead)
+
+    def _read_new_ahead(self) -> asyncio.Task | None:
+        """The next read of new entries, started now; None once a stop is requested.
+
+        Its entries wait delivered but unacknowledged for at most a batch's time (or a claim
+        pass's), far less than claim_idle, so no other worker takes them meanwhile."""
+        if self._stop_requested:
+            return None
+        return asyncio.create_task(self._with_redis(lambda: self._read(">")))
 
     async def _claim(self) -> Entries:
         """Entries other consumers left pending for longer than claim_idle (XAUTOCLAIM)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -206,6 +207,24 @@ def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url
         lock.rollback()
         lock.close()
     assert ingest(redis_url, store_url, claim_idle=0.0).stored == 10
+
+
+def test_sigterm_commits_the_batch_read_ahead_too(redis_url, store_url):
+    with redis.Redis.from_url(redis_url) as client:
+        key = seed_stream(client, redis_url, store_url, "ahead", 50)
+        lock = hold_write_lock(store_url)
+        worker = start_ingester(redis_url, store_url, "--consumer", "ahead", "--batch-size", "10")
+        # The first batch waits for the lock; the next has been read meanwhile.
+        wait_pending(client, key, 20)
+        worker.send_signal(signal.SIGTERM)
+        lock.rollback()
+        lock.close()
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 0, err
+        stored = int(re.search(r"(\d+) stored", err).group(1))
+        assert stored >= 20
+        assert pending(client, key) == 0  # all acknowledged: the stop leaves nothing to redeliver
+    assert ingest(redis_url, store_url).stored == 50 - stored
 
 
 def test_redis_killed_and_restarted_during_a_run_loses_nothing(local_redis, store_url):
