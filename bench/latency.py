@@ -28,9 +28,9 @@ PRODUCER = textwrap.dedent(
     import os, time, producer
     rate, seconds = float(os.environ["RATE"]), float(os.environ["SECONDS"])
     run = producer.init(system_interval=None, hardware=False, console="off")
-    started, step = time.perf_counter(), 0
-    while (now := time.perf_counter() - started) < seconds:
-        due = int(now * rate)
+    started, step, total = time.perf_counter(), 0, int(rate * seconds)
+    while step < total:  # every event, paced: the last is due at `seconds`
+        due = min(total, int((time.perf_counter() - started) * rate))
         while step < due:
             run.log({"loss": 0.5, "lr": 1e-4}, step=step)
             step += 1
