@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
@@ -57,10 +57,42 @@ STATS_INTERVAL = 30.0
 GC_THRESHOLDS = (100_000, 20, 100)
 
 
-async def _settled(task: asyncio.Task | None) -> None:
-    """Wait for the batch in flight, if any (its errors propagate); always None."""
-    if task is not None:
-        await task
+@dataclass
+class Commits:
+    """The batches being committed, in the order they were read: one written at a time (the
+    store takes a batch after the other), while the batch before it is still acknowledged. So
+    the store does not sit idle through each XACK, and at most two batches are in flight."""
+
+    writing: asyncio.Task | None = None  # the newest batch's commit
+    written: asyncio.Future | None = None  # done once its store write has returned
+    acknowledging: asyncio.Task | None = None  # the batch before, finishing its commit
+
+    async def start(self, commit: Callable[[asyncio.Future], Awaitable[None]]) -> None:
+        """Start `commit(written)` once the store is free, and the batch before last is done."""
+        if self.written is not None:
+            await self.written
+        if self.writing is not None and self.writing.done():
+            self.writing.result()  # its error now, not a batch later
+        if self.acknowledging is not None:
+            await self.acknowledging
+        self.acknowledging = self.writing
+        self.written = asyncio.get_running_loop().create_future()
+        self.writing = asyncio.create_task(commit(self.written))
+
+    async def settle(self) -> None:
+        """Wait until every batch has committed (the first error propagates)."""
+        tasks = [task for task in (self.acknowledging, self.writing) if task is not None]
+        self.acknowledging = self.writing = self.written = None
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    def cancel(self) -> None:
+        """Stop both: what they have not acknowledged stays pending for another worker."""
+        for task in (self.acknowledging, self.writing):
+            if task is not None:
+                task.cancel()
 
 
 def default_consumer_name() -> str:
@@ -307,10 +339,10 @@ class Worker:
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
         # New entries are read and decoded while the previous batch is written (in the store's
-        # thread): at most one batch in flight, and batches commit and are acknowledged in order.
-        # After a batch of new entries the next is asked for at once (read_ahead), so Redis
-        # serves it while this one is decoded instead of after.
-        in_flight: asyncio.Task | None = None
+        # thread), and written while the one before is acknowledged (Commits). After a batch of
+        # new entries the next is asked for at once (read_ahead), so Redis serves it while this
+        # one is decoded instead of after.
+        commits = Commits()
         read_ahead: asyncio.Task | None = None
         finished = False
         try:
@@ -325,7 +357,7 @@ class Worker:
                         pending_first = False
                     continue
                 if now >= next_claim:
-                    in_flight = await _settled(in_flight)
+                    await commits.settle()
                     took_over = await self._take_over_idle()
                     next_claim = now if took_over else now + claim_every
                     if took_over:
@@ -338,10 +370,9 @@ class Worker:
                     read_ahead = self._read_new_ahead()
                     started = time.monotonic()
                     decoded = decode_batch(entries, None, settings.max_deliveries)
-                    in_flight = await _settled(in_flight)
-                    in_flight = asyncio.create_task(self._commit(entries, *decoded, started=started))
+                    await commits.start(functools.partial(self._commit, entries, *decoded, started))
                 else:
-                    in_flight = await _settled(in_flight)
+                    await commits.settle()
                     if entries is not None and settings.burst:
                         # Before a burst finishes, whatever other consumers left idle is its too.
                         if await self._take_over_idle():
@@ -350,7 +381,7 @@ class Worker:
                             break
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
-                    in_flight = await _settled(in_flight)
+                    await commits.settle()
                     await self._maintain()
                 if now >= next_stats:
                     next_stats = now + STATS_INTERVAL
@@ -358,18 +389,17 @@ class Worker:
                     log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
             finished = True
         finally:
-            # Stopping or done: the batch in flight commits, then what was read ahead. Cancelled
-            # because the drain timed out, or on an error: both are cancelled, and stay pending
+            # Stopping or done: the batches in flight commit, then what was read ahead. Cancelled
+            # because the drain timed out, or on an error: all are cancelled, and stay pending
             # for another worker (or this one, restarted under its name).
             cancelled = asyncio.current_task().cancelling()
             keep_ahead = finished and not cancelled
             if read_ahead is not None and not keep_ahead:
                 read_ahead.cancel()
-            if in_flight is not None:
-                if cancelled:
-                    in_flight.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await in_flight
+            if cancelled:
+                commits.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await commits.settle()
             if read_ahead is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     ahead = await read_ahead
@@ -521,7 +551,7 @@ class Worker:
         started = time.monotonic()
         deliveries = await self._with_redis(lambda: self._deliveries(entries)) if redelivered else None
         events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
-        await self._commit(entries, events, sources, dead, started=started)
+        await self._commit(entries, events, sources, dead, started)
 
     async def _commit(
         self,
@@ -530,11 +560,17 @@ class Worker:
         sources: list[Source],
         dead: list[DeadEntry],
         started: float,
+        written: asyncio.Future | None = None,
     ) -> None:
-        """Write a decoded batch, dead-letter what must be, then acknowledge it all."""
+        """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
+        is done once the store write has returned (or failed)."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
         try:
-            stored = await self._write(events, sources, dead)
+            try:
+                stored = await self._write(events, sources, dead)
+            finally:
+                if written is not None:
+                    written.set_result(None)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
             # Stored already: keep trying through a drain, so a stop does not cause redelivery.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import orjson
@@ -176,3 +177,58 @@ async def test_the_asyncio_client_packs_commands_with_hiredis(redis_url):
             await client.set("packed-none", None)
     finally:
         await client.aclose()
+
+
+def test_a_batch_is_written_while_the_one_before_is_acknowledged_and_no_more_overlap():
+    from ingester.worker import Commits
+
+    log: list[str] = []
+    acks = {n: asyncio.Event() for n in (1, 2, 3)}
+
+    def commit(n: int):
+        async def run(written: asyncio.Future) -> None:
+            log.append(f"write {n}")
+            await asyncio.sleep(0)
+            written.set_result(None)
+            await acks[n].wait()
+            log.append(f"acked {n}")
+
+        return run
+
+    async def main() -> None:
+        commits = Commits()
+        await commits.start(commit(1))
+        await commits.start(commit(2))  # waits for 1's write only
+        assert log == ["write 1"]
+        third = asyncio.create_task(commits.start(commit(3)))
+        await asyncio.sleep(0.01)
+        assert log == ["write 1", "write 2"] and not third.done()  # 1 is still acknowledging
+        acks[1].set()
+        await third
+        acks[2].set()
+        acks[3].set()
+        await commits.settle()
+
+    asyncio.run(main())
+    assert log[:4] == ["write 1", "write 2", "acked 1", "write 3"]
+    assert sorted(log[4:]) == ["acked 2", "acked 3"]  # acknowledgements may overlap
+
+
+def test_a_failed_write_stops_the_next_batch_from_starting():
+    from ingester.worker import Commits
+
+    async def failing(written: asyncio.Future) -> None:
+        written.set_result(None)
+        raise RuntimeError("the store broke")
+
+    async def never(written: asyncio.Future) -> None:
+        raise AssertionError("started after a failed batch")
+
+    async def main() -> None:
+        commits = Commits()
+        await commits.start(failing)
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="the store broke"):
+            await commits.start(never)
+
+    asyncio.run(main())
