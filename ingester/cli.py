@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="on SIGTERM, finish the batch in flight for at most this (default %(default)s)",
+        help="on SIGTERM, finish the batches in flight for at most this (default %(default)s)",
     )
     ingest.add_argument(
         "--retain",

@@ -4,8 +4,8 @@ Worker i is consumer `{base}-{i}` (base: `--consumer`, else host-pid of the supe
 life: a worker restarted after a crash comes back under its old name and first re-reads the
 entries it left pending, instead of waiting for another worker to claim them. A worker that exits
 abnormally is restarted after a capped, doubling delay (reset once it has run for a while). On
-SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batch in flight, and
-exits; one still running after drain timeout + margin is killed (its batch stays pending, so
+SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batches in flight, and
+exits; one still running after drain timeout + margin is killed (its batches stay pending, so
 nothing is lost, but the exit code is then 1). A second signal kills them at once.
 
 Workers are started with multiprocessing's "spawn": a fresh interpreter each, given its settings

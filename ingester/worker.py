@@ -251,10 +251,10 @@ class Worker:
         return 0
 
     def request_stop(self) -> None:
-        """Stop reading; the batch in flight is finished and acknowledged first, for at most
-        drain_timeout, after which it is cancelled and stays pending for another worker."""
+        """Stop reading; the batches in flight are finished and acknowledged first, for at most
+        drain_timeout, after which they are cancelled and stay pending for another worker."""
         if not self._stop_requested:
-            log.info("stopping: finishing the batch in flight (at most %.0fs)", self.settings.drain_timeout)
+            log.info("stopping: finishing the batches in flight (at most %.0fs)", self.settings.drain_timeout)
             self._stop_requested = True
             self._stop_time = time.monotonic()
             if self._loop_task is not None:
@@ -296,7 +296,7 @@ class Worker:
             except asyncio.CancelledError:
                 if not self._stop_requested:
                     raise
-                log.warning("drain timeout: the batch in flight stays pending for another worker")
+                log.warning("drain timeout: the batches in flight stay pending for another worker")
             if settings.burst and not self._stop_requested:
                 await self._maintain()
             await self._release_consumer()
