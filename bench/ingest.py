@@ -56,7 +56,7 @@ def preload(url: str, run_id: str, events: int) -> None:
     client.close()
 
 
-async def raw_ceiling(url: str, run_id: str, batch: int = 1000, passes: int = 2) -> list[float]:
+async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int = 2) -> list[float]:
     """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage), per pass.
 
     Replies are read the way the worker reads them (flat, not one dict per entry, which would
@@ -70,7 +70,6 @@ async def raw_ceiling(url: str, run_id: str, batch: int = 1000, passes: int = 2)
 
     client = async_client(url)
     client.set_response_callback("XREADGROUP", _raw_reply)
-    keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
     for key in keys:
         await client.xgroup_create(key, "raw", id="0")
     thresholds = gc.get_threshold()
@@ -144,11 +143,11 @@ def measure(url: str, store_url: str, events: int, workers: int) -> dict:
     client.close()
     run_id = f"bench-{workers}w"
     preload(url, run_id, events)
-    passes = asyncio.run(raw_ceiling(url, run_id))
+    keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
+    passes = asyncio.run(raw_ceiling(url, keys))
     ceiling = max(passes)
     # The identical copy for the workers: the same entries, re-read from id 0 by the real group.
     client = redis.Redis.from_url(url)
-    keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
     for key in keys:
         client.xgroup_destroy(key, "raw")
     redis_server = local_process(client)

@@ -124,6 +124,16 @@ def seed_stream(client: redis.Redis, redis_url: str, store_url: str, run: str, m
     return wire.stream_key(run, "rank0")
 
 
+def ingester_behind_lock(
+    client: redis.Redis, redis_url: str, store_url: str, run: str, metrics: int, *args: str
+) -> tuple[str, sqlite3.Connection, subprocess.Popen]:
+    """seed_stream's stream, another writer holding SQLite's write lock, and an ingester (given
+    `args`) whose commits wait behind it: (stream key, the lock's connection, the ingester)."""
+    key = seed_stream(client, redis_url, store_url, run, metrics)
+    lock = hold_write_lock(store_url)
+    return key, lock, start_ingester(redis_url, store_url, *args)
+
+
 def pending(client: redis.Redis, key: str) -> int:
     return client.xpending(key, wire.DEFAULT_GROUP)["pending"]
 
@@ -138,9 +148,9 @@ def wait_pending(client: redis.Redis, key: str, count: int) -> None:
 
 def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url):
     with redis.Redis.from_url(redis_url) as client:
-        key = seed_stream(client, redis_url, store_url, "claim", 50)
-        lock = hold_write_lock(store_url)
-        stuck = start_ingester(redis_url, store_url, "--consumer", "doomed")
+        key, lock, stuck = ingester_behind_lock(
+            client, redis_url, store_url, "claim", 50, "--consumer", "doomed"
+        )
         wait_pending(client, key, 50)
         stuck.send_signal(signal.SIGKILL)
         stuck.communicate(timeout=30)
@@ -156,9 +166,9 @@ def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url
 
 def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_path):
     with redis.Redis.from_url(redis_url) as client:
-        key = seed_stream(client, redis_url, store_url, "slow", 20)
-        lock = hold_write_lock(store_url)
-        slow = start_ingester(redis_url, store_url, "--consumer", "slow", "--claim-idle", "1")
+        key, lock, slow = ingester_behind_lock(
+            client, redis_url, store_url, "slow", 20, "--consumer", "slow", "--claim-idle", "1"
+        )
         wait_pending(client, key, 20)
 
     async def watch_other_worker() -> int:
@@ -193,9 +203,9 @@ def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_pa
 
 def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url, store_url):
     with redis.Redis.from_url(redis_url) as client:
-        key = seed_stream(client, redis_url, store_url, "drain", 10)
-        lock = hold_write_lock(store_url)
-        worker = start_ingester(redis_url, store_url, "--consumer", "draining", "--drain-timeout", "1")
+        key, lock, worker = ingester_behind_lock(
+            client, redis_url, store_url, "drain", 10, "--consumer", "draining", "--drain-timeout", "1"
+        )
         wait_pending(client, key, 10)
         started = time.monotonic()
         worker.send_signal(signal.SIGTERM)
@@ -211,9 +221,9 @@ def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url
 
 def test_sigterm_commits_the_batch_read_ahead_too(redis_url, store_url):
     with redis.Redis.from_url(redis_url) as client:
-        key = seed_stream(client, redis_url, store_url, "ahead", 50)
-        lock = hold_write_lock(store_url)
-        worker = start_ingester(redis_url, store_url, "--consumer", "ahead", "--batch-size", "10")
+        key, lock, worker = ingester_behind_lock(
+            client, redis_url, store_url, "ahead", 50, "--consumer", "ahead", "--batch-size", "10"
+        )
         # The first batch waits for the lock; the next has been read meanwhile.
         wait_pending(client, key, 20)
         worker.send_signal(signal.SIGTERM)
