@@ -9,6 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY runbus/ runbus/
 COPY producer/ producer/
 COPY ingester/ ingester/
 COPY storage/ storage/

@@ -16,7 +16,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ingester.localredis import LocalRedis  # noqa: E402
+from runbus.ingester.localredis import LocalRedis  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import time
 
 from common import emit
 
-from storage.sqlite import MIGRATIONS, _insert
+from runbus.storage.sqlite import MIGRATIONS, _insert
 
 BATCH = 8000
 METRICS = "metrics (label_id, key, epoch, seq, step, ts, value)"

@@ -26,7 +26,7 @@ import psutil
 import redis
 from common import ROOT, emit, private_redis
 
-from producer import wire
+from runbus import wire
 
 LABELS = 8
 PRELOAD_BATCH = 5000
@@ -65,8 +65,8 @@ async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int 
     Each pass re-reads every entry (the group is set back to the start); the fraction is taken
     of the best pass, since this shared VM's rates vary by a fifth from one second to the next.
     """
-    from ingester.worker import GC_THRESHOLDS, _raw_reply
-    from producer.connection import async_client
+    from runbus.ingester.worker import GC_THRESHOLDS, _raw_reply
+    from runbus.redis import async_client
 
     client = async_client(url)
     client.set_response_callback("XREADGROUP", _raw_reply)
@@ -105,7 +105,7 @@ def burst(url: str, store_url: str, workers: int, keys: list[str]) -> tuple[floa
     cmd = [
         sys.executable,
         "-m",
-        "ingester",
+        "runbus",
         "--log-level",
         "WARNING",
         "--store",

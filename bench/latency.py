@@ -20,14 +20,14 @@ from collections.abc import Sequence
 
 from common import ROOT, emit, percentile, private_redis
 
-import storage
-from ingester.worker import Worker, WorkerSettings
+from runbus import storage
+from runbus.ingester.worker import Worker, WorkerSettings
 
 PRODUCER = textwrap.dedent(
     """
-    import os, time, producer
+    import os, time, runbus
     rate, seconds = float(os.environ["RATE"]), float(os.environ["SECONDS"])
-    run = producer.init(system_interval=None, hardware=False, console="off")
+    run = runbus.init(system_interval=None, hardware=False, console="off")
     started, step, total = time.perf_counter(), 0, int(rate * seconds)
     while step < total:  # every event, paced: the last is due at `seconds`
         due = min(total, int((time.perf_counter() - started) * rate))

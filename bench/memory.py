@@ -16,7 +16,7 @@ import time
 import psutil
 from common import emit
 
-from ingester.localredis import free_port
+from runbus.ingester.localredis import free_port
 
 
 def main() -> None:
@@ -25,12 +25,12 @@ def main() -> None:
     parser.add_argument("--max-buffer-mb", type=int, default=64)
     args = parser.parse_args()
     logging.disable(logging.WARNING)
-    import producer
+    import runbus
 
     process = psutil.Process()
     gc.collect()
     rss_before = process.memory_info().rss
-    run = producer.init(
+    run = runbus.init(
         run_id="bench-memory",
         label="rank0",
         redis_url=f"redis://127.0.0.1:{free_port()}/0",

@@ -49,9 +49,9 @@ def measure(log: Callable[[int], None], calls: int, finish: Callable[[], None]) 
 
 
 def bench_runbus(redis_url: str, calls: int) -> dict:
-    import producer
+    import runbus
 
-    run = producer.init(
+    run = runbus.init(
         run_id=f"bench-{os.getpid()}",
         label="rank0",
         redis_url=redis_url,

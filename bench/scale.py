@@ -30,8 +30,8 @@ import orjson
 import redis
 from common import emit, private_redis
 
-from ingester.localredis import free_port
-from producer import wire
+from runbus import wire
+from runbus.ingester.localredis import free_port
 from tests.pgserver import LocalPostgres, create_database, drop_database
 
 STAGE = "bench:stage:"
@@ -125,7 +125,7 @@ def measure(redis_url: str, store_url: str, workers: int, pairs: list[tuple[str,
         [
             sys.executable,
             "-m",
-            "ingester",
+            "runbus",
             "--store",
             store_url,
             "--log-level",

@@ -22,13 +22,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-import storage
-from dashboard import downsample, security
-from dashboard.deadletters import DeadLetters
-from ingester import output
-from producer import wire
+from runbus import storage, wire
+from runbus.dashboard import downsample, security
+from runbus.dashboard.deadletters import DeadLetters
+from runbus.errors import InvalidName
+from runbus.ingester import output
 
-STATIC = Path(str(resources.files("dashboard") / "static"))
+STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
 MAX_RUNS = 1000
 DEFAULT_LOG_LINES = 500
@@ -71,7 +71,7 @@ def _label(request: web.Request) -> str | None:
         return None
     try:
         return wire.check_name("label", label)
-    except wire.InvalidName as exc:
+    except InvalidName as exc:
         raise BadParameter(str(exc)) from None
 
 
@@ -93,7 +93,7 @@ def _points(request: web.Request) -> int:
 def _run_id(request: web.Request) -> str:
     try:
         return wire.check_name("run id", request.match_info["run"])
-    except wire.InvalidName as exc:
+    except InvalidName as exc:
         raise BadParameter(str(exc)) from None
 
 

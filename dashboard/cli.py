@@ -1,4 +1,4 @@
-"""The `runbus serve` and `runbus tail` commands, added to the `runbus` parser by ingester.cli."""
+"""The `runbus serve` and `runbus tail` commands, added to the `runbus` parser by runbus.cli."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import signal
 import sys
 from typing import Any
 
-from producer import wire
-from producer.environment import DEFAULT_REDIS_URL
-from producer.urls import safe_url
+from runbus import wire
+from runbus.config import DEFAULT_REDIS_URL, safe_url
+from runbus.errors import InvalidName, TokenRequired
 
 
 def _redis_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -31,7 +31,7 @@ def _level(text: str) -> str:
 def _name(text: str) -> str:
     try:
         return wire.check_name("name", text)
-    except wire.InvalidName as exc:
+    except InvalidName as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -61,7 +61,7 @@ def add_commands(commands: Any) -> None:
 async def _serve(app: Any, host: str, port: int, store: str, guarded: bool) -> int:
     from aiohttp import web
 
-    from dashboard.security import AccessLogger
+    from runbus.dashboard.security import AccessLogger
 
     runner = web.AppRunner(app, access_log_class=AccessLogger, handle_signals=False)
     await runner.setup()
@@ -82,13 +82,13 @@ async def _serve(app: Any, host: str, port: int, store: str, guarded: bool) -> i
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dashboard import security
-    from dashboard.api import create_app
+    from runbus.dashboard import security
+    from runbus.dashboard.api import create_app
 
     token = args.token or os.environ.get(security.TOKEN_ENV) or None
     try:
         security.check_binding(args.host, token)
-    except security.TokenRequired as exc:
+    except TokenRequired as exc:
         print(f"runbus: {exc}", file=sys.stderr)
         return 1
     app = create_app(args.store, redis_url=args.redis or None, token=token)
@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from dashboard.tail import TailSettings, tail
+    from runbus.dashboard.tail import TailSettings, tail
 
     color = not args.no_color and not os.environ.get("NO_COLOR") and sys.stdout.isatty()
     settings = TailSettings(

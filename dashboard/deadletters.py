@@ -13,8 +13,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from producer import wire
-from producer.connection import async_client
+from runbus import wire
+from runbus.redis import async_client
 
 # The newest entries looked at to count one run's dead letters; the total is always exact.
 SCAN_LIMIT = 10_000

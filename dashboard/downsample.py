@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from producer.wire import finite_to_wire
+from runbus.wire import finite_to_wire
 
 COLUMNS = ("x", "value", "mean", "min", "max", "n")
 DEFAULT_POINTS = 2000

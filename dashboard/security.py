@@ -16,7 +16,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-TOKEN_ENV = "RUNBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a secret
+from runbus.config import API_TOKEN_ENV
+from runbus.errors import TokenRequired
+
+TOKEN_ENV = API_TOKEN_ENV
 COOKIE = "runbus_token"
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -36,10 +39,6 @@ HEADERS = {
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class TokenRequired(ValueError):
-    """Binding to an address other than loopback without a token."""
 
 
 def is_loopback(host: str) -> bool:

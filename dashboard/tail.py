@@ -19,9 +19,10 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import wire
-from producer.connection import sync_client
-from producer.urls import safe_url
+from runbus import wire
+from runbus.config import safe_url
+from runbus.errors import InvalidEntry
+from runbus.redis import sync_client
 
 # docker compose's order: cyan, yellow, green, magenta, blue, then the bright ones.
 COLORS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94", "31", "91")
@@ -167,7 +168,7 @@ class Tail:
         for _, fields in entries:
             try:
                 events.append(wire.decode_entry(key, fields))
-            except wire.InvalidEntry:
+            except InvalidEntry:
                 continue  # the ingesters dead-letter it; a tail has nothing to show
         return events
 

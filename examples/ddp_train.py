@@ -5,7 +5,7 @@
 A 2-layer MLP learns a noisy linear map from synthetic data. Every rank logs its loss (a tensor:
 on a GPU it is read off the training thread), throughput and learning rate, prints a line every
 few steps and logs through `logging`: all of it lands in one run, while the terminal shows the
-primary's console only (and any rank's errors). Nothing is passed to producer.init(): the run
+primary's console only (and any rank's errors). Nothing is passed to runbus.init(): the run
 id, label and primary come from torchrun's environment.
 
 `--fail-rank R --fail-step S` makes rank R fail at step S on its first attempt only, to watch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import producer
+import runbus
 
 FEATURES = 16
 
@@ -86,7 +86,7 @@ def train(args: argparse.Namespace, device: torch.device, backend: str) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     options = {"console": args.console} if args.console else {}
     config = {**vars(args), "backend": backend, "world_size": world}
-    with producer.init(config=config, system_interval=args.system_interval, **options) as run:
+    with runbus.init(config=config, system_interval=args.system_interval, **options) as run:
         if run.primary:
             print(f"ddp_train: {world} ranks ({backend}) logging into run {run.run_id}", flush=True)
         log.info("rank %d of %d on %s, attempt %d", rank, world, device, attempt)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from producer import wire
+from runbus import wire
 
 METADATA = ("reason", "source_stream", "source_id", "deliveries")
 RENAMED = "orig."

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import redis
 
-import storage
-from ingester import output
-from ingester.localredis import LocalRedis
-from ingester.worker import Worker, WorkerSettings
-from producer.connection import sync_client
-from producer.environment import new_run_id
+from runbus import config, storage, wire
+from runbus.ingester import output
+from runbus.ingester.localredis import LocalRedis
+from runbus.ingester.worker import Worker, WorkerSettings
+from runbus.redis import sync_client
 
-RANK_SCRIPT = "from ingester.demo import train_rank; train_rank()"
+RANK_SCRIPT = "from runbus.ingester.demo import train_rank; train_rank()"
 DDP_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
 
 
@@ -51,10 +50,10 @@ def torch_job(ranks: int, steps: int) -> list[str] | None:
 
 def train_rank() -> None:
     """The body of one demo rank: a simulated training loop (no torch needed)."""
-    import producer
+    import runbus
 
-    steps = int(os.environ.get("RUNBUS_DEMO_STEPS", "40"))
-    with producer.init(config={"lr": 3e-4, "batch_size": 32, "steps": steps}, system_interval=0.5) as run:
+    steps = int(os.environ.get(config.DEMO_STEPS_ENV, "40"))
+    with runbus.init(config={"lr": 3e-4, "batch_size": 32, "steps": steps}, system_interval=0.5) as run:
         rank = run.identity.rank or 0
         rng = random.Random(rank)
         if run.primary:
@@ -96,16 +95,16 @@ def run_demo(redis_url: str, store_url: str, ranks: int = 4, steps: int = 40) ->
 
 
 async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
-    run_id = new_run_id().replace("run-", "demo-", 1)
+    run_id = wire.new_run_id().replace("run-", "demo-", 1)
     worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
     ingesting = asyncio.create_task(worker.async_run())
-    env = {**os.environ, "RUNBUS_RUN_ID": run_id, "RUNBUS_REDIS_URL": redis_url}
+    env = {**os.environ, config.RUN_ID_ENV: run_id, config.REDIS_URL_ENV: redis_url}
     job = torch_job(ranks, steps)
     if job is not None:
         print(f"demo: torchrun, {ranks} ranks of {DDP_EXAMPLE.name}", flush=True)
         processes = [await asyncio.create_subprocess_exec(*job, env=env)]
     else:
-        env.update(WORLD_SIZE=str(ranks), RUNBUS_DEMO_STEPS=str(steps))
+        env.update({"WORLD_SIZE": str(ranks), config.DEMO_STEPS_ENV: str(steps)})
         processes = [
             await asyncio.create_subprocess_exec(
                 sys.executable, "-c", RANK_SCRIPT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}

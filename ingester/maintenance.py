@@ -9,8 +9,8 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
 
-from producer import wire
-from storage.base import Store
+from runbus import wire
+from runbus.storage.base import Store
 
 log = logging.getLogger("runbus.ingester")
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
-from producer.wire import finite_to_wire
-from storage.base import Point, RunSummary
+from runbus.storage.base import Point, RunSummary
+from runbus.wire import finite_to_wire
 
 
 def json_value(value: float) -> float | str:

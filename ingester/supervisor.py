@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
-from ingester.worker import Worker, WorkerSettings
+from runbus.ingester.worker import Worker, WorkerSettings
 
 log = logging.getLogger("runbus.ingester")
 
@@ -88,7 +88,7 @@ def run_child(
     worker = Worker(settings)
     if http is None:
         sys.exit(worker.run())
-    from ingester.http import run_worker
+    from runbus.ingester.http import run_worker
 
     sys.exit(run_worker(worker, http))
 

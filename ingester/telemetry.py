@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ingester.worker import WorkerStats
+    from runbus.ingester.worker import WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)

@@ -27,15 +27,14 @@ from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-import storage
-from ingester import maintenance, telemetry
-from ingester.deadletter import DeadEntry, dead_letter_fields
-from ingester.discovery import Discovery
-from producer import wire
-from producer.connection import async_client, is_cluster
-from producer.environment import DEFAULT_REDIS_URL
-from producer.urls import safe_url
-from storage.base import Store, StoreError
+from runbus import config, storage, wire
+from runbus.config import safe_url
+from runbus.errors import InvalidEntry, StoreError
+from runbus.ingester import maintenance, telemetry
+from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
+from runbus.ingester.discovery import Discovery
+from runbus.redis import async_client, is_cluster
+from runbus.storage.base import Store
 
 log = logging.getLogger("runbus.ingester")
 
@@ -104,8 +103,8 @@ def default_consumer_name() -> str:
 class WorkerSettings:
     """How one ingester worker connects, reads and stops."""
 
-    redis_url: str = field(default_factory=lambda: os.environ.get("RUNBUS_REDIS_URL", DEFAULT_REDIS_URL))
-    store_url: str = field(default_factory=storage.default_url)
+    redis_url: str = field(default_factory=config.redis_url)
+    store_url: str = field(default_factory=config.default_store_url)
     group: str = wire.DEFAULT_GROUP
     consumer: str = field(default_factory=default_consumer_name)
     batch_size: int = 1000
@@ -179,7 +178,7 @@ def decode_batch(
             sources += zip(repeat(key), ids, fieldses, strict=False)
             continue
         for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
-            if isinstance(event, wire.InvalidEntry):
+            if isinstance(event, InvalidEntry):
                 dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
             else:
                 events.append(event)

@@ -1,9 +1,9 @@
 """runbus producer: every rank of a distributed job logs into one run through Redis Streams.
 
-    import producer
-    run = producer.init(config={"lr": 3e-4})   # zero-config under torchrun
+    import runbus
+    run = runbus.init(config={"lr": 3e-4})   # zero-config under torchrun
     run.log({"loss": 0.25}, step=10)           # never blocks, never does I/O
-    run.finish()                               # or `with producer.init() as run:`
+    run.finish()                               # or `with runbus.init() as run:`
 
 Importing this package is cheap: redis, NVML and torch are imported lazily, off the hot path.
 """
@@ -16,12 +16,12 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from producer import environment, exits
-from producer.environment import Identity
-from producer.run import Run, RunFinished, RunOptions
-from producer.shipper import PrimaryConflict, ShipperOptions
-from producer.urls import safe_url
-from producer.wire import InvalidName
+from runbus.config import safe_url
+from runbus.errors import InvalidName, PrimaryConflict, RunFinished
+from runbus.producer import environment, exits
+from runbus.producer.environment import Identity
+from runbus.producer.run import Run, RunOptions
+from runbus.producer.shipper import ShipperOptions
 
 __all__ = ["InvalidName", "PrimaryConflict", "Run", "RunFinished", "init"]
 
@@ -47,7 +47,7 @@ _active_lock = threading.Lock()
 def _plain_config(config: Any) -> dict[str, Any]:
     import orjson
 
-    from producer.wire import MAX_DATA_BYTES
+    from runbus.wire import MAX_DATA_BYTES
 
     if config is None:
         return {}
@@ -77,7 +77,7 @@ def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]
         run_kw["gpu_device_ids"] = tuple(int(i) for i in run_kw["gpu_device_ids"])
     if run_kw.get("max_buffer_events", 1) < 1:
         raise ValueError("max_buffer_events must be >= 1")
-    from producer import console
+    from runbus.producer import console
 
     run_kw["console"] = console.check_mode(run_kw.get("console") or console.default_mode())
     return RunOptions(**run_kw), ShipperOptions(**{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS})

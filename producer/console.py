@@ -50,8 +50,10 @@ import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from runbus.config import CONSOLE_ENV
+
 if TYPE_CHECKING:
-    from producer.run import Run
+    from runbus.producer.run import Run
 
 MODES = ("primary", "all", "off")
 MAX_LINE_CHARS = 1 << 16
@@ -91,7 +93,7 @@ def check_mode(mode: object) -> str:
 def default_mode(env: dict[str, str] | None = None) -> str:
     """RUNBUS_CONSOLE, else "primary"."""
     env = os.environ if env is None else env
-    return check_mode(env.get("RUNBUS_CONSOLE") or "primary")
+    return check_mode(env.get(CONSOLE_ENV) or "primary")
 
 
 def clean_text(text: str) -> str:
@@ -362,7 +364,7 @@ class _RecordFactory:
         return record
 
     def _shipped_by_handler(self, name: str) -> bool:
-        from producer.handler import RunHandler
+        from runbus.producer.handler import RunHandler
 
         run = self.capture.run
         logger: logging.Logger | None = logging.getLogger(name)

@@ -7,15 +7,12 @@ rank 0 is the primary. RUNBUS_* variables override torchrun's.
 from __future__ import annotations
 
 import os
-import secrets
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from producer.wire import check_name
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from runbus import config
+from runbus.wire import check_name, new_run_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +48,6 @@ def _torch_rank_and_size() -> tuple[int | None, int | None]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def new_run_id() -> str:
-    """A fresh run id for a single process that was given none."""
-    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-
-
 def resolve(
     run_id: str | None = None,
     label: str | None = None,
@@ -74,7 +66,7 @@ def resolve(
         rank, torch_world = _torch_rank_and_size()
         world_size = world_size if world_size is not None else torch_world
     if run_id is None:
-        run_id = env.get("RUNBUS_RUN_ID") or None
+        run_id = env.get(config.RUN_ID_ENV) or None
     if run_id is None:
         elastic = env.get("TORCHELASTIC_RUN_ID")
         run_id = elastic if elastic and elastic != "none" else None
@@ -87,7 +79,7 @@ def resolve(
         run_id = new_run_id()
     check_name("run id", run_id)
     if label is None:
-        label = env.get("RUNBUS_LABEL") or f"rank{rank if rank is not None else 0}"
+        label = env.get(config.LABEL_ENV) or f"rank{rank if rank is not None else 0}"
     check_name("label", label)
     if primary is None:
         primary = (rank or 0) == 0
@@ -99,5 +91,5 @@ def resolve(
         local_rank=_int_env(env, "LOCAL_RANK"),
         world_size=world_size,
         restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT") or 0,
-        redis_url=redis_url or env.get("RUNBUS_REDIS_URL") or DEFAULT_REDIS_URL,
+        redis_url=redis_url or config.redis_url(env),
     )

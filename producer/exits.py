@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from producer.run import Run
+    from runbus.producer.run import Run
 
 _live: list[Run] = []
 _lock = threading.Lock()

@@ -7,7 +7,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from producer.run import Run
+    from runbus.producer.run import Run
 
 # Records from these loggers are never shipped: they are about shipping itself, and shipping
 # them could feed back into the very outage they report.

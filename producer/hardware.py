@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from producer.system import MB, parse_visible_devices
+from runbus.producer.system import MB, parse_visible_devices
 
 logger = logging.getLogger("runbus.producer")
 

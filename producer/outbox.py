@@ -10,7 +10,7 @@ import time
 from collections import deque
 from typing import Any
 
-from producer.backlog import DropLog
+from runbus.producer.backlog import DropLog
 
 # (kind, seq, ts, step, data): data is the caller's values, serialised later off the hot path.
 Pending = tuple[str, int, float, "int | None", Any]

@@ -15,14 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from producer import wire
-from producer.backlog import DropLog
-from producer.environment import Identity
-from producer.outbox import Outbox
-from producer.shipper import Shipper, ShipperOptions
+from runbus import wire
+from runbus.errors import RunFinished
+from runbus.producer.backlog import DropLog
+from runbus.producer.environment import Identity
+from runbus.producer.outbox import Outbox
+from runbus.producer.shipper import Shipper, ShipperOptions
 
 if TYPE_CHECKING:
-    from producer.console import ConsoleCapture
+    from runbus.producer.console import ConsoleCapture
 
 log = logging.getLogger("runbus.producer")
 
@@ -35,13 +36,9 @@ def _ignore(kind: str, step: int | None, data: Any) -> None:
     return None
 
 
-class RunFinished(RuntimeError):
-    """log() or log_text() was called on a Run that has finished."""
-
-
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    """How a Run buffers, samples and finishes (set through producer.init)."""
+    """How a Run buffers, samples and finishes (set through runbus.init)."""
 
     max_buffer_events: int = 50_000
     system_interval: float | None = 15.0
@@ -108,7 +105,7 @@ def checked_step(step: Any) -> int:
 
 
 class Run:
-    """One label's logging session; made by producer.init()."""
+    """One label's logging session; made by runbus.init()."""
 
     def __init__(
         self,
@@ -149,7 +146,7 @@ class Run:
         """Start the background threads (the handshake has been tried by then)."""
         self._shipper.start()
         if self.options.console != "off":
-            from producer.console import ConsoleCapture
+            from runbus.producer.console import ConsoleCapture
 
             self._console = ConsoleCapture.start_for(self, self.options.console)
         if self.options.system_interval:
@@ -232,7 +229,7 @@ class Run:
 
     def logging_handler(self, level: int = logging.NOTSET) -> logging.Handler:
         """A logging.Handler that ships records as `log` events of this run."""
-        from producer.handler import RunHandler
+        from runbus.producer.handler import RunHandler
 
         return RunHandler(self, level)
 
@@ -267,7 +264,7 @@ class Run:
             self._shipper.release_primary()
         if self.dropped:
             log.warning("runbus: %d events were dropped (buffers full)", self.dropped)
-        from producer import exits
+        from runbus.producer import exits
 
         exits.forget(self)
         return complete
@@ -310,7 +307,7 @@ class _SamplerThread(threading.Thread):
         self._stopping.set()
 
     def run(self) -> None:
-        from producer.system import SystemSampler, sampled_devices
+        from runbus.producer.system import SystemSampler, sampled_devices
 
         machine_wide, gpu_ids = sampled_devices(self.run_ref.options.gpu_device_ids)
         sampler = SystemSampler(machine_wide=machine_wide, gpu_device_ids=gpu_ids)

@@ -17,22 +17,19 @@ from typing import Any
 
 import orjson
 
-from producer import wire
-from producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
-from producer.environment import Identity
-from producer.outbox import Outbox, Pending
-from producer.urls import safe_url
+from runbus import wire
+from runbus.config import safe_url
+from runbus.errors import PrimaryConflict
+from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
+from runbus.producer.environment import Identity
+from runbus.producer.outbox import Outbox, Pending
 
 log = logging.getLogger("runbus.producer")
 
 
-class PrimaryConflict(RuntimeError):
-    """Another label already holds the run's live primary role."""
-
-
 @dataclass(frozen=True, slots=True)
 class ShipperOptions:
-    """Tunables of the shipping thread (see producer.init for their meaning)."""
+    """Tunables of the shipping thread (see runbus.init for their meaning)."""
 
     flush_interval: float = 0.05
     batch_size: int = 2000
@@ -49,7 +46,7 @@ class ShipperOptions:
 def connect(url: str, options: ShipperOptions):
     """A redis-py client for `url`, a server or a cluster (redis-py is imported lazily, so
     `import producer` stays cheap)."""
-    from producer.connection import sync_client
+    from runbus.redis import sync_client
 
     return sync_client(
         url,
@@ -345,8 +342,8 @@ class Shipper(threading.Thread):
 
     def _hardware(self) -> dict:
         # Here, not in init(): NVML can take a second to start on a big host.
-        from producer.hardware import describe
-        from producer.system import sampled_devices
+        from runbus.producer.hardware import describe
+        from runbus.producer.system import sampled_devices
 
         return describe(sampled_devices(self.gpu_device_ids)[1])
 

@@ -7,41 +7,33 @@ imported lazily so SQLite users never import asyncpg.
 from __future__ import annotations
 
 import importlib
-import os
 from urllib.parse import urlsplit
 
-from producer.urls import safe_url
-from storage.base import LabelSummary, LogLine, Point, RunSummary, Store, StoreError
+from runbus.config import default_store_url, safe_url
+from runbus.errors import StoreError
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, Store
 
-DEFAULT_URL = "sqlite:///runbus.db"
 BACKENDS = {
-    "sqlite": "storage.sqlite:SQLiteStore",
-    "postgresql": "storage.postgres:PostgresStore",
-    "postgres": "storage.postgres:PostgresStore",
+    "sqlite": "runbus.storage.sqlite:SQLiteStore",
+    "postgresql": "runbus.storage.postgres:PostgresStore",
+    "postgres": "runbus.storage.postgres:PostgresStore",
 }
 
 __all__ = [
-    "DEFAULT_URL",
     "LabelSummary",
     "LogLine",
     "Point",
     "RunSummary",
     "Store",
     "StoreError",
-    "default_url",
     "open_store",
     "safe_url",
 ]
 
 
-def default_url() -> str:
-    """The store URL from RUNBUS_STORE, else the embedded SQLite default."""
-    return os.environ.get("RUNBUS_STORE") or DEFAULT_URL
-
-
 def open_store(url: str | None = None) -> Store:
     """A store for `url` (not yet connected); raises ValueError for an unknown scheme."""
-    url = url or default_url()
+    url = url or default_store_url()
     scheme = urlsplit(url).scheme
     target = BACKENDS.get(scheme)
     if target is None:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from producer.wire import Event
-from storage.rules import Gap
+from runbus.storage.rules import Gap
+from runbus.wire import Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +69,6 @@ class LogLine:
     stream: str
     level: str
     text: str
-
-
-class StoreError(Exception):
-    """A storage operation failed (and may be retried)."""
 
 
 class Store(Protocol):

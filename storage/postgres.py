@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
-from producer.wire import Event, level_number
-from storage import rows, safe_url
-from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, crash, run_state
+from runbus.errors import StoreError
+from runbus.storage import rows, safe_url
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
+from runbus.storage.rules import LabelState, apply_events, crash, run_state
+from runbus.wire import Event, level_number
 
 T = TypeVar("T")
 

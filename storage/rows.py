@@ -11,9 +11,8 @@ from typing import Any
 
 import orjson
 
-from producer.wire import Event, level_number
-from storage.base import LabelSummary, RunSummary
-from storage.rules import (
+from runbus.storage.base import LabelSummary, RunSummary
+from runbus.storage.rules import (
     LabelState,
     RunState,
     by_epoch,
@@ -22,6 +21,7 @@ from storage.rules import (
     primary_label,
     take_new,
 )
+from runbus.wire import Event, level_number
 
 KINDS_COUNTED = ("metric", "log", "system")
 MAX_GAPS_SHOWN = 1000

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
-from producer.wire import Event
+from runbus.wire import Event
 
 RUNNING, FINISHED, FAILED, CRASHED = "running", "finished", "failed", "crashed"
 STATES = (RUNNING, FINISHED, FAILED, CRASHED)

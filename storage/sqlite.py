@@ -16,10 +16,11 @@ from urllib.parse import unquote, urlsplit
 
 import orjson
 
-from producer.wire import Event, level_number
-from storage import rows
-from storage.base import LabelSummary, LogLine, Point, RunSummary, StoreError
-from storage.rules import LabelState, apply_events, crash, run_state
+from runbus.errors import StoreError
+from runbus.storage import rows
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
+from runbus.storage.rules import LabelState, apply_events, crash, run_state
+from runbus.wire import Event, level_number
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from ingester.localredis import LocalRedis, RedisServerNotFound
+from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
 from tests.pgserver import LocalPostgres, PostgresNotFound, create_database, drop_database
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -11,9 +11,8 @@ from typing import Any
 import orjson
 import redis
 
-import storage
-from ingester.worker import Worker, WorkerSettings
-from producer import wire
+from runbus import storage, wire
+from runbus.ingester.worker import Worker, WorkerSettings
 
 
 def ingest(redis_url: str, store_url: str, **settings: Any):
@@ -57,9 +56,9 @@ def read_store(store_url: str, method: str, *args: Any, **kwargs: Any):
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
-    """Run `python -m ingester ARGS` and return the CompletedProcess (text mode)."""
+    """Run `python -m runbus ARGS` and return the CompletedProcess (text mode)."""
     result = subprocess.run(
-        [sys.executable, "-m", "ingester", *args],
+        [sys.executable, "-m", "runbus", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -72,4 +71,4 @@ def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
 
 def ingest_command(redis_url: str, store_url: str, *args: str) -> list[str]:
     """The argv of `runbus ingest` against this Redis and store, as its own process."""
-    return [sys.executable, "-m", "ingester", "--store", store_url, "ingest", "--redis", redis_url, *args]
+    return [sys.executable, "-m", "runbus", "--store", store_url, "ingest", "--redis", redis_url, *args]

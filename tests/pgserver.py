@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from ingester.localredis import free_port
+from runbus.ingester.localredis import free_port
 
 UNPRIVILEGED_USER = "nobody"
 

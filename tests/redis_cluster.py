@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ingester.localredis import LocalRedis, RedisServerNotFound, free_port
+from runbus.ingester.localredis import LocalRedis, RedisServerNotFound, free_port
 from tests.conftest import missing_server
 
 # Redis Cluster's bus listens on the client port + 10000.
@@ -38,7 +38,7 @@ def cluster_port() -> int:
 
 def find_redis_cli() -> str:
     """redis-cli next to redis-server, else from PATH."""
-    from ingester.localredis import find_redis_server
+    from runbus.ingester.localredis import find_redis_server
 
     beside = os.path.join(os.path.dirname(find_redis_server()), "redis-cli")
     found = beside if os.access(beside, os.X_OK) else shutil.which("redis-cli")

@@ -8,8 +8,8 @@ import time
 
 import redis
 
-import producer
-from ingester.worker import Worker, WorkerSettings
+import runbus
+from runbus.ingester.worker import Worker, WorkerSettings
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 
 
@@ -128,7 +128,7 @@ def test_a_running_worker_picks_up_a_new_producer_stream(redis_url, store_url):
         worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
         task = asyncio.create_task(worker.async_run())
         await asyncio.sleep(0.3)  # the worker is up and has found no streams yet
-        run = producer.init(
+        run = runbus.init(
             run_id="live", label="rank0", redis_url=redis_url, system_interval=None, hardware=False
         )
         run.log({"loss": 1.0}, step=0)

@@ -11,22 +11,22 @@ import time
 
 import pytest
 
-import producer
-from ingester import maintenance
-from ingester.localredis import free_port
-from ingester.worker import STREAMS_PER_READ, read_chunks
-from producer import wire
-from producer.connection import async_client, cluster_nodes, is_cluster, sync_client
+import runbus
+from runbus import wire
+from runbus.ingester import maintenance
+from runbus.ingester.localredis import free_port
+from runbus.ingester.worker import STREAMS_PER_READ, read_chunks
+from runbus.redis import async_client, cluster_nodes, is_cluster, sync_client
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 from tests.redis_cluster import redis_cluster_url  # noqa: F401
 
 # One process per run, both labels in it (each Run has its own shipper thread).
 RUN = textwrap.dedent(
     """
-    import sys, producer
+    import sys, runbus
     run_id, steps = sys.argv[1], int(sys.argv[2])
     runs = [
-        producer.init(run_id=run_id, label=f"rank{r}", primary=r == 0, system_interval=None, hardware=False)
+        runbus.init(run_id=run_id, label=f"rank{r}", primary=r == 0, system_interval=None, hardware=False)
         for r in range(2)
     ]
     for step in range(steps):
@@ -153,7 +153,7 @@ async def test_maintenance_on_a_shard(cluster_url):
 def test_producer_rides_out_a_cluster_that_does_not_answer():
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     started = time.monotonic()
-    run = producer.init(
+    run = runbus.init(
         run_id="nocluster",
         label="rank0",
         redis_url=url,

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from dashboard.security import check_binding
-from ingester.cli import build_parser
+from runbus.cli import build_parser
+from runbus.dashboard.security import check_binding
 from tests.conftest import docker_answers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_every_command_is_a_real_runbus_command(compose, dockerfile):
     assert json.loads(dockerfile["ENTRYPOINT"][-1]) == ["runbus"]
     assert parser.parse_args(json.loads(dockerfile["CMD"][-1])).command == "ingest"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["runbus"] == "ingester.cli:main"
+    assert scripts["runbus"] == "runbus.cli:main"
 
 
 def test_ingesters_scale_and_serve_their_health_where_the_check_looks(compose, dockerfile):
@@ -140,7 +140,7 @@ def test_the_dashboard_is_guarded_and_published_on_loopback_only(compose):
 
 def test_the_dockerfile_installs_the_package(dockerfile):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {name.rstrip("*") for name in config["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = set(config["tool"]["setuptools"]["package-dir"].values())
     copied = {source.rstrip("/") for args in dockerfile["COPY"] for source in args.split()[:-1]}
     assert packages | {"pyproject.toml", "README.md"} <= copied
     assert any(re.search(r"pip install \"?\.\[postgres\]", run) for run in dockerfile["RUN"])

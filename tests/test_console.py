@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-import producer
-from producer.console import MAX_LINE_CHARS, LineLevels, clean_text
+import runbus
+from runbus.producer.console import MAX_LINE_CHARS, LineLevels, clean_text
 from tests.helpers import ingest, read_store, run_cli
 
 
@@ -22,7 +22,7 @@ def stored(redis_url, store_url, run_id, label=None):
 
 
 def capture(redis_url, run_id, label="rank0", **kw):
-    return producer.init(
+    return runbus.init(
         run_id=run_id, label=label, redis_url=redis_url, system_interval=None, hardware=False, **kw
     )
 
@@ -168,8 +168,8 @@ def test_line_levels():
 
 RANK = textwrap.dedent(
     """
-    import logging, os, sys, producer
-    run = producer.init(system_interval=None, hardware=False)
+    import logging, os, sys, runbus
+    run = runbus.init(system_interval=None, hardware=False)
     print("hello from", run.label)
     sys.stderr.write("a stderr warning\\n")
     logging.getLogger("train").warning("a warning record")
@@ -255,8 +255,8 @@ def test_off_captures_nothing(redis_url, store_url):
 
 CONFIGURED_LATE = textwrap.dedent(
     """
-    import logging, producer
-    run = producer.init(run_id="late", label="rank0", system_interval=None, hardware=False)
+    import logging, runbus
+    run = runbus.init(run_id="late", label="rank0", system_interval=None, hardware=False)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
     logging.getLogger("train").info("configured after init")
     try:

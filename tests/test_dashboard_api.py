@@ -20,8 +20,8 @@ import redis
 from aiohttp import ClientSession, CookieJar
 from aiohttp.test_utils import TestClient, TestServer
 
-from dashboard import downsample, security
-from dashboard.api import create_app
+from runbus.dashboard import downsample, security
+from runbus.dashboard.api import create_app
 from tests.helpers import ingest, run_cli, xadd_event
 
 RUN = "resnet50-ddp"
@@ -135,7 +135,7 @@ def seed_run(client: redis.Redis, run: str = RUN) -> None:
 
 def dead_letter_one(client: redis.Redis, run: str, label: str) -> None:
     """An entry that breaks the wire contract (unknown kind): the ingester dead-letters it."""
-    from producer import wire
+    from runbus import wire
 
     client.xadd(wire.stream_key(run, label), {"v": "1", "kind": "bogus", "run": run, "label": label})
 
@@ -412,7 +412,7 @@ def serve(
         [
             sys.executable,
             "-m",
-            "ingester",
+            "runbus",
             "--log-level",
             "INFO",
             "--store",

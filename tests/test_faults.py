@@ -17,17 +17,17 @@ import time
 
 import redis
 
-import producer
-from ingester.worker import Worker, WorkerSettings
-from producer import wire
+import runbus
+from runbus import wire
+from runbus.ingester.worker import Worker, WorkerSettings
 from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
 
 PRODUCER = textwrap.dedent(
     r"""
-    import json, os, sys, time, producer
+    import json, os, sys, time, runbus
     say = lambda text: os.write(1, (text + "\n").encode())  # the raw fd: never captured by runbus
     count, pace = int(os.environ["COUNT"]), float(os.environ.get("PACE", "0"))
-    run = producer.init(system_interval=None, hardware=False, max_backoff=0.2,
+    run = runbus.init(system_interval=None, hardware=False, max_backoff=0.2,
                         heartbeat_interval=float(os.environ.get("HEARTBEAT", "10")))
     say("ready")
     longest = 0.0
@@ -257,7 +257,7 @@ def test_redis_killed_and_restarted_during_a_run_loses_nothing(local_redis, stor
 
 def log_while_down(local_redis, run_id: str, count: int, **options):
     local_redis.kill()
-    run = producer.init(
+    run = runbus.init(
         run_id=run_id,
         label="rank0",
         redis_url=local_redis.url,
@@ -305,8 +305,8 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
     local_redis.kill()
     code = textwrap.dedent(
         f"""
-        import os, time, producer
-        run = producer.init(
+        import os, time, runbus
+        run = runbus.init(
             run_id="orphan", label="rank0", redis_url={local_redis.url!r}, system_interval=None,
             hardware=False, max_buffer_bytes=10_000, spool_dir={str(spool)!r}, finish_timeout=1,
         )
@@ -319,7 +319,7 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert len(list(spool.iterdir())) == 1
     local_redis.start()
-    with producer.init(
+    with runbus.init(
         run_id="orphan",
         label="rank0",
         redis_url=local_redis.url,
@@ -416,9 +416,7 @@ def test_retention_trims_only_what_is_stored(redis_url, store_url):
 
 
 def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
-    run = producer.init(
-        run_id="fork", label="rank0", redis_url=redis_url, system_interval=None, hardware=False
-    )
+    run = runbus.init(run_id="fork", label="rank0", redis_url=redis_url, system_interval=None, hardware=False)
     run.log({"parent": 1.0})
     pid = os.fork()
     if pid == 0:  # the child: the parent's run is a no-op here; its own label works
@@ -426,7 +424,7 @@ def test_a_forked_child_does_not_share_the_parent_run(redis_url, store_url):
         try:
             run.log({"child_via_parent": 1.0})
             assert run.finish() is False
-            with producer.init(
+            with runbus.init(
                 run_id="fork",
                 label="worker0",
                 redis_url=redis_url,

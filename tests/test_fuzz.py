@@ -10,7 +10,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import wire
+from runbus import wire
 from tests.helpers import ingest, read_store
 
 RUN, LABEL = "fuzz", "rank0"

@@ -9,7 +9,7 @@ import orjson
 import pytest
 import redis
 
-from producer import wire
+from runbus import wire
 from tests.helpers import ingest, read_store, xadd_event
 
 
@@ -162,7 +162,7 @@ def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis
 async def test_the_asyncio_client_packs_commands_with_hiredis(redis_url):
     from redis.exceptions import DataError
 
-    from producer.connection import async_client
+    from runbus.redis import async_client
 
     client = async_client(redis_url)
     try:
@@ -180,7 +180,7 @@ async def test_the_asyncio_client_packs_commands_with_hiredis(redis_url):
 
 
 def test_a_batch_is_written_while_the_one_before_is_acknowledged_and_no_more_overlap():
-    from ingester.worker import Commits
+    from runbus.ingester.worker import Commits
 
     log: list[str] = []
     acks = {n: asyncio.Event() for n in (1, 2, 3)}
@@ -215,7 +215,7 @@ def test_a_batch_is_written_while_the_one_before_is_acknowledged_and_no_more_ove
 
 
 def test_a_failed_write_stops_the_next_batch_from_starting():
-    from ingester.worker import Commits
+    from runbus.ingester.worker import Commits
 
     async def failing(written: asyncio.Future) -> None:
         written.set_result(None)

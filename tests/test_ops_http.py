@@ -18,11 +18,11 @@ import aiohttp
 import pytest
 import redis
 
-from ingester import telemetry
-from ingester.http import OpsServer, parse_address
-from ingester.localredis import free_port
-from ingester.worker import Worker, WorkerSettings
-from producer import wire
+from runbus import wire
+from runbus.ingester import telemetry
+from runbus.ingester.http import OpsServer, parse_address
+from runbus.ingester.localredis import free_port
+from runbus.ingester.worker import Worker, WorkerSettings
 from tests.helpers import ingest_command, xadd_event
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'

@@ -13,9 +13,9 @@ from tests.helpers import ingest, ingest_command, read_store, run_cli
 
 RANK = textwrap.dedent(
     """
-    import os, producer
+    import os, runbus
     steps = int(os.environ["STEPS"])
-    run = producer.init(config={"lr": 0.1, "rank_seen": os.environ["RANK"]}, system_interval=None)
+    run = runbus.init(config={"lr": 0.1, "rank_seen": os.environ["RANK"]}, system_interval=None)
     rank = run.identity.rank
     for step in range(steps):
         run.log({"loss": 1.0 / (step + 1) + rank, "acc": step / steps}, step=step)

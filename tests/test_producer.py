@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-import producer
-from ingester.localredis import free_port
-from producer import environment
+import runbus
+from runbus.ingester.localredis import free_port
+from runbus.producer import environment
 from tests.helpers import ingest, read_store, run_cli
 
 
 def init(redis_url, run_id, label, **kw):
     kw.setdefault("system_interval", None)
     kw.setdefault("hardware", False)
-    return producer.init(run_id=run_id, label=label, redis_url=redis_url, **kw)
+    return runbus.init(run_id=run_id, label=label, redis_url=redis_url, **kw)
 
 
 @pytest.mark.parametrize("run_id", ["bad name", "-lead", "x" * 129, "a/b", "", "ünïcode", "{tag}"])
@@ -65,7 +65,7 @@ def test_identity_from_torchrun_environment():
 def test_a_second_live_primary_is_refused(redis_url):
     first = init(redis_url, "prim", "rank0", primary=True)
     try:
-        with pytest.raises(producer.PrimaryConflict, match="rank0"):
+        with pytest.raises(runbus.PrimaryConflict, match="rank0"):
             init(redis_url, "prim", "rank1", primary=True)
         worker = init(redis_url, "prim", "rank1", primary=False)
         worker.finish()
@@ -102,7 +102,7 @@ def test_log_checks_its_arguments(redis_url):
         with pytest.raises(ValueError, match="stream must be"):
             run.log_text("hi", stream="tty")
         run.log({"np": Scalar(), "flag": True, "nan": float("nan")}, step=0)
-    with pytest.raises(producer.RunFinished):
+    with pytest.raises(runbus.RunFinished):
         run.log({"loss": 1.0})
     assert run.finish() is True  # idempotent
 
@@ -133,7 +133,7 @@ def test_values_round_trip_through_the_pipeline(redis_url, store_url):
 
 def test_log_never_waits_for_an_absent_redis():
     url = f"redis://127.0.0.1:{free_port()}/0"
-    run = producer.init(
+    run = runbus.init(
         run_id="down",
         label="rank0",
         redis_url=url,
@@ -157,7 +157,7 @@ def test_log_never_waits_for_an_absent_redis():
 
 def test_buffered_events_ship_in_order_once_redis_is_back(local_redis, store_url):
     local_redis.kill()
-    run = producer.init(
+    run = runbus.init(
         run_id="later",
         label="rank0",
         redis_url=local_redis.url,
@@ -178,8 +178,8 @@ def test_buffered_events_ship_in_order_once_redis_is_back(local_redis, store_url
 
 EXITING = textwrap.dedent(
     """
-    import os, sys, time, producer
-    run = producer.init(
+    import os, sys, time, runbus
+    run = runbus.init(
         run_id="exits", label=sys.argv[1], primary=False, system_interval=None, hardware=False
     )
     run.log({"x": 1.0})
@@ -219,9 +219,9 @@ def test_how_a_process_ends_finishes_its_label(redis_url, store_url):
     }
 
 
-def test_importing_the_producer_is_cheap():
+def test_importing_runbus_and_the_producer_is_cheap():
     code = (
-        "import sys, producer; "
+        "import sys, runbus; runbus.init; runbus.Run; runbus.RunbusError; "
         "heavy = {'redis', 'torch', 'pynvml', 'asyncio', 'numpy', 'psutil'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
@@ -229,7 +229,7 @@ def test_importing_the_producer_is_cheap():
 
 
 def test_start_event_describes_the_host(redis_url, store_url):
-    with producer.init(run_id="hw", label="rank0", redis_url=redis_url, system_interval=0.5) as run:
+    with runbus.init(run_id="hw", label="rank0", redis_url=redis_url, system_interval=0.5) as run:
         deadline = time.monotonic() + 10
         while run.buffered or run._shipper.shipped < 1:
             assert time.monotonic() < deadline

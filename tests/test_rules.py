@@ -7,8 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer.wire import Event
-from storage.rules import (
+from runbus.storage.rules import (
     CRASHED,
     FAILED,
     FINISHED,
@@ -22,6 +21,7 @@ from storage.rules import (
     run_state,
     take_new,
 )
+from runbus.wire import Event
 
 
 def ev(label: str, kind: str, epoch: int, seq: int, **data) -> Event:

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import asyncpg
 import pytest
 
-from ingester.localredis import free_port
-from producer.wire import Event
-from storage import LogLine, RunSummary, Store, StoreError, open_store
-from storage import postgres as postgres_backend
-from storage import sqlite as sqlite_backend
+from runbus.errors import StoreError
+from runbus.ingester.localredis import free_port
+from runbus.storage import LogLine, RunSummary, Store, open_store
+from runbus.storage import postgres as postgres_backend
+from runbus.storage import sqlite as sqlite_backend
+from runbus.wire import Event
 
 RUN = "run-1"
 T0 = 1_700_000_000.0

@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 import redis
 
-from ingester.localredis import free_port
-from ingester.supervisor import Supervisor, SupervisorSettings
-from ingester.worker import WorkerSettings
-from producer import wire
+from runbus import wire
+from runbus.ingester.localredis import free_port
+from runbus.ingester.supervisor import Supervisor, SupervisorSettings
+from runbus.ingester.worker import WorkerSettings
 from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
 from tests.test_faults import assert_every_event_once, finish_producers, start_producer
 

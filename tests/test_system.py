@@ -20,8 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from producer import hardware, system, wire
-from producer.system import SystemSampler, default_sampler_ids_from_env, parse_visible_devices
+from runbus import wire
+from runbus.producer import hardware, system
+from runbus.producer.system import SystemSampler, default_sampler_ids_from_env, parse_visible_devices
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -651,7 +652,7 @@ def test_real_nvml() -> None:
 
 def test_import_does_not_load_nvml_or_torch() -> None:
     code = (
-        "import producer.system, producer.hardware, sys; "
+        "import runbus.producer.system, runbus.producer.hardware, sys; "
         "heavy = {'pynvml', 'torch', 'numpy'} & set(sys.modules); "
         "assert not heavy, heavy"
     )
@@ -662,7 +663,7 @@ def test_import_does_not_load_nvml_or_torch() -> None:
 
 
 def test_secret_options_are_redacted_from_the_command_line():
-    from producer.hardware import redacted_argv
+    from runbus.producer.hardware import redacted_argv
 
     argv = ["train.py", "--api-key", "abc", "--TOKEN=xyz", "--lr", "0.1", "--db-password=pw", "--keys-file"]
     assert redacted_argv(argv) == [

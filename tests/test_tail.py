@@ -14,19 +14,19 @@ import time
 import pytest
 import redis
 
-from dashboard.tail import Tail, TailSettings, format_line
-from producer import wire
+from runbus import wire
+from runbus.dashboard.tail import Tail, TailSettings, format_line
 from tests.helpers import ingest, read_store, xadd_event
 
 RUN = "tail-run"
 
 
 class TailProcess:
-    """`python -m ingester tail ARGS`, its stdout and stderr read line by line as they come."""
+    """`python -m runbus tail ARGS`, its stdout and stderr read line by line as they come."""
 
     def __init__(self, redis_url: str, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ingester", "tail", "--redis", redis_url, *args],
+            [sys.executable, "-m", "runbus", "tail", "--redis", redis_url, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

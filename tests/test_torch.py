@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import producer
-from ingester.localredis import free_port
+import runbus
+from runbus.ingester.localredis import free_port
 from tests.conftest import IN_CI
 from tests.helpers import ingest, read_store, run_cli
 
@@ -29,7 +29,7 @@ STEPS = 20
 
 
 def init(redis_url, run_id, **kw):
-    return producer.init(
+    return runbus.init(
         run_id=run_id,
         label="rank0",
         redis_url=redis_url,
@@ -109,7 +109,7 @@ def test_rank_and_world_size_from_a_process_group(redis_url, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with producer.init(redis_url=redis_url, system_interval=None, hardware=False, console="off") as run:
+        with runbus.init(redis_url=redis_url, system_interval=None, hardware=False, console="off") as run:
             ident = run.identity
             assert (ident.rank, ident.world_size, run.label, run.primary) == (0, 1, "rank0", True)
     finally:

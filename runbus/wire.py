@@ -8,11 +8,15 @@ from __future__ import annotations
 import functools
 import math
 import re
+import secrets
+import time
 from collections.abc import Iterable
 from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import orjson
+
+from runbus.errors import InvalidEntry, InvalidName
 
 VERSION = "1"
 PREFIX = "runbus"
@@ -36,14 +40,6 @@ NON_FINITE_TO_WIRE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 WIRE_TO_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-class InvalidName(ValueError):
-    """A run id or label that does not match NAME_PATTERN."""
-
-
-class InvalidEntry(ValueError):
-    """A stream entry that breaks the wire contract; its message is the dead-letter reason."""
-
-
 def check_name(what: str, name: object) -> str:
     """Return `name` if it is a valid run id or label, else raise InvalidName saying why."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -52,6 +48,11 @@ def check_name(what: str, name: object) -> str:
             "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 128)"
         )
     return name
+
+
+def new_run_id() -> str:
+    """A fresh run id, for a single process that was given none (and for the demo)."""
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
 def stream_key(run: str, label: str) -> str:

@@ -3,7 +3,7 @@
 `redis://`, `rediss://` and `unix://` URLs are redis-py's own and name one server.
 `redis+cluster://[user:password@]host:port[,host:port…][?option=value]` (`rediss+cluster://` for
 TLS) names a Redis Cluster by one or more of its nodes; the client learns the others from them.
-Every key of a run carries the run as a hash tag (`runbus:{RUN}:…`, see producer.wire), so one
+Every key of a run carries the run as a hash tag (`runbus:{RUN}:…`, see runbus.wire), so one
 run's keys share a slot while different runs spread over the shards.
 
 redis-py is imported inside the functions: `import producer` must stay cheap.

@@ -13,11 +13,11 @@ from dataclasses import asdict
 
 import redis
 
-import dashboard.cli
-import storage
-from ingester import output
-from producer import wire
-from producer.environment import DEFAULT_REDIS_URL
+from runbus import config, storage, wire
+from runbus.config import DEFAULT_REDIS_URL
+from runbus.dashboard import cli as dashboard_cli
+from runbus.errors import CommandError
+from runbus.ingester import output
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -29,13 +29,9 @@ def configure_logging(level: str, process: str | None = None) -> None:
 
 
 def _ops_address(text: str) -> tuple[str, int]:
-    from ingester.http import parse_address  # aiohttp only for the commands that serve
+    from runbus.ingester.http import parse_address  # aiohttp only for the commands that serve
 
     return parse_address(text)
-
-
-class CommandError(Exception):
-    """A user-facing failure: printed as `runbus: MESSAGE`, exit code 1."""
 
 
 def _redis_option(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runbus", description="Log every rank of a distributed training job into one run."
     )
     parser.add_argument(
-        "--store", default=storage.default_url(), help="store URL (RUNBUS_STORE; default %(default)s)"
+        "--store", default=config.default_store_url(), help="store URL (RUNBUS_STORE; default %(default)s)"
     )
     parser.add_argument("--log-level", default=None, help="logging level (default INFO for ingest)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -141,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _redis_option(demo)
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--steps", type=int, default=40)
-    dashboard.cli.add_commands(commands)
+    dashboard_cli.add_commands(commands)
     return parser
 
 
@@ -162,7 +158,7 @@ async def _known_run(store: storage.Store, run_id: str, url: str) -> storage.Run
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from ingester.worker import Worker, WorkerSettings
+    from runbus.ingester.worker import Worker, WorkerSettings
 
     settings = WorkerSettings(
         redis_url=args.redis,
@@ -179,12 +175,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.consumer:
         settings.consumer = args.consumer
     if args.workers != 1:
-        from ingester.supervisor import Supervisor, SupervisorSettings
+        from runbus.ingester.supervisor import Supervisor, SupervisorSettings
 
         setup = functools.partial(configure_logging, args.log_level or "INFO")
         return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
     if args.http:
-        from ingester.http import run_worker
+        from runbus.ingester.http import run_worker
 
         return run_worker(Worker(settings), args.http)
     return Worker(settings).run()
@@ -249,8 +245,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_dead(args: argparse.Namespace) -> int:
-    from ingester import deadletter
-    from producer.connection import async_client
+    from runbus.ingester import deadletter
+    from runbus.redis import async_client
 
     async def act():
         async with async_client(args.redis, socket_connect_timeout=5) as client:
@@ -270,7 +266,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ingester.demo import run_demo
+    from runbus.ingester.demo import run_demo
 
     return run_demo(redis_url=args.redis, store_url=args.store, ranks=args.ranks, steps=args.steps)
 
@@ -283,8 +279,8 @@ COMMANDS = {
     "logs": cmd_logs,
     "dead": cmd_dead,
     "demo": cmd_demo,
-    "serve": dashboard.cli.cmd_serve,
-    "tail": dashboard.cli.cmd_tail,
+    "serve": dashboard_cli.cmd_serve,
+    "tail": dashboard_cli.cmd_tail,
 }
 
 

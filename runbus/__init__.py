@@ -1,0 +1,87 @@
+"""runbus: every rank of a distributed training job logs into one run, through Redis Streams.
+
+    import runbus
+    run = runbus.init(config={"lr": 3e-4})   # zero-config under torchrun
+    run.log({"loss": 0.25}, step=10)         # never blocks, never does I/O
+    run.finish()                             # or `with runbus.init() as run:`
+
+Importing runbus is cheap: the names below are loaded on first use, and redis, asyncio, torch,
+NVML and psutil are imported only by what needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+# name -> the module that defines it; `runbus.NAME` imports that module on first use.
+_LAZY = {
+    "init": "runbus.producer",
+    "Run": "runbus.producer.run",
+    "RunbusError": "runbus.errors",
+    "InvalidName": "runbus.errors",
+    "InvalidEntry": "runbus.errors",
+    "PrimaryConflict": "runbus.errors",
+    "RunFinished": "runbus.errors",
+    "StoreError": "runbus.errors",
+    "StoreUnavailable": "runbus.errors",
+    "StoreRejected": "runbus.errors",
+    "CommandError": "runbus.errors",
+    "MissingDependency": "runbus.errors",
+    "RedisServerNotFound": "runbus.errors",
+    "TokenRequired": "runbus.errors",
+    "CannotListen": "runbus.errors",
+}
+
+__all__ = [
+    "CannotListen",
+    "CommandError",
+    "InvalidEntry",
+    "InvalidName",
+    "MissingDependency",
+    "PrimaryConflict",
+    "RedisServerNotFound",
+    "Run",
+    "RunFinished",
+    "RunbusError",
+    "StoreError",
+    "StoreRejected",
+    "StoreUnavailable",
+    "TokenRequired",
+    "__version__",
+    "init",
+]
+
+if TYPE_CHECKING:
+    from runbus.errors import (
+        CannotListen,
+        CommandError,
+        InvalidEntry,
+        InvalidName,
+        MissingDependency,
+        PrimaryConflict,
+        RedisServerNotFound,
+        RunbusError,
+        RunFinished,
+        StoreError,
+        StoreRejected,
+        StoreUnavailable,
+        TokenRequired,
+    )
+    from runbus.producer import init
+    from runbus.producer.run import Run
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'runbus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,5 @@
+"""`python -m runbus` is the `runbus` command."""
+
+from runbus.cli import main
+
+raise SystemExit(main())

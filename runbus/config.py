@@ -1,0 +1,79 @@
+"""runbus's settings from the environment: every `RUNBUS_*` name, its default, and how to show URLs.
+
+Nothing else reads a `RUNBUS_*` variable directly: each has a name constant and a reader here, so
+the names, their defaults and their documentation live in one place. URLs are shown through
+`safe_url`, which never lets a password reach a log line, an error message or a page.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+if TYPE_CHECKING:
+    from redis.backoff import AbstractBackoff
+
+REDIS_URL_ENV = "RUNBUS_REDIS_URL"
+STORE_ENV = "RUNBUS_STORE"
+RUN_ID_ENV = "RUNBUS_RUN_ID"
+LABEL_ENV = "RUNBUS_LABEL"
+CONSOLE_ENV = "RUNBUS_CONSOLE"
+API_TOKEN_ENV = "RUNBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a token
+DEMO_STEPS_ENV = "RUNBUS_DEMO_STEPS"
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+STORE_FILE = "runbus.db"
+
+# Query parameters that carry a secret in a Redis or database URL (`?password=…`).
+_SECRET_QUERY = frozenset({"password", "pass", "passwd", "token", "auth", "secret", "sslpassword"})
+
+
+def redis_url(env: Mapping[str, str] | None = None) -> str:
+    """The Redis URL from RUNBUS_REDIS_URL, else the local default."""
+    return (os.environ if env is None else env).get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+
+
+def data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """runbus's per-user data directory: `$XDG_DATA_HOME/runbus`, else `~/.local/share/runbus`."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "runbus"
+
+
+def default_store_url(env: Mapping[str, str] | None = None) -> str:
+    """The store URL from RUNBUS_STORE, else one SQLite file in the per-user data directory, so
+    every command finds the same runs from any working directory."""
+    env = os.environ if env is None else env
+    return env.get(STORE_ENV) or f"sqlite:///{data_dir(env) / STORE_FILE}"
+
+
+def safe_url(url: str) -> str:
+    """`url` with any password, in its userinfo or its query, replaced by '***'."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # a port that is not a number: show the scheme only
+        return url.partition("://")[0] + "://***"
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(name.lower() in _SECRET_QUERY for name, _ in pairs):
+            query = urlencode([(n, "***" if n.lower() in _SECRET_QUERY else v) for n, v in pairs], safe="*")
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def backoff(cap: float, base: float = 0.1) -> AbstractBackoff:
+    """The one retry delay policy: exponential from `base` up to `cap` seconds, with equal jitter,
+    so that N workers or ranks that lost Redis together do not reconnect in lockstep."""
+    from redis.backoff import EqualJitterBackoff
+
+    return EqualJitterBackoff(cap=cap, base=base)

