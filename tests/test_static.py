@@ -1,0 +1,51 @@
+"""Static checks inside the test command: types (mypy), import contracts (import-linter), lint.
+
+Both mypy and import-linter read the installed layout (tests/layout.py), where producer/ is
+runbus/producer/ as in a wheel; their settings are in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.layout import ROOT, installed_tree
+
+CONFIG = str(ROOT / "pyproject.toml")
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return installed_tree(tmp_path_factory.mktemp("installed"))
+
+
+def run(tool: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *tool],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd), "MYPY_CACHE_DIR": str(ROOT / ".mypy_cache")},
+    )
+
+
+def test_types_check_with_zero_errors(tree: Path) -> None:
+    result = run(["-m", "mypy", "--config-file", CONFIG, "-p", "runbus"], tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Success: no issues found" in result.stdout
+
+
+def test_imports_run_one_way(tree: Path) -> None:
+    lint_imports = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    result = run(["-c", lint_imports, "--config", CONFIG, "--no-cache"], tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 5 kept, 0 broken" in result.stdout
+
+
+def test_the_code_passes_the_linter() -> None:
+    result = run(["-m", "ruff", "check", "--no-cache", str(ROOT)], ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
