@@ -40,7 +40,7 @@ def test_types_check_with_zero_errors(tree: Path) -> None:
 
 
 def test_imports_run_one_way(tree: Path) -> None:
-    lint_imports = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    lint_imports = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
     result = run(["-c", lint_imports, "--config", CONFIG, "--no-cache"], tree)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 5 kept, 0 broken" in result.stdout
