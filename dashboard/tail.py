@@ -13,22 +13,24 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import wire
 from runbus.config import safe_url
 from runbus.errors import InvalidEntry
-from runbus.redis import sync_client
+from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
+
+if TYPE_CHECKING:
+    from runbus.redis import SyncClient
 
 # docker compose's order: cyan, yellow, green, magenta, blue, then the bright ones.
 COLORS = ("36", "33", "32", "35", "34", "96", "93", "92", "95", "94", "31", "91")
 READ_COUNT = 1000
 
-Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+Entries = list[tuple[bytes, list[StreamEntry]]]
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Tail:
     out: TextIO = field(default_factory=lambda: sys.stdout)
     err: TextIO = field(default_factory=lambda: sys.stderr)
     _ids: dict[str, str] = field(default_factory=dict, init=False)
+    _labels: dict[str, str] = field(default_factory=dict, init=False)
     _primary: dict[str, bool] = field(default_factory=dict, init=False)
     _colors: dict[str, str] = field(default_factory=dict, init=False)
     _width: int = field(default=0, init=False)
@@ -74,7 +77,7 @@ class Tail:
         finally:
             client.close()
 
-    def _follow(self, client: redis.Redis) -> int:
+    def _follow(self, client: SyncClient) -> int:
         s = self.settings
         self._discover(client, initial=True)
         if not s.from_start and self._finished_already(client):
@@ -93,7 +96,9 @@ class Tail:
                     time.sleep(s.rescan_interval)
                     continue
                 block = s.finish_grace if self._finished else max(0.01, next_scan - time.monotonic())
-                entries: Entries = client.xread(self._ids, count=READ_COUNT, block=int(block * 1000))
+                # A copy: redis-py types the argument as a dict of any key and id types (invariant).
+                reply = client.xread(dict(self._ids.items()), count=READ_COUNT, block=int(block * 1000))
+                entries = read_streams(reply)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 # Where it was is kept in the ids: once Redis is back, nothing is skipped.
                 if not self._lost:
@@ -113,41 +118,46 @@ class Tail:
 
     # -- finding the streams -------------------------------------------------------------------
 
-    def _stream_keys(self, client: redis.Redis) -> list[str]:
+    def _stream_keys(self, client: SyncClient) -> dict[str, str]:
+        """This run's stream keys, in order, each with its label."""
         # stream_key with "*" for the label is the MATCH pattern of this run's keys; the parse
         # below drops its other keys (epoch counters, the primary marker).
         pattern = wire.stream_key(self.settings.run_id, "*")
-        found = [m.decode() for m in client.sscan_iter(wire.REGISTRY_KEY, match=pattern, count=1000)]
-        found += [k.decode() for k in client.scan_iter(match=pattern, count=1000, _type="stream")]
-        return sorted(k for k in set(found) if (wire.parse_stream_key(k) or ("",))[0] == self.settings.run_id)
+        found = [reply_text(m) for m in client.sscan_iter(wire.REGISTRY_KEY, match=pattern, count=1000)]
+        found += [reply_text(k) for k in client.scan_iter(match=pattern, count=1000, _type="stream")]
+        streams = {}
+        for key in sorted(set(found)):
+            names = wire.parse_stream_key(key)
+            if names is not None and names[0] == self.settings.run_id:
+                streams[key] = names[1]
+        return streams
 
-    def _discover(self, client: redis.Redis, initial: bool) -> None:
+    def _discover(self, client: SyncClient, initial: bool) -> None:
         if initial:
             # The live primary's marker (gone once it finishes); start events confirm or correct it.
             live = client.get(wire.primary_key(self.settings.run_id))
             if live:
-                self._primary[live.decode()] = True
-        for key in self._stream_keys(client):
+                self._primary[reply_text(live)] = True
+        for key, label in self._stream_keys(client).items():
             if key in self._ids:
                 continue
-            label = wire.parse_stream_key(key)[1]  # type: ignore[index]
+            self._labels[key] = label
             self._color_for(label)
             if initial and not self.settings.from_start:
                 # Start after the newest entry; the stream's first entry (its start) says
                 # whether the label is the primary, whose finish ends the tail.
-                newest = client.xrevrange(key, count=1)
+                newest = stream_entries(client.xrevrange(key, count=1))
                 self._ids[key] = newest[0][0].decode() if newest else "0-0"
-                for event in self._decode(key, client.xrange(key, count=1)):
+                for event in self._decode(key, stream_entries(client.xrange(key, count=1))):
                     self._learn(event)
             else:
                 # A label that appears while following is new: all of it is worth printing.
                 self._ids[key] = "0-0"
 
-    def _finished_already(self, client: redis.Redis) -> bool:
+    def _finished_already(self, client: SyncClient) -> bool:
         for key in self._ids:
-            label = wire.parse_stream_key(key)[1]  # type: ignore[index]
-            if self._primary.get(label):
-                last = self._decode(key, client.xrevrange(key, count=1))
+            if self._primary.get(self._labels[key]):
+                last = self._decode(key, stream_entries(client.xrevrange(key, count=1)))
                 if last and last[0].kind == "finish":
                     return True
         return False
@@ -162,7 +172,7 @@ class Tail:
     # -- reading and printing ------------------------------------------------------------------
 
     @staticmethod
-    def _decode(key: str | bytes, entries: Iterable[tuple[bytes, dict[bytes, bytes]]]) -> list[wire.Event]:
+    def _decode(key: str | bytes, entries: Iterable[StreamEntry]) -> list[wire.Event]:
         key = key.decode() if isinstance(key, bytes) else key
         events = []
         for _, fields in entries:
@@ -183,10 +193,10 @@ class Tail:
 
     def _show(self, entries: Entries) -> None:
         events: list[wire.Event] = []
-        for key, stream_entries in entries:
-            if stream_entries:
-                self._ids[key.decode()] = stream_entries[-1][0].decode()
-            events += self._decode(key, stream_entries)
+        for key, batch in entries:
+            if batch:
+                self._ids[key.decode()] = batch[-1][0].decode()
+            events += self._decode(key, batch)
         lines = []
         for event in sorted(events, key=lambda e: e.ts):
             self._learn(event)

@@ -14,7 +14,7 @@ import logging
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import orjson
 
@@ -67,7 +67,7 @@ class Spool:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file = None
+        self._file: BinaryIO | None = None
         self.read_offset = 0
         self.size = 0
         self.epoch: int | None = None
@@ -87,11 +87,16 @@ class Spool:
             self._write_epoch()
         return True
 
+    @property
+    def _opened(self) -> BinaryIO:
+        assert self._file is not None, f"spool {self.path} used before open()"
+        return self._file
+
     def append(self, record: Record) -> int:
         if self._file is None:
             self.open()
         line = orjson.dumps([record.kind, record.epoch, record.seq, record.ts, record.step, record.data])
-        self._file.write(line + b"\n")
+        self._opened.write(line + b"\n")
         self.size += len(line) + 1
         return len(line) + 1
 
@@ -103,13 +108,14 @@ class Spool:
 
     def _write_epoch(self) -> None:
         line = orjson.dumps(["epoch", self.epoch]) + b"\n"
-        self._file.write(line)
+        self._opened.write(line)
         self.size += len(line)
 
     def recorded_epoch(self) -> int | None:
         """The epoch line a (dead) process wrote into this file, if any."""
-        self._file.seek(0)
-        for line in self._file:
+        file = self._opened
+        file.seek(0)
+        for line in file:
             if line.startswith(b'["epoch",'):
                 with contextlib.suppress(orjson.JSONDecodeError, IndexError):
                     return int(orjson.loads(line)[1])
@@ -117,11 +123,14 @@ class Spool:
 
     def read(self, limit: int) -> tuple[list[Record], int, int | None]:
         """Up to `limit` records from the read offset: (records, new offset, epoch seen)."""
-        self._file.flush()
-        self._file.seek(self.read_offset)
-        records, epoch, offset = [], None, self.read_offset
+        file = self._opened
+        file.flush()
+        file.seek(self.read_offset)
+        records: list[Record] = []
+        epoch: int | None = None
+        offset = self.read_offset
         while len(records) < limit:
-            line = self._file.readline()
+            line = file.readline()
             if not line.endswith(b"\n"):
                 break  # end, or a torn last line from a crash
             offset += len(line)
@@ -142,7 +151,7 @@ class Spool:
 
     def reset(self) -> None:
         """Everything was shipped: empty the file."""
-        self._file.truncate(0)
+        self._opened.truncate(0)
         self.read_offset = self.size = 0
 
     def close(self, remove: bool) -> None:
@@ -195,10 +204,16 @@ class Backlog:
         """The oldest records, not yet removed (ship them, then call `shipped`)."""
         if self.memory:
             return [self.memory[i] for i in range(min(limit, len(self.memory)))]
-        if self._spooling and self.spool.unread():
-            records, self._peeked_offset, _ = self.spool.read(limit)
+        spool = self._unread_spool()
+        if spool is not None:
+            records, self._peeked_offset, _ = spool.read(limit)
             return records
         return []
+
+    def _unread_spool(self) -> Spool | None:
+        """The spool, when records wait in it (they do only while spooling)."""
+        spool = self.spool
+        return spool if self._spooling and spool is not None and spool.unread() else None
 
     def shipped(self, records: list[Record]) -> None:
         if self.memory and records and self.memory[0] is records[0]:
@@ -206,9 +221,11 @@ class Backlog:
                 self.bytes -= len(self.memory.popleft().data) + RECORD_OVERHEAD
             return
         if self._peeked_offset is not None:
-            self.spool.read_offset, self._peeked_offset = self._peeked_offset, None
-            if not self.spool.unread():
-                self.spool.reset()
+            spool = self.spool
+            assert spool is not None, "records were peeked from a spool"
+            spool.read_offset, self._peeked_offset = self._peeked_offset, None
+            if not spool.unread():
+                spool.reset()
                 self._spooling = False
 
     def persist(self) -> int:
@@ -223,7 +240,7 @@ class Backlog:
         return moved
 
     def __len__(self) -> int:
-        return len(self.memory) + (1 if self._spooling and self.spool.unread() else 0)
+        return len(self.memory) + (1 if self._unread_spool() is not None else 0)
 
 
 def orphan_spools(spool_dir: str, run: str, label: str, own_pid: int) -> list[Spool]:

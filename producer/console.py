@@ -48,6 +48,7 @@ import sys
 import threading
 import traceback
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from runbus.config import CONSOLE_ENV
@@ -87,10 +88,10 @@ def check_mode(mode: object) -> str:
     """`mode` if it is a console mode, else ValueError."""
     if mode not in MODES:
         raise ValueError(f"console must be one of {', '.join(MODES)}; got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
-def default_mode(env: dict[str, str] | None = None) -> str:
+def default_mode(env: Mapping[str, str] | None = None) -> str:
     """RUNBUS_CONSOLE, else "primary"."""
     env = os.environ if env is None else env
     return check_mode(env.get(CONSOLE_ENV) or "primary")
@@ -437,7 +438,7 @@ class ConsoleCapture:
         for logger in loggers:
             for handler in logger.handlers:
                 if type(handler) is logging.StreamHandler and handler.stream is original:
-                    handler.setStream(tee)  # type: ignore[arg-type]
+                    handler.setStream(tee)
                     self._repointed.append((handler, tee))
 
     def record_exception(self, exc_type, exc, tb) -> None:

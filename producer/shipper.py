@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -23,6 +23,11 @@ from runbus.errors import PrimaryConflict
 from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
 from runbus.producer.environment import Identity
 from runbus.producer.outbox import Outbox, Pending
+
+if TYPE_CHECKING:
+    from redis.commands.core import Script
+
+    from runbus.redis import SyncClient
 
 log = logging.getLogger("runbus.producer")
 
@@ -43,7 +48,7 @@ class ShipperOptions:
     max_backoff: float = 5.0
 
 
-def connect(url: str, options: ShipperOptions):
+def connect(url: str, options: ShipperOptions) -> SyncClient:
     """A redis-py client for `url`, a server or a cluster (redis-py is imported lazily, so
     `import producer` stays cheap)."""
     from runbus.redis import sync_client
@@ -110,8 +115,8 @@ class Shipper(threading.Thread):
         self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
         self._held_start: Pending | None = None
         self._orphans_checked = False
-        self._client = None
-        self._xadd_many = None
+        self._client: SyncClient | None = None
+        self._xadd_many: Script | None = None
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
@@ -141,7 +146,7 @@ class Shipper(threading.Thread):
         if self.backlog.spool is not None:
             self.backlog.spool.note_epoch(self.epoch)
 
-    def _claim_primary(self, client) -> None:
+    def _claim_primary(self, client: SyncClient) -> None:
         key, label = wire.primary_key(self.identity.run_id), self.identity.label
         ttl = max(1, math.ceil(self.options.primary_ttl))
         if client.set(key, label, nx=True, ex=ttl):
@@ -157,7 +162,7 @@ class Shipper(threading.Thread):
             f"{ttl}s for the other claim to lapse)"
         )
 
-    def _refresh_primary(self, client) -> None:
+    def _refresh_primary(self, client: SyncClient) -> None:
         try:
             self._claim_primary(client)
         except PrimaryConflict as exc:
@@ -179,7 +184,7 @@ class Shipper(threading.Thread):
         except Exception as exc:  # the claim then lapses by its TTL
             log.debug("runbus: could not release the primary claim: %s", exc)
 
-    def _connection(self):
+    def _connection(self) -> SyncClient:
         if self._client is None:
             self._client = connect(self.identity.redis_url, self.options)
         return self._client
@@ -347,21 +352,24 @@ class Shipper(threading.Thread):
 
         return describe(sampled_devices(self.gpu_device_ids)[1])
 
-    def _send(self, client, records: list[Record], epoch: int) -> None:
-        if self._xadd_many is None or self._xadd_many.registered_client is not client:
-            self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
+    def _send(self, client: SyncClient, records: list[Record], epoch: int) -> None:
+        xadd_many = self._xadd_many
+        if xadd_many is None or xadd_many.registered_client is not client:
+            xadd_many = self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
         entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
-        self._xadd_many(
+        xadd_many(
             keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
         )
 
     def _flush(self) -> None:
+        epoch = self.epoch
+        assert epoch is not None, "the handshake comes before any flush"
         client = self._connection()
         while True:
             records = self.backlog.peek(self.options.batch_size)
             if not records:
                 return
-            self._send(client, records, self.epoch)
+            self._send(client, records, epoch)
             self.backlog.shipped(records)
             self.shipped += len(records)
 

@@ -160,7 +160,7 @@ class SystemSampler:
 
     machine_wide: bool
     gpu_device_ids: list[int] | None = None
-    pid: int | None = None
+    pid: int = field(default_factory=os.getpid)
     _psutil: Any = field(init=False, repr=False)
     _process: Any = field(init=False, repr=False, default=None)
     _visible: list[int] | None = field(init=False, repr=False, default=None)
@@ -178,8 +178,6 @@ class SystemSampler:
         import psutil
 
         self._psutil = psutil
-        if self.pid is None:
-            self.pid = os.getpid()
         if self.gpu_device_ids is not None:
             self.gpu_device_ids = list(self.gpu_device_ids)
         else:

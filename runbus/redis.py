@@ -1,4 +1,4 @@
-"""How runbus connects to Redis: a URL names a single server or a cluster.
+"""How runbus connects to Redis (a URL names a single server or a cluster), and the replies it reads.
 
 `redis://`, `rediss://` and `unix://` URLs are redis-py's own and name one server.
 `redis+cluster://[user:password@]host:port[,host:port…][?option=value]` (`rediss+cluster://` for
@@ -7,12 +7,31 @@ Every key of a run carries the run as a hash tag (`runbus:{RUN}:…`, see runbus
 run's keys share a slot while different runs spread over the shards.
 
 redis-py is imported inside the functions: `import producer` must stay cheap.
+
+runbus's clients never set decode_responses, and speak RESP2: keys, fields and values come back
+as bytes. redis-py types its replies for every setting (bytes or str, RESP2 or RESP3 shapes);
+`stream_entries`, `read_streams` and `reply_text` give them the shape runbus's clients read.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+    import redis.asyncio.cluster
+    import redis.cluster
+    from redis.asyncio.connection import AbstractConnection
+    from redis.typing import StreamRangeResponse, XReadResponse
+
+    # What sync_client and async_client return.
+    SyncClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+    AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
+"""One entry of a stream as runbus's clients read it: (entry id, {field: value})."""
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DEFAULT_PORT = 6379
@@ -61,7 +80,7 @@ def _host_port(item: str, url: str) -> tuple[str, int]:
         raise ValueError(f"bad port in {item!r} of {url!r}") from None
 
 
-def sync_client(url: str, **options: Any):
+def sync_client(url: str, **options: Any) -> SyncClient:
     """A blocking redis-py client: `redis.Redis`, or `redis.cluster.RedisCluster` for a cluster
     URL. `options` (timeouts and the like) go to every connection.
 
@@ -86,7 +105,7 @@ def sync_client(url: str, **options: Any):
     return client
 
 
-def async_client(url: str, **options: Any):
+def async_client(url: str, **options: Any) -> AsyncClient:
     """An asyncio redis-py client: `redis.asyncio.Redis`, or `redis.asyncio.cluster.RedisCluster`
     for a cluster URL (it connects on its first command). Close it with `await client.aclose()`.
     """
@@ -95,7 +114,8 @@ def async_client(url: str, **options: Any):
     if not is_cluster(url):
         client = Redis.from_url(url, **options)
         pool = client.connection_pool
-        pool.connection_class = _packing_with_hiredis(pool.connection_class)
+        # A class is hashable; mypy does not see it through functools.cache (python/mypy#11470).
+        pool.connection_class = _packing_with_hiredis(pool.connection_class)  # type: ignore[arg-type]
         return client
     from redis.asyncio.cluster import ClusterNode
 
@@ -103,6 +123,25 @@ def async_client(url: str, **options: Any):
     return _async_cluster_class().from_url(
         first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **options
     )
+
+
+def stream_entries(reply: StreamRangeResponse | None) -> list[StreamEntry]:
+    """An XRANGE or XREVRANGE reply as runbus's clients read it (bytes; see the module doc).
+
+    redis-py also allows (id, None) for an entry deleted while pending, which only XREADGROUP's
+    history and XCLAIM return, never a range.
+    """
+    return cast("list[StreamEntry]", reply or [])
+
+
+def read_streams(reply: XReadResponse) -> list[tuple[bytes, list[StreamEntry]]]:
+    """An XREAD reply as runbus's clients read it (RESP2, bytes): [(stream key, its entries)]."""
+    return cast("list[tuple[bytes, list[StreamEntry]]]", reply or [])
+
+
+def reply_text(reply: bytes | str) -> str:
+    """A key or value of a reply as text (runbus's clients read bytes: UTF-8, strict)."""
+    return reply.decode() if isinstance(reply, bytes) else reply
 
 
 def _unreachable(exc: Exception) -> bool:
@@ -132,7 +171,7 @@ def _unreachable_as_connection_error(nodes_manager: Any) -> None:
 
 
 @functools.cache
-def _async_cluster_class() -> type:
+def _async_cluster_class() -> type[redis.asyncio.cluster.RedisCluster]:
     from redis.asyncio.cluster import RedisCluster
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import RedisClusterException
@@ -142,7 +181,7 @@ def _async_cluster_class() -> type:
         _unreachable_as_connection_error): every command and pipeline (re)connects through
         initialize()."""
 
-        async def initialize(self, *args: Any, **kwargs: Any) -> Cluster:
+        async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
             try:
                 return await super().initialize(*args, **kwargs)
             except RedisClusterException as exc:
@@ -154,7 +193,7 @@ def _async_cluster_class() -> type:
 
 
 @functools.cache
-def _packing_with_hiredis(base: type) -> type:
+def _packing_with_hiredis(base: type[AbstractConnection]) -> type[AbstractConnection]:
     """`base` (an asyncio connection class) packing commands with hiredis, in C, as redis-py's
     blocking connections already do. Its asyncio ones pack in Python, at about 0.6 µs an
     argument: an ingester pays that per event, acknowledging a thousand entries per XACK."""
@@ -164,7 +203,8 @@ def _packing_with_hiredis(base: type) -> type:
         return base
     from redis.exceptions import DataError
 
-    class HiredisPacking(base):
+    # The base is the pool's connection class, known at run time only: mypy cannot check it.
+    class HiredisPacking(base):  # type: ignore[misc, valid-type]
         def pack_command(self, *args: Any) -> list[bytes]:
             # As redis-py does: a command named with a space ("CONFIG GET") is sent as two words.
             if isinstance(args[0], str):
