@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-from redis.asyncio import Redis
+from typing import TYPE_CHECKING
 
 from runbus import wire
+from runbus.redis import stream_entries
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
+
+    from runbus.redis import AsyncClient
 
 METADATA = ("reason", "source_stream", "source_id", "deliveries")
 RENAMED = "orig."
@@ -35,9 +41,9 @@ class DeadLetter:
     fields: dict[str, str]
 
 
-def dead_letter_fields(dead: DeadEntry) -> dict[bytes | str, bytes | str | int]:
+def dead_letter_fields(dead: DeadEntry) -> dict[FieldT, EncodableT]:
     """The reason and source, then the original fields; a colliding original name gets `orig.`."""
-    fields: dict[bytes | str, bytes | str | int] = {
+    fields: dict[FieldT, EncodableT] = {
         "reason": dead.reason,
         "source_stream": dead.stream,
         "source_id": dead.entry_id,
@@ -49,7 +55,7 @@ def dead_letter_fields(dead: DeadEntry) -> dict[bytes | str, bytes | str | int]:
     return fields
 
 
-def original_fields(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
+def original_fields(fields: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
     """The source entry's own fields, as they were, from a dead letter's fields."""
     original = {}
     for name, value in fields.items():
@@ -66,9 +72,9 @@ def _text(value: bytes | None) -> str:
     return "" if value is None else value.decode("utf-8", "replace")
 
 
-async def dead_letters(redis: Redis, count: int | None = None) -> list[DeadLetter]:
+async def dead_letters(redis: AsyncClient, count: int | None = None) -> list[DeadLetter]:
     """The dead letters, oldest first."""
-    entries = await redis.xrange(wire.DEAD_LETTER_KEY, count=count)
+    entries = stream_entries(await redis.xrange(wire.DEAD_LETTER_KEY, count=count))
     return [
         DeadLetter(
             dead_id=entry_id.decode(),
@@ -82,15 +88,17 @@ async def dead_letters(redis: Redis, count: int | None = None) -> list[DeadLette
     ]
 
 
-async def replay(redis: Redis) -> int:
+async def replay(redis: AsyncClient) -> int:
     """Put every dead letter back on its source stream as a new entry, then drop it from
     runbus:dead (in that order: a crash between gives a duplicate, never a loss)."""
     replayed = 0
-    for entry_id, fields in await redis.xrange(wire.DEAD_LETTER_KEY):
+    for entry_id, fields in stream_entries(await redis.xrange(wire.DEAD_LETTER_KEY)):
         source = fields.get(b"source_stream")
         if not source:
             continue
-        await redis.xadd(source, original_fields(fields))
+        # A copy typed as redis-py's xadd wants it: a dict of any encodable types (invariant).
+        original: dict[FieldT, EncodableT] = dict(original_fields(fields).items())
+        await redis.xadd(source, original)
         await redis.xdel(wire.DEAD_LETTER_KEY, entry_id)
         replayed += 1
     return replayed

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from runbus import wire
+from runbus.redis import reply_text
+
+if TYPE_CHECKING:
+    from runbus.redis import AsyncClient
 
 log = logging.getLogger("runbus.ingester")
 
@@ -33,7 +37,7 @@ class Discovery:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: AsyncClient,
         group: str,
         registry_interval: float = 0.25,
         scan_interval: float = 10.0,
@@ -57,12 +61,12 @@ class Discovery:
             size = await self.redis.scard(wire.REGISTRY_KEY)
             if size != self._registry_size or force:
                 members = await self.redis.smembers(wire.REGISTRY_KEY)
-                found += [m.decode() for m in members]
+                found += [reply_text(m) for m in members]
                 self._registry_size = size
         if force or now >= self._next_scan:
             self._next_scan = now + self.scan_interval
             async for key in self.redis.scan_iter(match=wire.scan_pattern(), count=1000, _type="stream"):
-                found.append(key.decode())
+                found.append(reply_text(key))
         new = [key for key in dict.fromkeys(found) if key not in self._known and is_event_stream(key)]
         for key in new:
             await self._ensure_group(key)

@@ -23,6 +23,7 @@ from runbus.errors import PrimaryConflict
 from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
 from runbus.producer.environment import Identity
 from runbus.producer.outbox import Outbox, Pending
+from runbus.redis import reply_text
 
 if TYPE_CHECKING:
     from redis.commands.core import Script
@@ -152,12 +153,12 @@ class Shipper(threading.Thread):
         if client.set(key, label, nx=True, ex=ttl):
             return
         holder = client.get(key)
-        if holder is None or holder.decode() == label:
+        if holder is None or reply_text(holder) == label:
             # Our own earlier claim (a restarted rank), or it expired in between.
             client.set(key, label, ex=ttl)
             return
         raise PrimaryConflict(
-            f"run {self.identity.run_id!r} already has a live primary, label {holder.decode()!r}; "
+            f"run {self.identity.run_id!r} already has a live primary, label {reply_text(holder)!r}; "
             f"label {label!r} cannot also be primary (pass primary=False, or wait "
             f"{ttl}s for the other claim to lapse)"
         )
@@ -179,7 +180,7 @@ class Shipper(threading.Thread):
         key = wire.primary_key(self.identity.run_id)
         try:
             holder = self._client.get(key)
-            if holder is not None and holder.decode() == self.identity.label:
+            if holder is not None and reply_text(holder) == self.identity.label:
                 self._client.delete(key)
         except Exception as exc:  # the claim then lapses by its TTL
             log.debug("runbus: could not release the primary claim: %s", exc)
