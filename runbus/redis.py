@@ -136,7 +136,8 @@ def stream_entries(reply: StreamRangeResponse | None) -> list[StreamEntry]:
 
 def read_streams(reply: XReadResponse) -> list[tuple[bytes, list[StreamEntry]]]:
     """An XREAD reply as runbus's clients read it (RESP2, bytes): [(stream key, its entries)]."""
-    return cast("list[tuple[bytes, list[StreamEntry]]]", reply or [])
+    # RESP2 gives each stream as a two-item list [key, entries].
+    return [(key, entries) for key, entries in cast("list[list[Any]]", reply or [])]
 
 
 def reply_text(reply: bytes | str) -> str:
