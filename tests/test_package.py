@@ -84,7 +84,9 @@ print(json.dumps({"file": runbus.__file__,
 """
 
 
-def run(argv: list[str | Path], cwd: Path | None = None, env: dict[str, str] | None = None):
+def run(
+    argv: list[str | Path], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run a command to completion; its output in the failure message when it fails."""
     result = subprocess.run(
         [str(arg) for arg in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
@@ -313,7 +315,8 @@ def test_the_runbus_command_and_python_m_runbus_run_beside_a_users_modules(
     python, _ = install
     project = users_project(tmp_path / "project")
     env = user_env(tmp_path, project)
-    for argv in ([python.parent / "runbus", "--help"], [python, "-m", "runbus", "--help"]):
+    helps: list[list[str | Path]] = [[python.parent / "runbus", "--help"], [python, "-m", "runbus", "--help"]]
+    for argv in helps:
         assert "usage: runbus" in run(argv, cwd=project, env=env).stdout
     assert imported_user_modules(project) == []
 
@@ -345,7 +348,8 @@ def test_the_editable_install_imports_runbus_from_its_folders(where: str, tmp_pa
     folders = package_dirs()
     for package in top_packages():
         assert Path(report["files"][package]) == folders[package] / "__init__.py"
-    command = Path(sys.executable).parent / "runbus"
-    for argv in ([command, "--help"], [sys.executable, "-m", "runbus", "--help"]):
+    python = Path(sys.executable)
+    helps: list[list[str | Path]] = [[python.parent / "runbus", "--help"], [python, "-m", "runbus", "--help"]]
+    for argv in helps:
         assert "usage: runbus" in run(argv, cwd=cwd, env=user_env(tmp_path, project)).stdout
     assert imported_user_modules(project) == []
