@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -353,3 +354,42 @@ def test_the_editable_install_imports_runbus_from_its_folders(where: str, tmp_pa
     for argv in helps:
         assert "usage: runbus" in run(argv, cwd=cwd, env=user_env(tmp_path, project)).stdout
     assert imported_user_modules(project) == []
+
+
+# -- the docs ---------------------------------------------------------------------------------
+
+OLD = "|".join(OLD_NAMES)
+# How a doc would use an old name: `import producer`, `from storage.rules import …`,
+# `producer.init(…)` or `storage.rules` (not `runbus.producer.init(…)`), `python -m ingester`.
+OLD_USES = (
+    rf"\bimport ({OLD})\b",
+    rf"\bfrom ({OLD})[\w.]* import\b",
+    rf"(?<![\w./-])({OLD})\.(?!(py|png|md|db)\b)[A-Za-z_]\w*",  # a file name is fine
+    rf"\bpython -m ({OLD})\b",
+)
+
+
+def doc_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "Dockerfile", ROOT / "docker-compose.yml"]
+    return (
+        files
+        + sorted(ROOT.glob("docs/*.md"))
+        + sorted(ROOT.glob("*/README.md"))
+        + sorted(ROOT.glob("examples/*.py"))
+    )
+
+
+def test_the_docs_and_examples_use_the_runbus_names() -> None:
+    found = []
+    for path in doc_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            line = re.sub(r"\bfrom runbus[\w.]* import [\w, ]+", "", line)  # runbus's own names
+            if any(re.search(pattern, line) for pattern in OLD_USES):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], "\n".join(found)
+
+
+def test_the_python_in_the_docs_compiles() -> None:
+    for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]:
+        for number, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S), 1):
+            compile(block, f"{path.name}, python block {number}", "exec")
