@@ -45,7 +45,7 @@ class ShipperOptions:
 
 def connect(url: str, options: ShipperOptions):
     """A redis-py client for `url`, a server or a cluster (redis-py is imported lazily, so
-    `import producer` stays cheap)."""
+    `import runbus` stays cheap)."""
     from runbus.redis import sync_client
 
     return sync_client(
