@@ -370,12 +370,11 @@ OLD_USES = (
 
 
 def doc_files() -> list[Path]:
+    """The README, docs/, the README of every folder (bench/ …), examples/, the Docker files."""
     files = [ROOT / "README.md", ROOT / "Dockerfile", ROOT / "docker-compose.yml"]
+    folder_readmes = [path for path in ROOT.glob("*/README.md") if not path.parent.name.startswith(".")]
     return (
-        files
-        + sorted(ROOT.glob("docs/*.md"))
-        + sorted(ROOT.glob("*/README.md"))
-        + sorted(ROOT.glob("examples/*.py"))
+        files + sorted(ROOT.glob("docs/*.md")) + sorted(folder_readmes) + sorted(ROOT.glob("examples/*.py"))
     )
 
 
