@@ -1,12 +1,17 @@
-"""A small DDP job that logs every rank into one runbus run.
+r"""A small DDP job that logs every rank into one runbus run.
 
-    torchrun --nproc-per-node 4 examples/ddp_train.py            # gloo on CPU, NCCL on GPUs
+    torchrun --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --rdzv-id myjob \
+        examples/ddp_train.py                                     # gloo on CPU, NCCL on GPUs
+    torchrun --standalone --nproc-per-node 4 examples/ddp_train.py     # a random run id
+    RUNBUS_RUN_ID=myjob torchrun --nproc-per-node 4 examples/ddp_train.py
 
 A 2-layer MLP learns a noisy linear map from synthetic data. Every rank logs its loss (a tensor:
 on a GPU it is read off the training thread), throughput and learning rate, prints a line every
 few steps and logs through `logging`: all of it lands in one run, while the terminal shows the
 primary's console only (and any rank's errors). Nothing is passed to runbus.init(): the run
-id, label and primary come from torchrun's environment.
+id, label and primary come from torchrun's environment, so every rank must learn the same run id
+there: from --rdzv-id, from --standalone's random one, or from RUNBUS_RUN_ID. (Plain
+`torchrun --nproc-per-node 4` names no run, and runbus.init() refuses to guess one per rank.)
 
 `--fail-rank R --fail-step S` makes rank R fail at step S on its first attempt only, to watch
 `torchrun --max-restarts 1` restart the job into the same run (a new epoch of every label).

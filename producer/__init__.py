@@ -107,7 +107,7 @@ def init(
     max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event), console
     (RUNBUS_CONSOLE, else "primary": capture stdout, stderr and logging records as log events;
     only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
-    prefix; "all": every rank echoes, prefixed; "off": no capture; see producer.console).
+    prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
 
     Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
     primary. If Redis cannot be reached, init() returns at once and events are buffered.

@@ -51,7 +51,7 @@ class ShipperOptions:
 
 def connect(url: str, options: ShipperOptions) -> SyncClient:
     """A redis-py client for `url`, a server or a cluster (redis-py is imported lazily, so
-    `import producer` stays cheap)."""
+    `import runbus` stays cheap)."""
     from runbus.redis import sync_client
 
     return sync_client(

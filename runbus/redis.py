@@ -6,7 +6,7 @@ TLS) names a Redis Cluster by one or more of its nodes; the client learns the ot
 Every key of a run carries the run as a hash tag (`runbus:{RUN}:…`, see runbus.wire), so one
 run's keys share a slot while different runs spread over the shards.
 
-redis-py is imported inside the functions: `import producer` must stay cheap.
+redis-py is imported inside the functions: `import runbus` must stay cheap.
 
 runbus's clients never set decode_responses, and speak RESP2: keys, fields and values come back
 as bytes. redis-py types its replies for every setting (bytes or str, RESP2 or RESP3 shapes);
