@@ -219,10 +219,10 @@ async def serve_while_running(worker: Worker, host: str, port: int) -> None:
 
 
 def run_worker(worker: Worker, address: tuple[str, int]) -> int:
-    """`Worker.run()` with the ops server: the exit code (1 if the address cannot be bound)."""
+    """`Worker.run()` with the ops server: the exit code (1 if the address cannot be bound, or
+    access is denied)."""
     try:
-        asyncio.run(serve_while_running(worker, *address))
+        return worker.run_main(lambda: asyncio.run(serve_while_running(worker, *address)))
     except CannotListen as exc:
         log.error("%s", exc)
         return 1
-    return 0

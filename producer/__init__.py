@@ -16,7 +16,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from runbus.config import safe_url
 from runbus.errors import InvalidName, PrimaryConflict, RunFinished
 from runbus.producer import environment, exits
 from runbus.producer.environment import Identity
@@ -147,10 +146,6 @@ def _handshake(run: Run) -> None:
     except PrimaryConflict:
         shipper._drop_connection()
         raise
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        shipper._drop_connection()
-        log.warning(
-            "runbus: Redis at %s is not reachable (%s); logging goes on and is buffered",
-            safe_url(run.identity.redis_url),
-            exc,
-        )
+    except (redis.RedisError, OSError) as exc:
+        # Unreachable, or refusing the credentials: logged once, and logging goes on, buffered.
+        shipper.note_outage(exc)

@@ -12,7 +12,12 @@ redis-py is imported inside the functions: `import producer` must stay cheap.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
+
+from runbus.config import safe_url
+from runbus.errors import AccessDenied
+
+E = TypeVar("E", bound=BaseException)
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DEFAULT_PORT = 6379
@@ -103,6 +108,46 @@ def async_client(url: str, **options: Any):
     return _async_cluster_class().from_url(
         first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **options
     )
+
+
+def access_denied(exc: BaseException, url: str) -> AccessDenied | None:
+    """`exc` as an AccessDenied when it says Redis refused runbus's credentials or rights, or
+    that its TLS certificate is not trusted: retrying cannot help. None for anything else.
+
+    A wrong password comes as redis-py's AuthenticationError, a ConnectionError: it must be told
+    apart before an outage is retried. An untrusted certificate comes as a ConnectionError too,
+    raised while handling ssl's SSLCertVerificationError.
+    """
+    import ssl
+
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
+
+    where = f"Redis at {safe_url(url)}"
+    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+        return AccessDenied(
+            f"{where} refused the credentials ({exc}): fix the user or password in the Redis URL"
+        )
+    if isinstance(exc, NoPermissionError):
+        return AccessDenied(f"{where} does not let this user run a command runbus needs ({exc})")
+    certificate = _caused_by(exc, ssl.SSLCertVerificationError)
+    if certificate is not None:
+        return AccessDenied(
+            f"{where}: its TLS certificate is not trusted ({certificate.verify_message or certificate}): "
+            "trust its authority (?ssl_ca_certs=PATH) or connect by the name the certificate holds"
+        )
+    return None
+
+
+def _caused_by(exc: BaseException, kind: type[E]) -> E | None:
+    """The first exception of `kind` in `exc`'s chain of causes and contexts, or None."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _unreachable(exc: Exception) -> bool:
