@@ -578,6 +578,7 @@ class Worker:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
+        invalid = len(dead)  # _write adds the events the store rejects
         try:
             try:
                 stored = await self._write(events, sources, dead)
@@ -598,7 +599,7 @@ class Worker:
         s.batches += 1
         s.entries += count
         s.stored += stored
-        s.duplicates += len(events) - stored
+        s.duplicates += len(events) - stored - (len(dead) - invalid)
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
@@ -612,7 +613,7 @@ class Worker:
             count,
             len(entries),
             stored,
-            len(events) - stored,
+            len(events) - stored - (len(dead) - invalid),
             len(dead),
             (time.monotonic() - started) * 1000,
         )
@@ -660,7 +661,11 @@ class Worker:
         if len(events) == 1:
             key, entry_id, fields = sources[0]
             log.error("the store rejected %s %s: %s", key, entry_id.decode(), exc)
-            reason = f"storage rejected it: {type(exc).__name__}: {exc}"
+            reason = (
+                str(exc)
+                if isinstance(exc, StoreRejected)
+                else f"storage rejected it: {type(exc).__name__}: {exc}"
+            )
             dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
             return 0
         half = len(events) // 2

@@ -281,10 +281,9 @@ class SQLiteStore:
         where = f"sqlite {self.path}"
         code = getattr(exc, "sqlite_errorcode", None)
         primary = None if code is None else code & 0xFF
-        # OverflowError: the sqlite3 module cannot bind an integer beyond 64 bits.
-        if isinstance(exc, OverflowError | sqlite3.IntegrityError | sqlite3.DataError) or (
-            primary in REJECTED_CODES
-        ):
+        if isinstance(exc, OverflowError):  # the sqlite3 module binds at most 64-bit integers
+            return StoreRejected(f"{where} rejected the data: an integer beyond 64 bits ({exc})")
+        if isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError) or primary in REJECTED_CODES:
             return StoreRejected(f"{where} rejected the data: {exc}")
         if primary == sqlite3.SQLITE_FULL:
             return StoreUnavailable(
