@@ -124,6 +124,11 @@ def access_denied(exc: BaseException, url: str) -> AccessDenied | None:
 
     where = f"Redis at {safe_url(url)}"
     if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+        if safe_url(url) == url:  # nothing masked: no password given
+            return AccessDenied(
+                f"{where} needs a password ({exc}): give it in the Redis URL, "
+                "redis://[USER]:PASSWORD@HOST:PORT/DB"
+            )
         return AccessDenied(
             f"{where} refused the credentials ({exc}): fix the user or password in the Redis URL"
         )
