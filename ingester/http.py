@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from runbus.dashboard.security import is_loopback
-from runbus.errors import CannotListen, StoreError
+from runbus.errors import AccessDenied, CannotListen, StoreError
 from runbus.ingester import telemetry
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class OpsServer:
                 run = await self.worker.store.run(run_id)
                 if run is not None:
                     missing[run_id] = sum(label.missing for label in run.labels)
-        except StoreError as exc:
+        except (StoreError, AccessDenied) as exc:
             log.debug("gaps not computed: %s", exc)
         else:
             self._missing = missing

@@ -172,13 +172,15 @@ class PostgresStore:
         where = f"postgres {safe_url(self.url)}"
         what = f"{type(exc).__name__}: {exc}"
         sqlstate = (exc.sqlstate or "") if isinstance(exc, asyncpg.PostgresError) else ""
-        if sqlstate[:2] == DENIED_CLASS or sqlstate == INSUFFICIENT_PRIVILEGE:
+        if sqlstate[:2] == DENIED_CLASS:
             return AccessDenied(f"{where} refused access ({what}): fix the user or password in the store URL")
+        if sqlstate == INSUFFICIENT_PRIVILEGE:
+            return AccessDenied(f"{where} refused access ({what}): grant the user the rights runbus needs")
         if isinstance(exc, ssl.SSLCertVerificationError):
             return AccessDenied(f"{where}: its TLS certificate is not trusted ({what})")
-        # asyncpg's own DataError for a query argument it cannot encode is an InterfaceError and
-        # a ValueError, without a SQLSTATE.
-        if sqlstate[:2] in REJECTED_CLASSES or isinstance(exc, OverflowError | ValueError):
+        # A query argument asyncpg cannot encode comes as a DataError (22000) too; a COPY record
+        # it cannot encode as an OverflowError, without a SQLSTATE.
+        if sqlstate[:2] in REJECTED_CLASSES or isinstance(exc, OverflowError):
             return StoreRejected(f"{where} rejected the data: {what}")
         return StoreUnavailable(f"{where}: {what}")
 

@@ -708,8 +708,13 @@ async def test_a_store_must_be_connected(any_store_url: str) -> None:
 
 @pytest.mark.parametrize(
     "refused",
-    [metric(2**63 - 1, {"x": 1.0}), finish(9, exit_code=2**63), finish(9, exit_code=-(2**63) - 1)],
-    ids=["seq 2**63-1", "exit code 2**63", "exit code -2**63-1"],
+    [
+        metric(2**63 - 1, {"x": 1.0}),
+        finish(9, exit_code=2**63),
+        finish(9, exit_code=-(2**63) - 1),
+        metric(9, {"x": 1.0}, step=2**63),  # the wire refuses it; the store must too (COPY)
+    ],
+    ids=["seq 2**63-1", "exit code 2**63", "exit code -2**63-1", "step 2**63"],
 )
 async def test_data_beyond_the_store_s_integers_is_rejected_and_the_batch_left_out(
     store: Store, refused: Event
