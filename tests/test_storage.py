@@ -871,3 +871,23 @@ async def test_a_full_sqlite_disk_is_unavailable_and_says_so(store_url: str) -> 
         assert await store.write([log(seq, "x" * 4000) for seq in range(2, 200)]) == 198
     finally:
         await store.close()
+
+
+async def test_sessions_ended_by_an_administrator_are_unavailable_then_reconnected(postgres_url: str) -> None:
+    store = open_store(postgres_url)
+    await store.connect()
+    try:
+        assert await store.write([start(1, primary=True)]) == 1
+        admin = await asyncpg.connect(postgres_url)
+        try:  # as pg_terminate_backend, a failover or a restart does: SQLSTATE 57P01
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        finally:
+            await admin.close()
+        with pytest.raises(StoreUnavailable):
+            await store.write([metric(2, {"x": 1.0})])
+        assert await store.write([metric(2, {"x": 1.0})]) == 1  # the pool connects anew
+    finally:
+        await store.close()
