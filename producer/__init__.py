@@ -109,7 +109,8 @@ def init(
     prefix; "all": every rank echoes, prefixed; "off": no capture; see producer.console).
 
     Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
-    primary. If Redis cannot be reached, init() returns at once and events are buffered.
+    primary. If Redis cannot be reached, or refuses the credentials (logged once, as an error),
+    init() returns at once and events are buffered.
     """
     identity: Identity = environment.resolve(run_id, label, primary, redis_url)
     run_options, shipper_options = _split_options(options)
