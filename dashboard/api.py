@@ -25,7 +25,7 @@ from aiohttp import web
 from runbus import storage, wire
 from runbus.dashboard import downsample, security
 from runbus.dashboard.deadletters import DeadLetters
-from runbus.errors import InvalidName
+from runbus.errors import AccessDenied, InvalidName, StoreRejected
 from runbus.ingester import output
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
@@ -263,12 +263,15 @@ async def index(request: web.Request) -> web.FileResponse:
 
 @web.middleware
 async def api_errors(request: web.Request, handler: security.Handler) -> web.StreamResponse:
-    """400 for bad parameters, JSON bodies for the API's errors, 503 when the store fails."""
+    """400 for bad parameters (or ones the store refuses), JSON bodies for the API's errors, 503
+    when the store fails or refuses access."""
     try:
         return await handler(request)
     except BadParameter as exc:
         return _error(400, str(exc))
-    except storage.StoreError as exc:
+    except StoreRejected as exc:
+        return _error(400, str(exc))
+    except (storage.StoreError, AccessDenied) as exc:
         return _error(503, f"store unavailable: {exc}")
     except web.HTTPException as exc:
         if request.path.startswith("/api/") and exc.status >= 400:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from runbus.dashboard.security import is_loopback
-from runbus.errors import CannotListen, StoreError
+from runbus.errors import AccessDenied, CannotListen, StoreError
 from runbus.ingester import telemetry
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class OpsServer:
                 run = await self.worker.store.run(run_id)
                 if run is not None:
                     missing[run_id] = sum(label.missing for label in run.labels)
-        except StoreError as exc:
+        except (StoreError, AccessDenied) as exc:
             log.debug("gaps not computed: %s", exc)
         else:
             self._missing = missing
@@ -219,10 +219,10 @@ async def serve_while_running(worker: Worker, host: str, port: int) -> None:
 
 
 def run_worker(worker: Worker, address: tuple[str, int]) -> int:
-    """`Worker.run()` with the ops server: the exit code (1 if the address cannot be bound)."""
+    """`Worker.run()` with the ops server: the exit code (1 if the address cannot be bound, or
+    access is denied)."""
     try:
-        asyncio.run(serve_while_running(worker, *address))
+        return worker.run_main(lambda: asyncio.run(serve_while_running(worker, *address)))
     except CannotListen as exc:
         log.error("%s", exc)
         return 1
-    return 0

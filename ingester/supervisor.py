@@ -3,7 +3,9 @@
 Worker i is consumer `{base}-{i}` (base: `--consumer`, else host-pid of the supervisor) in every
 life: a worker restarted after a crash comes back under its old name and first re-reads the
 entries it left pending, instead of waiting for another worker to claim them. A worker that exits
-abnormally is restarted after a capped, doubling delay (reset once it has run for a while). On
+abnormally is restarted after a capped, doubling, jittered delay (reset once it has run for a
+while); one that Redis or the store refused access is not restarted, since only a change of
+configuration helps (the supervisor's exit code is then 1). On
 SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batches in flight, and
 exits; one still running after drain timeout + margin is killed (its batches stay pending, so
 nothing is lost, but the exit code is then 1). A second signal kills them at once.
@@ -27,12 +29,15 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
+from runbus import config
 from runbus.ingester.worker import Worker, WorkerSettings
 
 log = logging.getLogger("runbus.ingester")
 
 # Set up a worker process before it runs (the CLI configures logging there); given its consumer name.
 Setup = Callable[[str], None]
+# A worker's exit code when Redis or the store refused access: not restarted (EX_CONFIG).
+ACCESS_DENIED_EXIT = 78
 
 
 @dataclass
@@ -41,7 +46,7 @@ class SupervisorSettings:
 
     workers: int = 2
     http: tuple[str, int] | None = None  # worker i serves the ops endpoints on (host, port + i)
-    restart_delay: float = 0.5
+    restart_delay: float = 0.5  # the first restart's delay at most (half of it at least)
     max_restart_delay: float = 30.0
     stable_after: float = 60.0  # a worker that ran this long restarts without delay growth
     kill_margin: float = 5.0
@@ -57,7 +62,8 @@ class Slot:
     http: tuple[str, int] | None
     process: BaseProcess | None = None
     started: float = 0.0
-    delay: float = 0.0
+    failures: int = 0  # lives in a row that ended abnormally before stable_after
+    delay: float = 0.0  # before its latest restart
     restart_at: float | None = None
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
@@ -87,10 +93,12 @@ def run_child(
         setup(settings.consumer)
     worker = Worker(settings)
     if http is None:
-        sys.exit(worker.run())
-    from runbus.ingester.http import run_worker
+        code = worker.run()
+    else:
+        from runbus.ingester.http import run_worker
 
-    sys.exit(run_worker(worker, http))
+        code = run_worker(worker, http)
+    sys.exit(ACCESS_DENIED_EXIT if worker.access_denied is not None else code)
 
 
 class Supervisor:
@@ -111,10 +119,11 @@ class Supervisor:
                 http=(self.settings.http[0], self.settings.http[1] + i)
                 if self.settings.http and self.settings.http[1]
                 else self.settings.http,
-                delay=self.settings.restart_delay,
             )
             for i in range(self.settings.workers)
         ]
+        # Jittered, so that workers that failed together (Redis lost) do not restart in step.
+        self._restart_backoff = config.backoff(self.settings.max_restart_delay, self.settings.restart_delay)
         self._context = multiprocessing.get_context("spawn")
         self._signals = 0
         self._stop_deadline: float | None = None
@@ -219,8 +228,16 @@ class Supervisor:
             if self._stop_deadline is not None or code == 0:
                 log.info("worker %s exited with %d", slot.settings.consumer, code)
                 continue
+            if code == ACCESS_DENIED_EXIT:
+                log.error(
+                    "worker %s was refused access (its error is above): not restarting it",
+                    slot.settings.consumer,
+                )
+                continue
             if now - slot.started >= self.settings.stable_after:
-                slot.delay = self.settings.restart_delay
+                slot.failures = 0
+            slot.delay = self._restart_backoff.compute(slot.failures)
+            slot.failures += 1
             slot.restart_at = now + slot.delay
             slot.restarts += 1
             log.error(
@@ -229,7 +246,6 @@ class Supervisor:
                 _describe(code),
                 slot.delay,
             )
-            slot.delay = min(self.settings.max_restart_delay, slot.delay * 2)
 
     def _stop(self, now: float) -> None:
         if self._stop_deadline is None:

@@ -165,7 +165,7 @@ def render(
     out.single(
         "runbus_store_retries_total",
         "counter",
-        "Store writes retried after a StoreError.",
+        "Store writes retried while the store was unavailable (StoreUnavailable).",
         stats.store_retries,
     )
     out.single("runbus_trimmed_total", "counter", "Stored entries trimmed from the streams.", stats.trimmed)

@@ -29,11 +29,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import InvalidEntry, StoreError
+from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
 from runbus.ingester import maintenance, telemetry
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
-from runbus.redis import async_client, is_cluster
+from runbus.redis import access_denied, async_client, is_cluster
 from runbus.storage.base import Store
 
 log = logging.getLogger("runbus.ingester")
@@ -237,16 +237,30 @@ class Worker:
         self._stop_requested = False
         self._stop_time: float | None = None
         self._loop_task: asyncio.Task | None = None
+        # Jittered, so that workers that lost Redis or the store together do not retry in step.
+        self._retry = config.backoff(self.settings.max_backoff)
+        # Why run() stopped the worker with exit code 1, if Redis or the store refused access.
+        self.access_denied: AccessDenied | None = None
 
     def run(self) -> int:
-        """Run until stopped (or, with burst, until nothing is left); the exit code.
+        """Run until stopped (or, with burst, until nothing is left); the exit code (run_main).
 
         The process is the worker's own here, so its garbage collector is tuned for ingesting
         (see GC_THRESHOLDS); async_run() leaves an embedding process's collector alone.
         """
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
-        asyncio.run(self.async_run())
+        return self.run_main(lambda: asyncio.run(self.async_run()))
+
+    def run_main(self, main: Callable[[], object]) -> int:
+        """Run `main`, which runs this worker, as a process's main; the exit code: 1 when Redis
+        or the store refused access (logged in one line, kept in `access_denied`), else 0."""
+        try:
+            main()
+        except AccessDenied as exc:
+            self.access_denied = exc
+            log.error("worker %s stopped: %s", self.settings.consumer, exc)
+            return 1
         return 0
 
     def request_stop(self) -> None:
@@ -564,6 +578,7 @@ class Worker:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
+        invalid = len(dead)  # _write adds the events the store rejects
         try:
             try:
                 stored = await self._write(events, sources, dead)
@@ -584,7 +599,7 @@ class Worker:
         s.batches += 1
         s.entries += count
         s.stored += stored
-        s.duplicates += len(events) - stored
+        s.duplicates += len(events) - stored - (len(dead) - invalid)
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
@@ -598,7 +613,7 @@ class Worker:
             count,
             len(entries),
             stored,
-            len(events) - stored,
+            len(events) - stored - (len(dead) - invalid),
             len(dead),
             (time.monotonic() - started) * 1000,
         )
@@ -608,39 +623,55 @@ class Worker:
     ) -> int | None:
         """Store events, retrying while the store is unavailable; None if a drain ran out of time.
 
-        An error that is not the store being unavailable is taken to come from the data: the
-        batch is halved until the events the store rejects are found, and they join `dead`.
+        Data the store rejects (StoreRejected), or an error the store did not classify, is
+        isolated: the batch is halved until the events at fault are found, and they join `dead`
+        with the reason. AccessDenied is raised: only a change of configuration helps.
         """
-        delay, failing_since = 0.1, None
+        failures, failing_since = 0, None
         while True:
             write_started = time.perf_counter()
             try:
                 stored = await self.store.write(events)
-            except StoreError as exc:
+            except StoreRejected as exc:
+                return await self._isolate(events, sources, dead, exc)
+            except StoreError as exc:  # StoreUnavailable, or a store error of no known kind
                 if failing_since is None:
                     failing_since = time.monotonic()
                     log.error("store write failed, retrying without acknowledging: %s", exc)
                 self.stats.store_retries += 1
                 if self._drain_expired():
                     return None
-                await asyncio.sleep(delay)
-                delay = min(self.settings.max_backoff, delay * 2)
+                await asyncio.sleep(self._retry.compute(failures))
+                failures += 1
                 continue
+            except AccessDenied:
+                raise
             except Exception as exc:
-                if len(events) == 1:
-                    log.error("the store rejected %s %s: %r", sources[0][0], sources[0][1].decode(), exc)
-                    key, entry_id, fields = sources[0]
-                    reason = f"storage rejected it: {type(exc).__name__}: {exc}"
-                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
-                    return 0
-                half = len(events) // 2
-                first = await self._write(events[:half], sources[:half], dead)
-                second = None if first is None else await self._write(events[half:], sources[half:], dead)
-                return None if second is None else first + second
+                return await self._isolate(events, sources, dead, exc)
             self.stats.write_seconds.observe(time.perf_counter() - write_started)
             if failing_since is not None:
                 log.warning("store writes work again after %.1fs", time.monotonic() - failing_since)
             return stored
+
+    async def _isolate(
+        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry], exc: Exception
+    ) -> int | None:
+        """Write the two halves of a batch the store refused, down to the single events it
+        refuses, which are dead-lettered with the reason; as _write returns."""
+        if len(events) == 1:
+            key, entry_id, fields = sources[0]
+            log.error("the store rejected %s %s: %s", key, entry_id.decode(), exc)
+            reason = (
+                str(exc)
+                if isinstance(exc, StoreRejected)
+                else f"storage rejected it: {type(exc).__name__}: {exc}"
+            )
+            dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
+            return 0
+        half = len(events) // 2
+        first = await self._write(events[:half], sources[:half], dead)
+        second = None if first is None else await self._write(events[half:], sources[half:], dead)
+        return None if first is None or second is None else first + second
 
     async def _dead_letter(self, dead: list[DeadEntry]) -> None:
         if not dead:
@@ -659,22 +690,26 @@ class Worker:
         await pipe.execute()
 
     async def _with_redis(self, call, retry_store: bool = False, drain: bool = False):
-        """Run `call`, retrying with capped backoff while Redis (or the store) is away.
+        """Run `call`, retrying with capped, jittered backoff while Redis (or the store) is away.
 
         Once a stop is requested it gives up (returning None) at once, or with `drain` when the
-        drain timeout has passed.
+        drain timeout has passed. Redis refusing the credentials, or its certificate, raises
+        AccessDenied: retrying cannot help.
         """
-        delay, down_since, what = 0.1, None, "redis"
+        failures, down_since, what = 0, None, "redis"
         while True:
             try:
                 result = await call()
-            except REDIS_AWAY as exc:
-                what = "redis"
-                error = exc
-            except StoreError as exc:
-                if not retry_store:
+            except Exception as exc:
+                denied = access_denied(exc, self.settings.redis_url)
+                if denied is not None:
+                    raise denied from exc
+                if isinstance(exc, REDIS_AWAY):
+                    what = "redis"
+                elif isinstance(exc, StoreError) and retry_store:
+                    what = "store"
+                else:
                     raise
-                what = "store"
                 error = exc
             else:
                 if down_since is not None:
@@ -686,5 +721,5 @@ class Worker:
             self.stats.reconnects += 1
             if self._stop_requested and (not drain or self._drain_expired()):
                 return None
-            await asyncio.sleep(delay)
-            delay = min(self.settings.max_backoff, delay * 2)
+            await asyncio.sleep(self._retry.compute(failures))
+            failures += 1

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from runbus.config import safe_url
 from runbus.errors import InvalidName, PrimaryConflict, RunFinished
 from runbus.producer import environment, exits
 from runbus.producer.environment import Identity
@@ -110,7 +109,8 @@ def init(
     prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
 
     Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
-    primary. If Redis cannot be reached, init() returns at once and events are buffered.
+    primary. If Redis cannot be reached, or refuses the credentials (logged once, as an error),
+    init() returns at once and events are buffered.
     """
     identity: Identity = environment.resolve(run_id, label, primary, redis_url)
     run_options, shipper_options = _split_options(options)
@@ -147,10 +147,6 @@ def _handshake(run: Run) -> None:
     except PrimaryConflict:
         shipper._drop_connection()
         raise
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        shipper._drop_connection()
-        log.warning(
-            "runbus: Redis at %s is not reachable (%s); logging goes on and is buffered",
-            safe_url(run.identity.redis_url),
-            exc,
-        )
+    except (redis.RedisError, OSError) as exc:
+        # Unreachable, or refusing the credentials: logged once, and logging goes on, buffered.
+        shipper.note_outage(exc)

@@ -1,8 +1,9 @@
 """The background thread that turns queued events into stream entries and ships them to Redis.
 
 It owns the Redis connection: the handshake (epoch, primary claim, announcing the stream),
-batched pipelined XADDs, heartbeats, and reconnecting with capped backoff. Nothing here runs on
-the training thread.
+batched pipelined XADDs, heartbeats, and reconnecting with capped, jittered backoff. Nothing here
+runs on the training thread, and nothing here raises into it: while Redis is away, or refuses the
+credentials, events are buffered and the problem is logged once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from runbus import wire
+from runbus import config, wire
 from runbus.config import safe_url
 from runbus.errors import PrimaryConflict
 from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
@@ -122,6 +123,10 @@ class Shipper(threading.Thread):
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
         self._outage_since: float | None = None
+        self._outage_failures = 0
+        self._denied_logged = False  # an AccessDenied logged in this outage
+        # Jittered, so that the ranks of a job that lost Redis together do not reconnect in step.
+        self._retry = config.backoff(options.max_backoff)
 
     @property
     def unshipped(self) -> int:
@@ -223,12 +228,10 @@ class Shipper(threading.Thread):
                 if not self._orphans_checked:
                     self._ship_orphans()
                 self._flush()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                delay = self._note_outage(exc, delay)
-                next_try = time.monotonic() + delay
-            except redis.RedisError as exc:
-                # A refused command (OOM, READONLY replica): retried like an outage, loudly.
-                delay = self._note_outage(exc, delay)
+            except (redis.RedisError, OSError) as exc:
+                # Unreachable, or a refused command (OOM, READONLY replica, a wrong password):
+                # retried as an outage, logged once.
+                delay = self.note_outage(exc)
                 next_try = time.monotonic() + delay
             else:
                 if self._outage_since is not None:
@@ -239,6 +242,8 @@ class Shipper(threading.Thread):
                         self.shipped,
                     )
                     self._outage_since = None
+                    self._outage_failures = 0
+                    self._denied_logged = False
                 delay = 0.0
             if self._stopping.is_set():
                 if not self.unshipped:
@@ -272,18 +277,31 @@ class Shipper(threading.Thread):
         if self.backlog.spool is not None:
             self.backlog.spool.close(remove=remove and not self.backlog.spool.unread())
 
-    def _note_outage(self, exc: Exception, delay: float) -> float:
-        if self._outage_since is None:
-            self._outage_since = time.monotonic()
+    def note_outage(self, exc: Exception) -> float:
+        """Log an outage once (a refusal of access once too, as an error), drop the connection;
+        the delay before the next try."""
+        from runbus.redis import access_denied
+
+        denied = access_denied(exc, self.identity.redis_url)
+        buffering = f"buffering up to {self.options.max_buffer_bytes >> 20} MiB in memory" + (
+            f", then in {self.options.spool_dir}" if self.options.spool_dir else ""
+        )
+        if denied is not None and not self._denied_logged:
+            self._denied_logged = True
+            log.error("runbus: %s; nothing is shipped until it is fixed, %s", denied, buffering)
+        elif self._outage_since is None and denied is None:
             log.warning(
-                "runbus: cannot ship to Redis at %s (%s); buffering up to %d MiB in memory%s",
+                "runbus: cannot ship to Redis at %s (%s); %s",
                 safe_url(self.identity.redis_url),
                 exc,
-                self.options.max_buffer_bytes >> 20,
-                f", then in {self.options.spool_dir}" if self.options.spool_dir else "",
+                buffering,
             )
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
         self._drop_connection()
-        return min(self.options.max_backoff, max(0.1, delay * 2))
+        delay = self._retry.compute(self._outage_failures)
+        self._outage_failures += 1
+        return delay
 
     def _drop_connection(self) -> None:
         client, self._client = self._client, None

@@ -28,6 +28,7 @@ _LAZY = {
     "StoreError": "runbus.errors",
     "StoreUnavailable": "runbus.errors",
     "StoreRejected": "runbus.errors",
+    "AccessDenied": "runbus.errors",
     "CommandError": "runbus.errors",
     "MissingDependency": "runbus.errors",
     "RedisServerNotFound": "runbus.errors",
@@ -36,6 +37,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AccessDenied",
     "CannotListen",
     "CommandError",
     "InvalidEntry",
@@ -56,6 +58,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from runbus.errors import (
+        AccessDenied,
         CannotListen,
         CommandError,
         InvalidEntry,

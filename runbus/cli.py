@@ -16,7 +16,7 @@ import redis
 from runbus import config, storage, wire
 from runbus.config import DEFAULT_REDIS_URL
 from runbus.dashboard import cli as dashboard_cli
-from runbus.errors import CommandError
+from runbus.errors import AccessDenied, CommandError
 from runbus.ingester import output
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(level)
     try:
         return COMMANDS[args.command](args)
-    except (CommandError, ValueError, storage.StoreError, redis.RedisError) as exc:
+    except (CommandError, AccessDenied, ValueError, storage.StoreError, redis.RedisError) as exc:
         print(f"runbus: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ the names, their defaults and their documentation live in one place. URLs are sh
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 if TYPE_CHECKING:
-    from redis.backoff import AbstractBackoff
+    from redis.backoff import AbstractBackoff, EqualJitterBackoff
 
 REDIS_URL_ENV = "RUNBUS_REDIS_URL"
 STORE_ENV = "RUNBUS_STORE"
@@ -73,7 +74,27 @@ def safe_url(url: str) -> str:
 
 def backoff(cap: float, base: float = 0.1) -> AbstractBackoff:
     """The one retry delay policy: exponential from `base` up to `cap` seconds, with equal jitter,
-    so that N workers or ranks that lost Redis together do not reconnect in lockstep."""
+    so that N workers or ranks that lost Redis together do not reconnect in lockstep.
+
+    `compute(n)`, n counting the failures before this one from 0, is a delay between half and all
+    of min(cap, base * 2**n): 0 gives at most `base`, and no number of failures raises.
+    """
+    return _equal_jitter()(cap=cap, base=base)
+
+
+@functools.cache
+def _equal_jitter() -> type[EqualJitterBackoff]:
     from redis.backoff import EqualJitterBackoff
 
-    return EqualJitterBackoff(cap=cap, base=base)
+    class EqualJitter(EqualJitterBackoff):
+        """redis-py's EqualJitterBackoff, safe for any count: its 2**failures overflows a float
+        after about a thousand failures, an hour and a half of an outage at a 5 s cap."""
+
+        def compute(self, failures: int) -> float:
+            return super().compute(min(failures, MAX_DOUBLINGS))
+
+    return EqualJitter
+
+
+# Doublings past which no delay grows: 2**64 times any base is past any cap.
+MAX_DOUBLINGS = 64

@@ -3,7 +3,8 @@
 `RunbusError` is the root: `except runbus.RunbusError` catches every failure runbus means to
 report. Store errors come in two kinds because a worker must treat them oppositely: a store that
 is unavailable is retried without acknowledging anything; data a store rejects is isolated and
-dead-lettered, never retried.
+dead-lettered, never retried. A server that refuses runbus's credentials is neither: that is
+`AccessDenied`, and only a change of configuration helps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class StoreUnavailable(StoreError):
 class StoreRejected(StoreError):
     """The store refused the data itself (a value out of its range, a constraint): retrying the
     same data fails again, so isolate it and dead-letter it."""
+
+
+class AccessDenied(RunbusError):
+    """A server refused runbus's credentials (a wrong password, a user without the rights), or
+    its TLS certificate is not trusted: retrying cannot help, so a worker stops; fix the URL's
+    user or password, the user's rights, or the certificate authority."""
 
 
 class CommandError(RunbusError):

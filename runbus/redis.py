@@ -16,7 +16,10 @@ as bytes. redis-py types its replies for every setting (bytes or str, RESP2 or R
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+
+from runbus.config import safe_url
+from runbus.errors import AccessDenied
 
 if TYPE_CHECKING:
     import redis
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
 
 StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
 """One entry of a stream as runbus's clients read it: (entry id, {field: value})."""
+
+E = TypeVar("E", bound=BaseException)
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DEFAULT_PORT = 6379
@@ -143,6 +148,51 @@ def read_streams(reply: XReadResponse) -> list[tuple[bytes, list[StreamEntry]]]:
 def reply_text(reply: bytes | str) -> str:
     """A key or value of a reply as text (runbus's clients read bytes: UTF-8, strict)."""
     return reply.decode() if isinstance(reply, bytes) else reply
+
+
+def access_denied(exc: BaseException, url: str) -> AccessDenied | None:
+    """`exc` as an AccessDenied when it says Redis refused runbus's credentials or rights, or
+    that its TLS certificate is not trusted: retrying cannot help. None for anything else.
+
+    A wrong password comes as redis-py's AuthenticationError, a ConnectionError: it must be told
+    apart before an outage is retried. An untrusted certificate comes as a ConnectionError too,
+    raised while handling ssl's SSLCertVerificationError.
+    """
+    import ssl
+
+    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
+
+    where = f"Redis at {safe_url(url)}"
+    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+        if safe_url(url) == url:  # nothing masked: no password given
+            return AccessDenied(
+                f"{where} needs a password ({exc}): give it in the Redis URL, "
+                "redis://[USER]:PASSWORD@HOST:PORT/DB"
+            )
+        return AccessDenied(
+            f"{where} refused the credentials ({exc}): fix the user or password in the Redis URL"
+        )
+    if isinstance(exc, NoPermissionError):
+        return AccessDenied(f"{where} does not let this user run a command runbus needs ({exc})")
+    certificate = _caused_by(exc, ssl.SSLCertVerificationError)
+    if certificate is not None:
+        return AccessDenied(
+            f"{where}: its TLS certificate is not trusted ({certificate.verify_message or certificate}): "
+            "trust its authority (?ssl_ca_certs=PATH) or connect by the name the certificate holds"
+        )
+    return None
+
+
+def _caused_by(exc: BaseException, kind: type[E]) -> E | None:
+    """The first exception of `kind` in `exc`'s chain of causes and contexts, or None."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _unreachable(exc: Exception) -> bool:

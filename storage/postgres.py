@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -9,7 +10,7 @@ from typing import Any, TypeVar
 import asyncpg
 import orjson
 
-from runbus.errors import StoreError
+from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows, safe_url
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
@@ -125,7 +126,15 @@ _METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"
 _SYSTEM = ("system", ("label_id", "key", "epoch", "seq", "ts", "value"))
 _LOGS = ("logs", ("label_id", "epoch", "seq", "ts", "stream", "level", "levelno", "text"))
 
-_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
+# What the driver raises, classified by _error. OverflowError: asyncpg's COPY cannot encode an
+# integer beyond a column's range (asyncio.TimeoutError is an OSError).
+_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, OverflowError)
+# SQLSTATE classes of errors that come from the data itself: data exception (a value out of
+# range, an invalid one), integrity constraint violation, program limit exceeded (too big).
+REJECTED_CLASSES = frozenset({"22", "23", "54"})
+# Invalid authorization specification (a wrong password, a role that may not log in), and
+# insufficient privilege.
+DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 
 
 def _label_state(row: asyncpg.Record) -> LabelState:
@@ -155,8 +164,25 @@ class PostgresStore:
         self._min_size, self._max_size = min_size, max_size
         self._pool: asyncpg.Pool | None = None
 
-    def _error(self, exc: BaseException) -> StoreError:
-        return StoreError(f"postgres {safe_url(self.url)}: {type(exc).__name__}: {exc}")
+    def _error(self, exc: BaseException) -> StoreError | AccessDenied:
+        """`exc` by what it means, by SQLSTATE where the server sent one: AccessDenied (refused
+        credentials or rights, or an untrusted certificate), StoreRejected (the data), else
+        StoreUnavailable (connection lost or refused, too many connections, shutting down,
+        serialization failure or deadlock, disk full, read-only: retried)."""
+        where = f"postgres {safe_url(self.url)}"
+        what = f"{type(exc).__name__}: {exc}"
+        sqlstate = (exc.sqlstate or "") if isinstance(exc, asyncpg.PostgresError) else ""
+        if sqlstate[:2] == DENIED_CLASS:
+            return AccessDenied(f"{where} refused access ({what}): fix the user or password in the store URL")
+        if sqlstate == INSUFFICIENT_PRIVILEGE:
+            return AccessDenied(f"{where} refused access ({what}): grant the user the rights runbus needs")
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return AccessDenied(f"{where}: its TLS certificate is not trusted ({what})")
+        # A query argument asyncpg cannot encode comes as a DataError (22000) too; a COPY record
+        # it cannot encode as an OverflowError, without a SQLSTATE.
+        if sqlstate[:2] in REJECTED_CLASSES or isinstance(exc, OverflowError):
+            return StoreRejected(f"{where} rejected the data: {what}")
+        return StoreUnavailable(f"{where}: {what}")
 
     async def _call(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
         pool = self._db()
@@ -168,7 +194,9 @@ class PostgresStore:
 
     def _db(self) -> asyncpg.Pool:
         if self._pool is None:
-            raise StoreError("store is not connected: call connect() first")
+            raise StoreUnavailable(
+                f"postgres {safe_url(self.url)}: store is not connected: call connect() first"
+            )
         return self._pool
 
     async def connect(self) -> None:

@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import orjson
 
-from runbus.errors import StoreError
+from runbus.errors import StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
@@ -24,6 +24,13 @@ from runbus.wire import Event, level_number
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
+
+# SQLite's primary result codes for data the store refuses, whoever asks again: a constraint, a
+# string or blob too big, a value of the wrong type, a parameter out of range. Every other error
+# (locked, busy, full, read-only, I/O, cannot open) is about the store, not the data.
+REJECTED_CODES = frozenset(
+    {sqlite3.SQLITE_CONSTRAINT, sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH, sqlite3.SQLITE_RANGE}
+)
 
 MIGRATIONS: list[str] = [
     """
@@ -266,8 +273,23 @@ class SQLiteStore:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._thread, fn, *args)
-        except sqlite3.Error as exc:
-            raise StoreError(f"sqlite {self.path}: {exc}") from exc
+        except (sqlite3.Error, OverflowError, OSError) as exc:
+            raise self._error(exc) from exc
+
+    def _error(self, exc: Exception) -> StoreError:
+        """`exc` as StoreRejected when it comes from the data, else as StoreUnavailable."""
+        where = f"sqlite {self.path}"
+        code = getattr(exc, "sqlite_errorcode", None)
+        primary = None if code is None else code & 0xFF
+        if isinstance(exc, OverflowError):  # the sqlite3 module binds at most 64-bit integers
+            return StoreRejected(f"{where} rejected the data: an integer beyond 64 bits ({exc})")
+        if isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError) or primary in REJECTED_CODES:
+            return StoreRejected(f"{where} rejected the data: {exc}")
+        if primary == sqlite3.SQLITE_FULL:
+            return StoreUnavailable(
+                f"{where}: the disk is full ({exc}); writes are retried once there is room again"
+            )
+        return StoreUnavailable(f"{where}: {exc}")
 
     async def connect(self) -> None:
         await self._call(self._connect)
@@ -277,7 +299,7 @@ class SQLiteStore:
         os.makedirs(directory, exist_ok=True)
         con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         con.row_factory = sqlite3.Row
-        # Short on purpose: a locked database surfaces as StoreError within a second, and the
+        # Short on purpose: a locked database surfaces as StoreUnavailable within a second, and the
         # ingester retries (and honours its drain timeout) instead of blocking inside SQLite.
         con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         self._use_wal(con)
@@ -325,13 +347,19 @@ class SQLiteStore:
             result = work(con, *args)
             con.execute("COMMIT")
             return result
-        except BaseException:
-            con.execute("ROLLBACK")
+        except BaseException as exc:
+            # SQLite rolls back by itself on some errors (a full disk): a ROLLBACK then fails
+            # with "no transaction is active", which must not hide the error that caused it.
+            if con.in_transaction:
+                try:
+                    con.execute("ROLLBACK")
+                except sqlite3.Error as failed:
+                    exc.add_note(f"and the rollback failed: {failed}")
             raise
 
     def _db(self) -> sqlite3.Connection:
         if self._con is None:
-            raise StoreError("store is not connected: call connect() first")
+            raise StoreUnavailable(f"sqlite {self.path}: store is not connected: call connect() first")
         return self._con
 
     async def close(self) -> None:

@@ -129,6 +129,25 @@ def postgres_dsn() -> Iterator[str]:
 
 
 @pytest.fixture
+def local_postgres() -> Iterator[LocalPostgres]:
+    """A private PostgreSQL cluster (trust auth) this test may stop or reconfigure."""
+    server = LocalPostgres()
+    try:
+        server.start()
+    except PostgresNotFound:
+        server.cleanup()
+        missing_server("PostgreSQL (initdb and pg_ctl)")
+        return
+    except BaseException:
+        server.cleanup()
+        raise
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
 def postgres_url(postgres_dsn: str) -> Iterator[str]:
     """A fresh, empty database for this test alone, dropped after it."""
     url = asyncio.run(create_database(postgres_dsn))

@@ -6,6 +6,7 @@ a Docker engine answers; a throwaway cluster (`initdb` + `pg_ctl`) on a free loo
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import pwd
@@ -164,6 +165,36 @@ class LocalPostgres:
             self.stop()
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+    async def password_user(self, user: str, password: str) -> str:
+        """Create login role `user` whose TCP logins must give `password` (scram-sha-256, for
+        that role alone: the others keep trust auth); the DSN of `user` without a password."""
+        con = await asyncpg.connect(self.dsn)
+        try:
+            literal = await con.fetchval("SELECT quote_literal($1::text)", password)
+            await con.execute(f'CREATE ROLE "{user}" LOGIN PASSWORD {literal}')
+            await asyncio.to_thread(self._check_password_first, user)
+            await con.execute("SELECT pg_reload_conf()")
+        finally:
+            await con.close()
+        dsn = f"postgresql://{user}@127.0.0.1:{self.port}/postgres"
+        # The reload is a signal: wait until a login without the password is refused.
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    probe = await asyncpg.connect(dsn, password="not-" + password)
+                except asyncpg.InvalidPasswordError:
+                    return dsn
+                await probe.close()
+                await asyncio.sleep(0.05)
+
+    def _check_password_first(self, user: str) -> None:
+        """A scram-sha-256 rule for `user` at the top of pg_hba.conf: the first match decides."""
+        hba = os.path.join(self.data, "pg_hba.conf")
+        with open(hba) as handle:
+            rules = handle.read()
+        with open(hba, "w") as handle:
+            handle.write(f"host all {user} 127.0.0.1/32 scram-sha-256\n{rules}")
 
     def __enter__(self) -> LocalPostgres:
         return self.start()

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from runbus import wire
-from tests.helpers import ingest, read_store, xadd_event
+from tests.helpers import ingest, read_store, run_cli, xadd_event
 
 
 @pytest.fixture
@@ -116,6 +116,45 @@ def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url
     # Everything was acknowledged: nothing stays pending.
     assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
     assert [p.value for p in read_store(store_url, "metrics", "bad", key="ok")] == [2.0]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store(request) -> str:
+    return request.getfixturevalue("store_url" if request.param == "sqlite" else "postgres_url")
+
+
+def test_entries_no_store_can_hold_are_dead_lettered_and_the_rest_of_their_batch_stored(
+    client, redis_url, any_store
+):
+    # Two runs read in one batch, each with one entry the wire accepts (JSON and stream fields
+    # have no 64-bit limit) and the store's 64-bit integers cannot hold, written as redis-cli would.
+    for run in ("far", "big"):
+        xadd_event(client, run, "rank0", "start", 1, 1, {"primary": True})
+        for seq in range(2, 42):
+            xadd_event(client, run, "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
+    far = xadd_event(client, "far", "rank0", "metric", 1, 2**63 - 1, {"x": 1.0}, step=99)
+    xadd_event(client, "far", "rank0", "finish", 1, 42, {"exit_code": 0})
+    big = xadd_event(client, "big", "rank0", "finish", 1, 42, {"exit_code": 2**63})
+    xadd_event(client, "big", "rank1", "start", 1, 1, {"primary": False})
+
+    result = run_cli("--store", any_store, "ingest", "--redis", redis_url, "--burst")  # exit 0
+
+    dead = {
+        (fields[b"source_stream"].decode(), fields[b"source_id"]): fields[b"reason"].decode()
+        for _, fields in client.xrange(wire.DEAD_LETTER_KEY)
+    }
+    assert set(dead) == {(wire.stream_key("far", "rank0"), far), (wire.stream_key("big", "rank0"), big)}
+    for reason in dead.values():
+        assert "rejected the data" in reason, reason
+        assert "int64" in reason or "too large" in reason, reason
+    assert result.stderr.count("the store rejected") == 2, result.stderr
+    assert "retrying" not in result.stderr, result.stderr
+    # Everything else of the batch is stored, in both runs.
+    far_run, big_run = read_store(any_store, "run", "far"), read_store(any_store, "run", "big")
+    assert (far_run.state, far_run.exit_code, far_run.counts["metric"]) == ("finished", 0, 40)
+    assert (big_run.state, big_run.label_count, big_run.counts["metric"]) == ("running", 2, 40)
+    for run in ("far", "big"):
+        assert client.xpending(wire.stream_key(run, "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
 
 
 def test_non_finite_values_round_trip(client, redis_url, store_url):

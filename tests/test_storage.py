@@ -8,17 +8,18 @@ import math
 import random
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import asyncpg
 import pytest
 
-from runbus.errors import StoreError
+from runbus.errors import AccessDenied, StoreRejected, StoreUnavailable
 from runbus.ingester.localredis import free_port
 from runbus.storage import LogLine, RunSummary, Store, open_store
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.wire import Event
+from tests.pgserver import LocalPostgres, create_database
 
 RUN = "run-1"
 T0 = 1_700_000_000.0
@@ -698,11 +699,84 @@ async def test_stores_starting_together_migrate_once(open_stores: OpenStore) -> 
 
 async def test_a_store_must_be_connected(any_store_url: str) -> None:
     store = open_store(any_store_url)
-    with pytest.raises(StoreError, match="not connected"):
+    with pytest.raises(StoreUnavailable, match="not connected"):
         await store.write([start(1)])
-    with pytest.raises(StoreError, match="not connected"):
+    with pytest.raises(StoreUnavailable, match="not connected"):
         await store.runs()
     await store.close()
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        metric(2**63 - 1, {"x": 1.0}),
+        finish(9, exit_code=2**63),
+        finish(9, exit_code=-(2**63) - 1),
+        metric(9, {"x": 1.0}, step=2**63),  # the wire refuses it; the store must too (COPY)
+    ],
+    ids=["seq 2**63-1", "exit code 2**63", "exit code -2**63-1", "step 2**63"],
+)
+async def test_data_beyond_the_store_s_integers_is_rejected_and_the_batch_left_out(
+    store: Store, refused: Event
+) -> None:
+    # Each is valid on the wire (JSON and stream fields have no 64-bit limit); the store's
+    # integer columns are 64-bit, and storing the seq's neighbour (seq + 1) would overflow.
+    await store.write([start(1, primary=True)])
+    with pytest.raises(StoreRejected, match="rejected the data") as caught:
+        await store.write([metric(2, {"x": 2.0}, step=2), refused])
+    assert "int64" in str(caught.value) or "too large" in str(caught.value)
+    # The batch was one transaction: none of it stayed, and the store goes on as before.
+    assert await store.metrics(RUN) == []
+    assert await store.write([metric(2, {"x": 2.0}, step=2), finish(3)]) == 2
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.counts["metric"]) == ("finished", 0, 1)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_and_outage(request: pytest.FixtureRequest, store_url: str) -> Iterator[tuple[str, Callable]]:
+    """A store URL of each backend, and what makes its store unavailable: on SQLite, another
+    connection's write transaction (locked); on PostgreSQL, its server stopped (a private one,
+    whose URL carries a password that trust auth ignores and no message may show)."""
+    if request.param == "sqlite":
+        held: list[sqlite3.Connection] = []
+
+        def lock() -> None:
+            path = store_url.removeprefix("sqlite:///")
+            con = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            con.execute("BEGIN EXCLUSIVE")
+            held.append(con)
+
+        yield store_url, lock
+        for con in held:
+            con.rollback()
+            con.close()
+        return
+    server: LocalPostgres = request.getfixturevalue("local_postgres")
+    url = asyncio.run(create_database(server.dsn)).replace("postgres@", "postgres:s3cret@")
+    yield url, server.stop
+
+
+async def test_a_store_that_is_gone_is_unavailable(store_and_outage: tuple[str, Callable]) -> None:
+    url, outage = store_and_outage
+    store = open_store(url)
+    await store.connect()
+    try:
+        assert await store.write([start(1, primary=True)]) == 1
+        await asyncio.to_thread(outage)
+        with pytest.raises(StoreUnavailable) as caught:
+            await store.write([metric(2, {"x": 1.0})])
+        if url.startswith("postgres"):
+            with pytest.raises(StoreUnavailable):
+                await store.runs()
+            assert "s3cret" not in str(caught.value) and ":***@" in str(caught.value)
+        else:
+            assert "locked" in str(caught.value)
+    finally:
+        await store.close()
+    if url.startswith("postgres"):  # connecting to a server that is gone: retried too
+        with pytest.raises(StoreUnavailable):
+            await open_store(url).connect()
 
 
 async def test_concurrent_writers_agree_with_one_writer(open_stores: OpenStore) -> None:
@@ -751,7 +825,7 @@ async def test_concurrent_writers_of_one_run_leave_no_stale_run_row(open_stores:
 
 async def test_postgres_errors_are_store_errors_without_the_password() -> None:
     store = open_store(f"postgresql://runbus:s3cret@127.0.0.1:{free_port()}/runbus")
-    with pytest.raises(StoreError) as caught:
+    with pytest.raises(StoreUnavailable) as caught:
         await store.connect()
     assert "s3cret" not in str(caught.value)
     assert "runbus:***@127.0.0.1" in str(caught.value)
@@ -764,3 +838,56 @@ async def test_text_holding_nul_does_not_fail_a_write(store: Store) -> None:
     assert texts(await store.logs(RUN, grep="a\x00b")) == ["a\ufffdb"]
     assert await store.metric_keys(RUN) == ["k\ufffd"]
     assert [p.value for p in await store.metrics(RUN, key="k\x00")] == [1.0]
+
+
+async def test_a_wrong_postgres_password_is_access_denied(local_postgres: LocalPostgres) -> None:
+    dsn = await local_postgres.password_user("runbus_writer", "right horse")
+    store = open_store(dsn.replace("runbus_writer@", "runbus_writer:wrong%20staple@"))
+    with pytest.raises(AccessDenied, match="refused access") as caught:
+        await store.connect()
+    assert "InvalidPasswordError" in str(caught.value)
+    assert "wrong" not in str(caught.value) and "runbus_writer:***@" in str(caught.value)
+    assert not isinstance(caught.value, StoreUnavailable)  # retrying cannot help
+    await store.close()
+    # The right password logs in: the refusal was the password's.
+    con = await asyncpg.connect(dsn, password="right horse")
+    await con.close()
+
+
+async def test_a_full_sqlite_disk_is_unavailable_and_says_so(store_url: str) -> None:
+    store = sqlite_backend.SQLiteStore(store_url)
+    await store.connect()
+    try:
+        assert await store.write([start(1, primary=True)]) == 1
+        # The file may not grow past its size now: what a full disk does to a write.
+        pages = store._con.execute("PRAGMA page_count").fetchone()[0]
+        store._con.execute(f"PRAGMA max_page_count = {pages}")
+        with pytest.raises(StoreUnavailable, match="the disk is full") as caught:
+            await store.write([log(seq, "x" * 4000) for seq in range(2, 200)])
+        # SQLite rolled the transaction back itself: the error is the one that ended it, not the
+        # "cannot rollback - no transaction is active" of a second ROLLBACK.
+        assert "cannot rollback" not in str(caught.value)
+        store._con.execute("PRAGMA max_page_count = 1073741823")
+        assert await store.write([log(seq, "x" * 4000) for seq in range(2, 200)]) == 198
+    finally:
+        await store.close()
+
+
+async def test_sessions_ended_by_an_administrator_are_unavailable_then_reconnected(postgres_url: str) -> None:
+    store = open_store(postgres_url)
+    await store.connect()
+    try:
+        assert await store.write([start(1, primary=True)]) == 1
+        admin = await asyncpg.connect(postgres_url)
+        try:  # as pg_terminate_backend, a failover or a restart does: SQLSTATE 57P01
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        finally:
+            await admin.close()
+        with pytest.raises(StoreUnavailable):
+            await store.write([metric(2, {"x": 1.0})])
+        assert await store.write([metric(2, {"x": 1.0})]) == 1  # the pool connects anew
+    finally:
+        await store.close()

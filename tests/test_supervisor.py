@@ -136,14 +136,17 @@ def test_a_worker_that_keeps_failing_is_restarted_with_growing_delays(redis_url,
     thread = threading.Thread(target=lambda: codes.append(supervisor.run()))
     thread.start()
     try:
-        wait_for(lambda: supervisor.slots[0].restarts >= 3, 60, "three restarts")
+        wait_for(lambda: supervisor.slots[0].restarts >= 4, 60, "four restarts")
     finally:
         supervisor.request_stop()
         thread.join(timeout=60)
     slot = supervisor.slots[0]
     assert slot.settings.consumer == "failing-0"
-    assert slot.exit_codes[:3] == [1, 1, 1]
-    assert slot.delay == 0.5  # 0.1, 0.2, 0.4, then capped
+    assert slot.exit_codes[:4] == [1, 1, 1, 1]
+    # At most 0.1, 0.2, 0.4, then capped at 0.5; at least half of that (jitter).
+    assert slot.failures >= 4
+    bound = min(0.5, 0.1 * 2 ** (slot.failures - 1))
+    assert bound / 2 <= slot.delay <= bound
     # Stopped while waiting to restart, the last life failed: 1. Stopped while a life was
     # starting, that one got SIGTERM: 0.
     assert codes == [1 if slot.exit_codes[-1] == 1 else 0]
