@@ -315,8 +315,8 @@ class SQLiteStore:
         if version < len(MIGRATIONS):
             con.close()
             raise StoreError(
-                f"the store at {self.url} has schema version {version}, older than this runbus's "
-                f"{len(MIGRATIONS)}: `runbus ingest` upgrades it"
+                f"sqlite {self.path}: schema version {version} is older than this runbus's "
+                f"({len(MIGRATIONS)}): `runbus ingest` upgrades it"
             )
         return con
 

@@ -433,6 +433,11 @@ def test_read_commands_never_create_a_store(tmp_path):
             f"sqlite:///{empty}"
         )
     assert list(tmp_path.iterdir()) == [empty] and empty.read_bytes() == b""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database, " * 512)
+    line = fails(run_cli("--store", f"sqlite:///{notes}", "runs", check=False))
+    assert line == f"runbus: sqlite {notes}: file is not a database"
+    assert notes.read_text() == "not a database, " * 512
 
 
 def test_the_default_store_is_one_per_user_file_found_from_any_directory(redis_url, tmp_path):
