@@ -13,10 +13,20 @@ from runbus import config, wire
 from runbus.cli import add_redis_option, add_store_option, level_argument, name_argument
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
+
+
 def add_serve(parser: argparse.ArgumentParser) -> None:
     add_store_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks one)")
+    parser.add_argument("--port", type=_port, default=8080, help="port (default %(default)s; 0 picks one)")
     parser.add_argument(
         "--token",
         default=None,

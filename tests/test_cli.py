@@ -328,7 +328,7 @@ def test_an_unknown_key_or_label_lists_what_the_run_has(redis_url, store_url):
     assert line == "runbus: run 'silent' has no metric 'loss'; it has no metrics"
 
 
-def test_bad_levels_are_one_line_usage_errors(tmp_path):
+def test_bad_arguments_are_one_line_usage_errors(tmp_path):
     store_url = f"sqlite:///{tmp_path / 'runbus.db'}"
     for command in ("logs", "tail"):
         line = fails(run_cli(command, "some-run", "--level", "bogus", "--store", store_url, check=False), 2)
@@ -338,6 +338,14 @@ def test_bad_levels_are_one_line_usage_errors(tmp_path):
         )
     line = fails(run_cli("--log-level", "loud", "runs", check=False), 2)
     assert line.startswith("runbus: argument --log-level: unknown level 'loud'")
+    line = fails(run_cli("serve", "--port", "99999", "--store", store_url, check=False), 2)
+    assert line.startswith("runbus: argument --port: a port is 0 to 65535, got 99999")
+    line = fails(run_cli("logs", "some-run", "--limit", "-1", "--store", store_url, check=False), 2)
+    assert line.startswith("runbus: argument --limit: must be at least 0, got -1")
+    assert fails(run_cli("bogus", check=False), 2).startswith(
+        "runbus: argument COMMAND: invalid choice: 'bogus'"
+    )
+    assert fails(run_cli(check=False), 2).startswith("runbus: the following arguments are required: COMMAND")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -372,6 +380,11 @@ def test_an_unreachable_redis_is_one_line_naming_its_url_without_the_password():
     for argv in (["dead"], ["dead", "--replay"], ["tail", "some-run"]):
         line = fails(run_cli(*argv, "--redis", url, check=False))
         assert "redis://:***@127.0.0.1:1/0" in line and "hunter2" not in line, line
+    # A cluster URL the client refuses is named without its password too.
+    line = fails(run_cli("dead", "--redis", "redis+cluster://:hunter2@127.0.0.1:1/3", check=False))
+    assert line == (
+        "runbus: a Redis Cluster has only database 0, not '3': 'redis+cluster://:***@127.0.0.1:1/3'"
+    )
 
 
 def pipe_to_head(args: list[str], lines: int) -> tuple[int, str, str]:
