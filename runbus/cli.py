@@ -1,25 +1,58 @@
-"""The `runbus` command: ingest, inspect runs, and the demo. The only place logging is configured."""
+"""The `runbus` command: it routes each sub-command to the package that drives it.
+
+ROUTES maps a command to its help and to a "module:function" that adds the command's arguments to
+its parser and names its handler (`parser.set_defaults(handler=...)`). A module is imported only
+once its command is chosen: `runbus --help` imports none of the four packages, `runbus runs`
+imports storage alone. What every command shares lives here: the `--store` and `--redis` options
+(given before or after the command; the command's value wins), logging (configured here and
+nowhere else), and how an expected error ends: one `runbus: ...` line on stderr and a non-zero
+exit, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, NoReturn
 
-import redis
-
-from runbus import config, storage, wire
-from runbus.config import DEFAULT_REDIS_URL
-from runbus.dashboard import cli as dashboard_cli
-from runbus.errors import AccessDenied, CommandError
-from runbus.ingester import output
+import runbus
+from runbus import config, wire
+from runbus.errors import InvalidName, RunbusError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Route(NamedTuple):
+    """Where a command lives, and what `runbus --help` says of it without importing it."""
+
+    help: str
+    arguments: str  # "module:function(parser)": adds the arguments, sets `handler`
+    log_level: str = "WARNING"
+
+
+ROUTES: dict[str, Route] = {
+    "ingest": Route("consume the streams into the store", "runbus.ingester.cli:add_ingest", "INFO"),
+    "dead": Route("list (or replay) dead-lettered entries", "runbus.ingester.cli:add_dead"),
+    "runs": Route("list runs", "runbus.storage.cli:add_runs"),
+    "show": Route("one run: state, labels, counts", "runbus.storage.cli:add_show"),
+    "metrics": Route("a run's metric values", "runbus.storage.cli:add_metrics"),
+    "logs": Route("a run's log lines, every label", "runbus.storage.cli:add_logs"),
+    "demo": Route("a small multi-rank job logged into one run", "runbus.ingester.cli:add_demo", "INFO"),
+    "serve": Route("the web dashboard and its JSON API", "runbus.dashboard.cli:add_serve"),
+    "tail": Route("follow every rank's log lines live, from the streams", "runbus.dashboard.cli:add_tail"),
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error ending as every other error does: one `runbus:` line (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"runbus: {message} (`{self.prog} --help` shows the usage)\n")
 
 
 def configure_logging(level: str, process: str | None = None) -> None:
@@ -28,270 +61,142 @@ def configure_logging(level: str, process: str | None = None) -> None:
     logging.basicConfig(level=level.upper(), format=prefix + LOG_FORMAT, stream=sys.stderr)
 
 
-def _ops_address(text: str) -> tuple[str, int]:
-    from runbus.ingester.http import parse_address  # aiohttp only for the commands that serve
-
-    return parse_address(text)
+# -- what the command modules share --------------------------------------------------------------
 
 
-def _redis_option(parser: argparse.ArgumentParser) -> None:
+def _shown(url: str) -> str:
+    """A default URL for a help text: no password, and no '%' for argparse to format."""
+    return config.safe_url(url).replace("%", "%%")
+
+
+def add_store_option(parser: argparse.ArgumentParser) -> None:
+    """`--store URL` after the command; without it, `runbus --store URL` or the default holds."""
+    parser.add_argument(
+        "--store",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help=f"store URL ({config.STORE_ENV}; default {_shown(config.default_store_url())})",
+    )
+
+
+def add_redis_option(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """`--redis URL` after the command; without it, `runbus --redis URL` or the default holds."""
     parser.add_argument(
         "--redis",
-        default=os.environ.get("RUNBUS_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL, redis+cluster://host:port,... for a cluster (RUNBUS_REDIS_URL; default %(default)s)",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help=f"Redis URL{', ' + what if what else ''} "
+        f"({config.REDIS_URL_ENV}; default {_shown(config.redis_url())})",
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="runbus", description="Log every rank of a distributed training job into one run."
+def level_argument(text: str) -> str:
+    """An argparse type: a log level name, upper-cased."""
+    if text.upper() not in wire.LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}: use one of {', '.join(wire.LEVELS)}")
+    return text.upper()
+
+
+def name_argument(text: str) -> str:
+    """An argparse type: a run id or label the wire contract allows."""
+    try:
+        return wire.check_name("name", text)
+    except InvalidName as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r}: use one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def _function(target: str) -> Callable[[argparse.ArgumentParser], None]:
+    module, _, name = target.partition(":")
+    adder: Callable[[argparse.ArgumentParser], None] = getattr(importlib.import_module(module), name)
+    return adder
+
+
+def build_parser(command: str | None = None) -> Parser:
+    """The `runbus` parser: every command listed with its help, and `command`'s own arguments
+    (importing its module only); the other commands are placeholders."""
+    parser = Parser(prog="runbus", description="Log every rank of a distributed training job into one run.")
+    parser.add_argument("--version", action="version", version=f"runbus {runbus.__version__}")
+    parser.add_argument(
+        "--store",
+        default=config.default_store_url(),
+        metavar="URL",
+        help=f"store URL ({config.STORE_ENV}; default {_shown(config.default_store_url())})",
     )
     parser.add_argument(
-        "--store", default=config.default_store_url(), help="store URL (RUNBUS_STORE; default %(default)s)"
+        "--redis",
+        default=config.redis_url(),
+        metavar="URL",
+        help="Redis URL, redis+cluster://host:port,... for a cluster "
+        f"({config.REDIS_URL_ENV}; default {_shown(config.redis_url())})",
     )
-    parser.add_argument("--log-level", default=None, help="logging level (default INFO for ingest)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    ingest = commands.add_parser("ingest", help="consume the streams into the store")
-    _redis_option(ingest)
-    ingest.add_argument("--group", default=wire.DEFAULT_GROUP, help="consumer group (default %(default)s)")
-    ingest.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
-    ingest.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
-    ingest.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
-    ingest.add_argument(
-        "--claim-idle",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="claim other consumers' entries pending this long (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--max-deliveries",
-        type=int,
-        default=5,
-        help="dead-letter an entry delivered more often (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="on SIGTERM, finish the batches in flight for at most this (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--retain",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="trim stored entries older than this from the streams (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--crash-after",
-        type=float,
-        default=120.0,
-        metavar="SECONDS",
-        help="a label silent this long without a finish is crashed (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="worker processes in the group, crashed ones restarted (default %(default)s)",
-    )
-    ingest.add_argument(
-        "--http",
-        type=_ops_address,
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
         default=None,
-        metavar="[HOST:]PORT",
-        help="serve /healthz, /readyz, /metrics (host 127.0.0.1 unless given; "
-        "with --workers N, worker i on PORT+i)",
+        metavar="LEVEL",
+        help="logging level (default INFO for ingest and demo, else WARNING)",
     )
-
-    dead = commands.add_parser("dead", help="list (or replay) dead-lettered entries")
-    _redis_option(dead)
-    dead.add_argument("--json", action="store_true")
-    dead.add_argument("--replay", action="store_true", help="put them back on their streams")
-
-    runs = commands.add_parser("runs", help="list runs")
-    runs.add_argument("--json", action="store_true")
-
-    show = commands.add_parser("show", help="one run: state, labels, counts")
-    show.add_argument("run")
-    show.add_argument("--json", action="store_true")
-
-    metrics = commands.add_parser("metrics", help="a run's metric values")
-    metrics.add_argument("run")
-    metrics.add_argument("--key")
-    metrics.add_argument("--label")
-    metrics.add_argument("--json", action="store_true")
-
-    logs = commands.add_parser("logs", help="a run's log lines, every label")
-    logs.add_argument("run")
-    logs.add_argument("--label")
-    logs.add_argument("--level", help="at least this level (DEBUG, INFO, WARNING, ERROR)")
-    logs.add_argument("--grep", help="only lines containing this text")
-    logs.add_argument("--limit", type=int)
-    logs.add_argument("--json", action="store_true")
-
-    demo = commands.add_parser("demo", help="a small multi-rank job logged into one run")
-    _redis_option(demo)
-    demo.add_argument("--ranks", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=40)
-    dashboard_cli.add_commands(commands)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    for name, route in ROUTES.items():
+        if name == command:
+            _function(route.arguments)(commands.add_parser(name, help=route.help, description=route.help))
+        else:
+            commands.add_parser(name, help=route.help, add_help=False)
     return parser
 
 
-async def _with_store(url: str, action):
-    store = storage.open_store(url)
-    await store.connect()
-    try:
-        return await action(store)
-    finally:
-        await store.close()
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line: first which command it names, then that command's arguments."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen, _ = build_parser().parse_known_args(argv)
+    return build_parser(chosen.command).parse_args(argv)
 
 
-async def _known_run(store: storage.Store, run_id: str, url: str) -> storage.RunSummary:
-    run = await store.run(run_id)
-    if run is None:
-        raise CommandError(f"unknown run {run_id!r} in {storage.safe_url(url)}")
-    return run
+# -- running a command ---------------------------------------------------------------------------
 
 
-def cmd_ingest(args: argparse.Namespace) -> int:
-    from runbus.ingester.worker import Worker, WorkerSettings
-
-    settings = WorkerSettings(
-        redis_url=args.redis,
-        store_url=args.store,
-        group=args.group,
-        burst=args.burst,
-        batch_size=args.batch_size,
-        claim_idle=args.claim_idle,
-        max_deliveries=args.max_deliveries,
-        drain_timeout=args.drain_timeout,
-        retain=args.retain,
-        crash_after=args.crash_after,
-    )
-    if args.consumer:
-        settings.consumer = args.consumer
-    if args.workers != 1:
-        from runbus.ingester.supervisor import Supervisor, SupervisorSettings
-
-        setup = functools.partial(configure_logging, args.log_level or "INFO")
-        return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
-    if args.http:
-        from runbus.ingester.http import run_worker
-
-        return run_worker(Worker(settings), args.http)
-    return Worker(settings).run()
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """The errors a command reports as one line. Redis's are among them only once a command has
+    imported redis: the router never imports it (a cheap start), and without it none can arise."""
+    errors: tuple[type[BaseException], ...] = (RunbusError, ValueError)
+    redis_errors = sys.modules.get("redis.exceptions")
+    if redis_errors is not None:
+        errors += (redis_errors.RedisError, redis_errors.RedisClusterException)
+    return errors
 
 
-def cmd_runs(args: argparse.Namespace) -> int:
-    runs = asyncio.run(_with_store(args.store, lambda store: store.runs()))
-    if args.json:
-        print(output.dumps(output.runs_document(runs)))
-        return 0
-    rows = [
-        (
-            r.run_id,
-            output.state_text(r),
-            r.primary,
-            r.label_count,
-            output.when(r.started_ts),
-            output.when(r.last_ts),
-        )
-        for r in runs
-    ]
-    print(output.table(("RUN", "STATE", "PRIMARY", "LABELS", "STARTED", "LAST EVENT"), rows))
-    return 0
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    run = asyncio.run(_with_store(args.store, lambda store: _known_run(store, args.run, args.store)))
-    print(output.dumps(output.run_document(run)) if args.json else output.show_text(run))
-    return 0
-
-
-def cmd_metrics(args: argparse.Namespace) -> int:
-    async def read(store):
-        await _known_run(store, args.run, args.store)
-        return await store.metrics(args.run, key=args.key, label=args.label)
-
-    points = asyncio.run(_with_store(args.store, read))
-    if args.json:
-        print(output.dumps([output.point_document(p) for p in points]))
-        return 0
-    rows = [(p.label, p.key, p.step, p.epoch, p.seq, output.number_text(p.value)) for p in points]
-    print(output.table(("LABEL", "KEY", "STEP", "EPOCH", "SEQ", "VALUE"), rows))
-    return 0
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    async def read(store):
-        await _known_run(store, args.run, args.store)
-        return await store.logs(
-            args.run, label=args.label, level=args.level, grep=args.grep, limit=args.limit
-        )
-
-    lines = asyncio.run(_with_store(args.store, read))
-    if args.json:
-        print(output.dumps([asdict(line) for line in lines]))
-        return 0
-    width = max((len(line.label) for line in lines), default=0)
-    for line in lines:
-        for text in line.text.splitlines() or [""]:
-            print(f"{line.label.ljust(width)} | {output.when(line.ts)} {line.level:<7} {text}")
-    return 0
-
-
-def cmd_dead(args: argparse.Namespace) -> int:
-    from runbus.ingester import deadletter
-    from runbus.redis import async_client
-
-    async def act():
-        async with async_client(args.redis, socket_connect_timeout=5) as client:
-            if args.replay:
-                return await deadletter.replay(client)
-            return await deadletter.dead_letters(client)
-
-    result = asyncio.run(act())
-    if args.replay:
-        print(f"replayed {result} dead-lettered entries onto their streams")
-    elif args.json:
-        print(output.dumps([asdict(letter) for letter in result]))
-    else:
-        rows = [(d.dead_id, d.source_stream, d.source_id, d.deliveries, d.reason) for d in result]
-        print(output.table(("DEAD ID", "STREAM", "ENTRY", "DELIVERIES", "REASON"), rows))
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from runbus.ingester.demo import run_demo
-
-    return run_demo(redis_url=args.redis, store_url=args.store, ranks=args.ranks, steps=args.steps)
-
-
-COMMANDS = {
-    "ingest": cmd_ingest,
-    "runs": cmd_runs,
-    "show": cmd_show,
-    "metrics": cmd_metrics,
-    "logs": cmd_logs,
-    "dead": cmd_dead,
-    "demo": cmd_demo,
-    "serve": dashboard_cli.cmd_serve,
-    "tail": dashboard_cli.cmd_tail,
-}
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return "; ".join(lines) or type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    level = args.log_level or ("INFO" if args.command in ("ingest", "demo") else "WARNING")
-    configure_logging(level)
+    args = parse_args(argv)
+    args.log_level = args.log_level or ROUTES[args.command].log_level
+    configure_logging(args.log_level)
+    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return COMMANDS[args.command](args)
-    except (CommandError, AccessDenied, ValueError, storage.StoreError, redis.RedisError) as exc:
-        print(f"runbus: {exc}", file=sys.stderr)
-        return 1
+        code = handler(args)
+        sys.stdout.flush()  # a reader that left shows here, inside the try, not at exit
+        return code
+    except BrokenPipeError:
+        # `runbus runs | head -1`: the reader left, so do we, quietly. stdout's flush at exit would
+        # fail again, hence devnull in its place, as Python's documentation advises.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not isinstance(exc, _expected_errors()):
+            raise
+        print(f"runbus: {_one_line(exc)}", file=sys.stderr)
+        return 1

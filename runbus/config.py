@@ -37,6 +37,17 @@ def redis_url(env: Mapping[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
 
 
+def api_token(env: Mapping[str, str] | None = None) -> str | None:
+    """The dashboard's token from RUNBUS_API_TOKEN, else None (an empty value is none)."""
+    return (os.environ if env is None else env).get(API_TOKEN_ENV) or None
+
+
+def demo_steps(env: Mapping[str, str] | None = None, default: int = 40) -> int:
+    """The steps a `runbus demo` rank runs, from RUNBUS_DEMO_STEPS (set by the demo for its ranks)."""
+    text = (os.environ if env is None else env).get(DEMO_STEPS_ENV)
+    return int(text) if text else default
+
+
 def data_dir(env: Mapping[str, str] | None = None) -> Path:
     """runbus's per-user data directory: `$XDG_DATA_HOME/runbus`, else `~/.local/share/runbus`."""
     env = os.environ if env is None else env

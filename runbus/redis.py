@@ -38,6 +38,7 @@ StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
 
 E = TypeVar("E", bound=BaseException)
 
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 DEFAULT_PORT = 6379
 
@@ -57,16 +58,16 @@ def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
     scheme, sep, rest = url.partition("://")
     base = CLUSTER_SCHEMES.get(scheme.lower())
     if not sep or base is None:
-        raise ValueError(f"not a Redis Cluster URL (redis+cluster://host:port,…): {url!r}")
+        raise ValueError(f"not a Redis Cluster URL (redis+cluster://host:port,…): {safe_url(url)!r}")
     cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     netloc, tail = rest[:cut], rest[cut:]
     userinfo, at, hosts = netloc.rpartition("@")
     path = tail.partition("?")[0]
     if path not in ("", "/", "/0"):
-        raise ValueError(f"a Redis Cluster has only database 0, not {path.lstrip('/')!r}: {url!r}")
+        raise ValueError(f"a Redis Cluster has only database 0, not {path.lstrip('/')!r}: {safe_url(url)!r}")
     nodes = [_host_port(item, url) for item in hosts.split(",") if item]
     if not nodes:
-        raise ValueError(f"a Redis Cluster URL names at least one node as host:port: {url!r}")
+        raise ValueError(f"a Redis Cluster URL names at least one node as host:port: {safe_url(url)!r}")
     first = hosts.split(",")[0]
     return f"{base}://{userinfo}{at}{first}{tail}", nodes
 
@@ -82,7 +83,7 @@ def _host_port(item: str, url: str) -> tuple[str, int]:
     try:
         return host, int(port) if port else DEFAULT_PORT
     except ValueError:
-        raise ValueError(f"bad port in {item!r} of {url!r}") from None
+        raise ValueError(f"bad port in {item!r} of {safe_url(url)!r}") from None
 
 
 def sync_client(url: str, **options: Any) -> SyncClient:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from runbus.config import safe_url
+from runbus.errors import StoreMissing
 from runbus.storage.rules import Gap
 from runbus.wire import Event
 
@@ -71,13 +73,22 @@ class LogLine:
     text: str
 
 
+def missing_store(url: str) -> StoreMissing:
+    """The error of a reader that finds no runbus store at `url`."""
+    return StoreMissing(f"no runbus store at {safe_url(url)}; `runbus ingest` creates it")
+
+
 class Store(Protocol):
-    """What the ingester writes through and the CLI and API read through."""
+    """What the ingester writes through and the CLI and API read through.
+
+    A backend is built as `Backend(url, create=True)`; with `create=False` (the readers'), connect()
+    creates and migrates nothing and raises StoreMissing where no runbus store exists.
+    """
 
     url: str
 
     async def connect(self) -> None:
-        """Open connections and create or migrate the schema."""
+        """Open connections and, unless opened with create=False, create or migrate the schema."""
 
     async def close(self) -> None:
         """Release every connection."""

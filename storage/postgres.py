@@ -12,7 +12,7 @@ import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows, safe_url
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -159,8 +159,9 @@ def _label_state(row: asyncpg.Record) -> LabelState:
 class PostgresStore:
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
-    def __init__(self, url: str, min_size: int = 1, max_size: int = 10) -> None:
+    def __init__(self, url: str, create: bool = True, min_size: int = 1, max_size: int = 10) -> None:
         self.url = url
+        self.create = create
         self._min_size, self._max_size = min_size, max_size
         self._pool: asyncpg.Pool | None = None
 
@@ -208,7 +209,7 @@ class PostgresStore:
             raise self._error(exc) from exc
         try:
             async with pool.acquire() as con:
-                await self._migrate(con)
+                await (self._migrate(con) if self.create else self._check_schema(con))
         except BaseException as exc:
             await pool.close()
             if isinstance(exc, _ERRORS):
@@ -233,6 +234,21 @@ class PostgresStore:
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
                 await con.execute(script)
                 await con.execute("INSERT INTO schema_version (version) VALUES ($1)", number)
+
+    async def _check_schema(self, con: asyncpg.Connection) -> None:
+        """A reader's check: the runbus schema is there, at this runbus's version; nothing is created."""
+        version = 0
+        if await con.fetchval("SELECT to_regclass('schema_version')") is not None:
+            version = await con.fetchval("SELECT coalesce(max(version), 0) FROM schema_version")
+        if version == 0:
+            raise missing_store(self.url)
+        if version != len(MIGRATIONS):
+            newer = version > len(MIGRATIONS)
+            raise StoreError(
+                f"postgres {safe_url(self.url)}: schema version {version} is "
+                f"{'newer' if newer else 'older'} than this runbus's ({len(MIGRATIONS)}): "
+                + ("upgrade runbus" if newer else "`runbus ingest` upgrades it")
+            )
 
     async def close(self) -> None:
         if self._pool is not None:

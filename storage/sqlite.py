@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -18,7 +19,7 @@ import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -263,9 +264,10 @@ def _unreal(value: float | None) -> float:
 class SQLiteStore:
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, create: bool = True) -> None:
         self.url = url
         self.path = _path(url)
+        self.create = create
         self._con: sqlite3.Connection | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runbus-sqlite")
 
@@ -295,6 +297,9 @@ class SQLiteStore:
         await self._call(self._connect)
 
     def _connect(self) -> None:
+        if not self.create:
+            self._con = self._open_existing()
+            return
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -311,6 +316,31 @@ class SQLiteStore:
         con.execute("PRAGMA wal_autocheckpoint = 10000")
         self._con = con
         self._migrate()
+
+    def _open_existing(self) -> sqlite3.Connection:
+        """A connection to the store as it is: no file, directory, table or journal change made."""
+        if not os.path.isfile(self.path):
+            raise missing_store(self.url)
+        # mode=rw: a file that vanished since is an error here, not a new empty database.
+        uri = Path(os.path.abspath(self.path)).as_uri() + "?mode=rw"
+        con = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        try:
+            con.row_factory = sqlite3.Row
+            con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            version = con.execute("PRAGMA user_version").fetchone()[0]
+        except BaseException:
+            con.close()
+            raise
+        if version == 0:
+            con.close()
+            raise missing_store(self.url)
+        if version < len(MIGRATIONS):
+            con.close()
+            raise StoreError(
+                f"sqlite {self.path}: schema version {version} is older than this runbus's "
+                f"({len(MIGRATIONS)}): `runbus ingest` upgrades it"
+            )
+        return con
 
     @staticmethod
     def _use_wal(con: sqlite3.Connection, timeout: float = 30.0) -> None:

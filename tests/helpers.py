@@ -55,7 +55,7 @@ def read_store(store_url: str, method: str, *args: Any, **kwargs: Any):
     return asyncio.run(call())
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
+def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True, cwd: str | None = None):
     """Run `python -m runbus ARGS` and return the CompletedProcess (text mode)."""
     result = subprocess.run(
         [sys.executable, "-m", "runbus", *args],
@@ -63,6 +63,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True):
         text=True,
         env={**os.environ, **(env or {})},
         timeout=120,
+        cwd=cwd,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"runbus {' '.join(args)} exited {result.returncode}:\n{result.stderr}")

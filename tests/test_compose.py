@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from runbus.cli import build_parser
+from runbus.cli import parse_args
 from runbus.dashboard.security import check_binding
 from tests.conftest import docker_answers
 
@@ -101,15 +101,14 @@ def test_the_runbus_services_reach_redis_and_postgres_by_service_name(compose):
 
 
 def test_every_command_is_a_real_runbus_command(compose, dockerfile):
-    parser = build_parser()
     for name, command in RUNBUS_SERVICES.items():
         service = compose["services"][name]
         assert service["build"] == "." and service["image"] == "runbus:latest"
         assert "entrypoint" not in service  # the image's: runbus
-        args = parser.parse_args(service["command"])
+        args = parse_args(service["command"])
         assert args.command == command, name
     assert json.loads(dockerfile["ENTRYPOINT"][-1]) == ["runbus"]
-    assert parser.parse_args(json.loads(dockerfile["CMD"][-1])).command == "ingest"
+    assert parse_args(json.loads(dockerfile["CMD"][-1])).command == "ingest"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["runbus"] == "runbus.cli:main"
 
@@ -118,7 +117,7 @@ def test_ingesters_scale_and_serve_their_health_where_the_check_looks(compose, d
     ingester = compose["services"]["ingester"]
     # --scale needs containers without a fixed name or host port.
     assert "container_name" not in ingester and "ports" not in ingester
-    args = build_parser().parse_args(ingester["command"])
+    args = parse_args(ingester["command"])
     assert args.workers == 1 and args.http == ("0.0.0.0", 9100)
     assert "http://127.0.0.1:9100/readyz" in ingester["healthcheck"]["test"][-1]
     assert "9100" in dockerfile["EXPOSE"][-1].split()
@@ -129,7 +128,7 @@ def test_ingesters_scale_and_serve_their_health_where_the_check_looks(compose, d
 
 def test_the_dashboard_is_guarded_and_published_on_loopback_only(compose):
     dashboard = compose["services"]["dashboard"]
-    args = build_parser().parse_args(dashboard["command"])
+    args = parse_args(dashboard["command"])
     check_binding(args.host, dashboard["environment"]["RUNBUS_API_TOKEN"])  # would refuse without it
     assert dashboard["ports"] == [f"127.0.0.1:{args.port}:{args.port}"]
     raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

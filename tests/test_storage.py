@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import random
 import sqlite3
 import time
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import asyncpg
 import pytest
 
-from runbus.errors import AccessDenied, StoreRejected, StoreUnavailable
+from runbus.errors import AccessDenied, StoreError, StoreMissing, StoreRejected, StoreUnavailable
 from runbus.ingester.localredis import free_port
 from runbus.storage import LogLine, RunSummary, Store, open_store
 from runbus.storage import postgres as postgres_backend
@@ -818,6 +819,52 @@ async def test_concurrent_writers_of_one_run_leave_no_stale_run_row(open_stores:
     run = await writers[0].run(RUN)
     assert run is not None
     assert (run.state, run.exit_code, run.primary) == ("finished", 0, "rank0")
+
+
+async def test_a_reader_creates_nothing_and_reads_what_the_ingester_made(any_store_url: str) -> None:
+    reader = open_store(any_store_url, create=False)
+    with pytest.raises(StoreMissing, match=r"^no runbus store at .*; `runbus ingest` creates it$"):
+        await reader.connect()
+    await reader.close()
+    if any_store_url.startswith("sqlite"):
+        assert not await asyncio.to_thread(os.path.exists, any_store_url.removeprefix("sqlite:///"))
+    else:
+        assert await public_tables(any_store_url) == []
+
+    writer = open_store(any_store_url)
+    await writer.connect()
+    try:
+        await writer.write([start(1, primary=True), finish(2, 0)])
+    finally:
+        await writer.close()
+    reader = open_store(any_store_url, create=False)
+    await reader.connect()
+    try:
+        assert [(run.run_id, run.state) for run in await reader.runs()] == [(RUN, "finished")]
+    finally:
+        await reader.close()
+
+
+async def test_a_reader_leaves_an_older_schema_for_the_ingester_to_upgrade(any_store_url: str) -> None:
+    await make_version_2_store(any_store_url)
+    reader = open_store(any_store_url, create=False)
+    with pytest.raises(
+        StoreError, match=r"schema version 2 .*older than this runbus.*`runbus ingest` upgrades it"
+    ):
+        await reader.connect()
+    await reader.close()
+    assert await schema_version(any_store_url) == 2
+
+
+async def public_tables(url: str) -> list[str]:
+    con = await asyncpg.connect(url)
+    try:
+        rows = await con.fetch(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        )
+    finally:
+        await con.close()
+    return sorted(row["table_name"] for row in rows)
 
 
 # -- backend specifics ----------------------------------------------------------------------------

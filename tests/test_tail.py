@@ -160,7 +160,7 @@ def test_tail_of_a_finished_run_exits_at_once(redis_url, tail_process):
 
 
 def test_ctrl_c_exits_130_quietly(redis_url, tail_process):
-    tail = tail_process("not-started-yet")  # waits for its streams to appear
+    tail = tail_process("not-started-yet", "--wait")  # waits for its streams to appear
     tail.wait_ready()
     tail.process.send_signal(signal.SIGINT)
     assert tail.wait() == 130

@@ -1,0 +1,163 @@
+"""`runbus ingest`, `runbus dead` and `runbus demo`: the commands that drive the ingester.
+
+Redis, the worker, the store and aiohttp are imported when a command runs, not when it is parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+from dataclasses import asdict
+
+from runbus import wire
+from runbus.cli import add_redis_option, add_store_option
+from runbus.config import safe_url
+from runbus.errors import CommandError
+
+
+def _ops_address(text: str) -> tuple[str, int]:
+    from runbus.ingester.http import parse_address  # aiohttp only for the commands that serve
+
+    return parse_address(text)
+
+
+def add_ingest(parser: argparse.ArgumentParser) -> None:
+    add_redis_option(parser, "redis+cluster://host:port,... for a cluster")
+    add_store_option(parser)
+    parser.add_argument("--group", default=wire.DEFAULT_GROUP, help="consumer group (default %(default)s)")
+    parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
+    parser.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
+    parser.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
+    parser.add_argument(
+        "--claim-idle",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="claim other consumers' entries pending this long (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=5,
+        help="dead-letter an entry delivered more often (default %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, finish the batches in flight for at most this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--retain",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="trim stored entries older than this from the streams (default %(default)s)",
+    )
+    parser.add_argument(
+        "--crash-after",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="a label silent this long without a finish is crashed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes in the group, crashed ones restarted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--http",
+        type=_ops_address,
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve /healthz, /readyz, /metrics (host 127.0.0.1 unless given; "
+        "with --workers N, worker i on PORT+i)",
+    )
+    parser.set_defaults(handler=cmd_ingest)
+
+
+def add_dead(parser: argparse.ArgumentParser) -> None:
+    add_redis_option(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.add_argument("--replay", action="store_true", help="put them back on their streams")
+    parser.set_defaults(handler=cmd_dead)
+
+
+def add_demo(parser: argparse.ArgumentParser) -> None:
+    add_redis_option(parser, "a private redis-server is started where none answers")
+    add_store_option(parser)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks of the job (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default %(default)s)")
+    parser.set_defaults(handler=cmd_demo)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from runbus.ingester.worker import Worker, WorkerSettings
+
+    settings = WorkerSettings(
+        redis_url=args.redis,
+        store_url=args.store,
+        group=args.group,
+        burst=args.burst,
+        batch_size=args.batch_size,
+        claim_idle=args.claim_idle,
+        max_deliveries=args.max_deliveries,
+        drain_timeout=args.drain_timeout,
+        retain=args.retain,
+        crash_after=args.crash_after,
+    )
+    if args.consumer:
+        settings.consumer = args.consumer
+    if args.workers != 1:
+        from runbus.cli import configure_logging
+        from runbus.ingester.supervisor import Supervisor, SupervisorSettings
+
+        setup = functools.partial(configure_logging, args.log_level)
+        return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
+    if args.http:
+        from runbus.ingester.http import run_worker
+
+        return run_worker(Worker(settings), args.http)
+    return Worker(settings).run()
+
+
+def cmd_dead(args: argparse.Namespace) -> int:
+    from redis import exceptions as redis_errors
+
+    from runbus.ingester import deadletter
+    from runbus.redis import async_client
+    from runbus.storage import documents, tables
+
+    async def act():
+        async with async_client(args.redis, socket_connect_timeout=5) as client:
+            if args.replay:
+                return await deadletter.replay(client)
+            return await deadletter.dead_letters(client)
+
+    unreachable = (
+        redis_errors.ConnectionError,
+        redis_errors.TimeoutError,
+        redis_errors.RedisClusterException,
+    )
+    try:
+        result = asyncio.run(act())
+    except unreachable as exc:
+        raise CommandError(f"cannot reach Redis at {safe_url(args.redis)}: {exc}") from exc
+    if args.replay:
+        print(f"replayed {result} dead-lettered entries onto their streams")
+    elif args.json:
+        print(documents.dumps([asdict(letter) for letter in result]))
+    else:
+        rows = [(d.dead_id, d.source_stream, d.source_id, d.deliveries, d.reason) for d in result]
+        print(tables.table(("DEAD ID", "STREAM", "ENTRY", "DELIVERIES", "REASON"), rows))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from runbus.ingester.demo import run_demo
+
+    return run_demo(redis_url=args.redis, store_url=args.store, ranks=args.ranks, steps=args.steps)

@@ -1,0 +1,185 @@
+"""`runbus runs`, `show`, `metrics` and `logs`: the store read back, as text tables or JSON.
+
+These commands only read: the store is opened with create=False, so where there is none they say
+so in one line and create nothing. A run, key or label that is not there is an error that lists
+what is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from runbus.cli import add_store_option, level_argument
+from runbus.errors import CommandError
+from runbus.storage import Store, documents, open_store, safe_url, tables
+from runbus.storage.base import RunSummary
+
+T = TypeVar("T")
+RECENT_RUNS = 5  # runs an unknown run's error names
+LISTED_NAMES = 20  # keys or labels an unknown one's error names
+
+
+def add_runs(parser: argparse.ArgumentParser) -> None:
+    add_store_option(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.set_defaults(handler=cmd_runs)
+
+
+def add_show(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run")
+    add_store_option(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON object")
+    parser.set_defaults(handler=cmd_show)
+
+
+def add_metrics(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run")
+    add_store_option(parser)
+    parser.add_argument("--key", help="only this metric")
+    parser.add_argument("--label", help="only this label")
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.set_defaults(handler=cmd_metrics)
+
+
+def add_logs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run")
+    add_store_option(parser)
+    parser.add_argument("--label", help="only this label")
+    parser.add_argument(
+        "--level", type=level_argument, help="at least this level (DEBUG, INFO, WARNING, ERROR)"
+    )
+    parser.add_argument("--grep", help="only lines containing this text")
+    parser.add_argument("--limit", type=_count, help="at most this many lines")
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.set_defaults(handler=cmd_logs)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def read(url: str, action: Callable[[Store], Awaitable[T]]) -> T:
+    """`action(store)` on the store at `url`, opened for reading only, then closed."""
+
+    async def reading() -> T:
+        store = open_store(url, create=False)
+        try:
+            await store.connect()
+            return await action(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(reading())
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:LISTED_NAMES])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > LISTED_NAMES else "")
+
+
+async def known_run(store: Store, run_id: str) -> RunSummary:
+    """The run, or a CommandError naming the store's most recent runs."""
+    run = await store.run(run_id)
+    if run is not None:
+        return run
+    runs = await store.runs()
+    where = f"unknown run {run_id!r} in {safe_url(store.url)}"
+    if not runs:
+        raise CommandError(f"{where}: it has no runs yet")
+    recent = ", ".join(r.run_id for r in runs[:RECENT_RUNS])
+    if len(runs) <= RECENT_RUNS:
+        raise CommandError(f"{where}; its runs: {recent}")
+    raise CommandError(
+        f"{where}; the {RECENT_RUNS} most recent of its {len(runs)} runs: {recent} (`runbus runs` lists all)"
+    )
+
+
+def _check_label(run: RunSummary, label: str | None) -> None:
+    names = [lab.label for lab in run.labels]
+    if label is not None and label not in names:
+        raise CommandError(f"run {run.run_id!r} has no label {label!r}; its labels: {_listing(names)}")
+
+
+async def _check_key(store: Store, run: RunSummary, key: str | None) -> None:
+    if key is None:
+        return
+    keys = await store.metric_keys(run.run_id)
+    if key not in keys:
+        known = f"its metrics: {_listing(keys)}" if keys else "it has no metrics"
+        raise CommandError(f"run {run.run_id!r} has no metric {key!r}; {known}")
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    runs = read(args.store, lambda store: store.runs())
+    if args.json:
+        print(documents.dumps(documents.runs_document(runs)))
+        return 0
+    rows = [
+        (
+            r.run_id,
+            tables.state_text(r),
+            r.primary,
+            r.label_count,
+            tables.when(r.started_ts),
+            tables.when(r.last_ts),
+        )
+        for r in runs
+    ]
+    print(tables.table(("RUN", "STATE", "PRIMARY", "LABELS", "STARTED", "LAST EVENT"), rows))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    run = read(args.store, lambda store: known_run(store, args.run))
+    print(documents.dumps(documents.run_document(run)) if args.json else tables.show_text(run))
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    async def points(store: Store):
+        run = await known_run(store, args.run)
+        _check_label(run, args.label)
+        await _check_key(store, run, args.key)
+        return await store.metrics(run.run_id, key=args.key, label=args.label)
+
+    found = read(args.store, points)
+    if args.json:
+        print(documents.dumps([documents.point_document(p) for p in found]))
+        return 0
+    rows = [(p.label, p.key, p.step, p.epoch, p.seq, tables.number_text(p.value)) for p in found]
+    print(tables.table(("LABEL", "KEY", "STEP", "EPOCH", "SEQ", "VALUE"), rows))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    async def lines(store: Store):
+        run = await known_run(store, args.run)
+        _check_label(run, args.label)
+        return await store.logs(
+            run.run_id, label=args.label, level=args.level, grep=args.grep, limit=args.limit
+        )
+
+    found = read(args.store, lines)
+    if args.json:
+        print(documents.dumps([documents.log_document(line) for line in found]))
+        return 0
+    width = max((len(line.label) for line in found), default=0)
+    for line in found:
+        for text in line.text.splitlines() or [""]:
+            print(f"{line.label.ljust(width)} | {tables.when(line.ts)} {line.level:<7} {text}")
+    return 0

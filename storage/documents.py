@@ -1,0 +1,93 @@
+"""The JSON documents the CLI prints and the dashboard's API answers: one shape for each record."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+
+from runbus.storage.base import LogLine, Point, RunSummary
+from runbus.wire import finite_to_wire
+
+
+def json_value(value: float) -> float | str:
+    """A value as the wire writes it: non-finite floats become 'NaN', 'Infinity', '-Infinity'."""
+    return finite_to_wire(value) if isinstance(value, float) else value
+
+
+def dumps(document: Any) -> str:
+    """`document` as indented JSON text, as the CLI prints it."""
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode()
+
+
+def run_head(run: RunSummary) -> dict[str, Any]:
+    """A run's own fields, as the CLI's and the API's JSON documents start."""
+    return {
+        "run_id": run.run_id,
+        "state": run.state,
+        "primary": run.primary,
+        "exit_code": run.exit_code,
+        "started_ts": run.started_ts,
+        "ended_ts": run.ended_ts,
+        "last_ts": run.last_ts,
+        "label_count": run.label_count,
+        "counts": run.counts,
+    }
+
+
+def run_document(run: RunSummary) -> dict[str, Any]:
+    """The `runbus show --json` object."""
+    return {
+        **run_head(run),
+        "labels": [
+            {
+                "label": lab.label,
+                "primary": lab.primary,
+                "state": lab.state,
+                "exit_code": lab.exit_code,
+                "epoch": lab.epoch,
+                "last_seq": lab.last_seq,
+                "events": lab.events,
+                "missing": lab.missing,
+                "gaps": [
+                    {"epoch": g.epoch, "first": g.first, "last": g.last, "dropped": g.dropped}
+                    for g in lab.gaps
+                ],
+            }
+            for lab in run.labels
+        ],
+        "config": run.config,
+    }
+
+
+def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:
+    """The `runbus runs --json` list."""
+    return [{k: v for k, v in asdict(run).items() if k not in ("labels", "counts", "config")} for run in runs]
+
+
+def point_document(point: Point) -> dict[str, Any]:
+    """One metric value, as `runbus metrics --json` lists it."""
+    return {
+        "label": point.label,
+        "key": point.key,
+        "step": point.step,
+        "seq": point.seq,
+        "epoch": point.epoch,
+        "ts": point.ts,
+        "value": json_value(point.value),
+    }
+
+
+def log_document(line: LogLine) -> dict[str, Any]:
+    """One log line, as `runbus logs --json` and the API's logs list it."""
+    return {
+        "label": line.label,
+        "epoch": line.epoch,
+        "seq": line.seq,
+        "ts": line.ts,
+        "stream": line.stream,
+        "level": line.level,
+        "text": line.text,
+    }
