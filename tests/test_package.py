@@ -322,7 +322,6 @@ def test_the_runbus_command_and_python_m_runbus_run_beside_a_users_modules(
     assert imported_user_modules(project) == []
 
 
-@pytest.mark.xfail(strict=True, reason="runbus --version lands with the CLI branch")
 def test_runbus_version_prints_the_installed_version(install: tuple[Path, Path], tmp_path: Path) -> None:
     python, _ = install
     project = users_project(tmp_path / "project")

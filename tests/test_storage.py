@@ -926,15 +926,29 @@ async def test_sessions_ended_by_an_administrator_are_unavailable_then_reconnect
     try:
         assert await store.write([start(1, primary=True)]) == 1
         admin = await asyncpg.connect(postgres_url)
-        try:  # as pg_terminate_backend, a failover or a restart does: SQLSTATE 57P01
-            await admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
+        try:
+            # The store's write waits on the run's row, held here; then its session is ended, as
+            # pg_terminate_backend, a failover or a restart does (SQLSTATE 57P01), mid-statement.
+            # (An idle pooled session ended the same way is replaced by the pool unnoticed.)
+            holder = admin.transaction()
+            await holder.start()
+            await admin.execute("SELECT 1 FROM runs FOR UPDATE")
+            blocked = asyncio.create_task(store.write([metric(2, {"x": 1.0})]))
+            for _ in range(200):
+                waiting = await admin.fetch(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                )
+                if waiting:
+                    break
+                await asyncio.sleep(0.05)
+            assert waiting, "the store's write never waited on the held row"
+            await admin.execute("SELECT pg_terminate_backend($1)", waiting[0]["pid"])
+            with pytest.raises(StoreUnavailable):
+                await blocked
+            await holder.rollback()
         finally:
             await admin.close()
-        with pytest.raises(StoreUnavailable):
-            await store.write([metric(2, {"x": 1.0})])
         assert await store.write([metric(2, {"x": 1.0})]) == 1  # the pool connects anew
     finally:
         await store.close()
