@@ -327,7 +327,8 @@ def _metric_value(key: str, value: object) -> float | int:
 
 
 def _log_data(data: dict[str, Any]) -> dict[str, Any]:
-    if data.get("stream") not in LOG_STREAMS:
+    stream = data.get("stream")
+    if not isinstance(stream, str) or stream not in LOG_STREAMS:  # a list or object is unhashable
         raise InvalidEntry(f"log stream must be one of {sorted(LOG_STREAMS)}")
     if not isinstance(data.get("text"), str):
         raise InvalidEntry("log text must be a string")

@@ -93,6 +93,10 @@ BAD_ENTRIES = {
     "needs an integer 'exit_code'": good_fields(kind="finish", data=b'{"exit_code": "0"}', step=None),
     "over the limit": good_fields(data=b'{"x": 1, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'),
     "not UTF-8": good_fields(kind=b"\xff\xfe"),
+    # Unhashable where the contract looks a name up: once a TypeError that stopped the worker.
+    "log stream must be one of": good_fields(
+        kind="log", data=b'{"stream": ["stdout"], "text": "a"}', step=None
+    ),
 }
 
 
