@@ -58,7 +58,7 @@ def decode_stream_fast(key: str, flats: Iterable[FlatEntry]) -> list[Event | Inv
         decoded = _decode_by_columns(key, names, flats)
         if decoded is not None:
             return decoded
-    return [_decode_one(key, names, flat) for flat in flats]
+    return _decode_each(key, names, flats)
 
 
 DECODERS: dict[str, Decoder] = {"fast": decode_stream_fast, "reference": wire.decode_stream}
@@ -80,23 +80,29 @@ def _key_names(key: str) -> KeyNames | None:
     return None if names is None else (*names, names[0].encode(), names[1].encode())
 
 
-def _decode_one(key: str, names: KeyNames | None, flat: FlatEntry) -> Event | InvalidEntry:
-    """One entry: by position when written in the producers' order, else by name; the reference
-    when it is not plainly valid."""
-    event, in_order = None, False
-    if names is not None and flat:
-        order = flat[0::2]
-        if order == _NAMES_WITH_STEP:
-            v, kind, run, label, epoch, seq, ts, step, data = flat[1::2]
-            event, in_order = _decode_values(names, v, kind, run, label, epoch, seq, ts, data, step), True
-        elif order == _NAMES:
-            v, kind, run, label, epoch, seq, ts, data = flat[1::2]
-            event, in_order = _decode_values(names, v, kind, run, label, epoch, seq, ts, data, None), True
-    if event is not None:
-        return event
+def _decode_each(key: str, names: KeyNames | None, flats: list[FlatEntry]) -> list[Event | InvalidEntry]:
+    """Entry by entry: by position when written in the producers' order, else from a dict; the
+    reference for an entry that is not plainly valid."""
+    decoded: list[Event | InvalidEntry] = []
+    for flat in flats:
+        event, in_order = None, False
+        if names is not None and flat:
+            order = flat[0::2]
+            if order == _NAMES_WITH_STEP:
+                v, kind, run, label, epoch, seq, ts, step, data = flat[1::2]
+                event, in_order = _decode_values(names, v, kind, run, label, epoch, seq, ts, data, step), True
+            elif order == _NAMES:
+                v, kind, run, label, epoch, seq, ts, data = flat[1::2]
+                event, in_order = _decode_values(names, v, kind, run, label, epoch, seq, ts, data, None), True
+        decoded.append(event if event is not None else _decode_by_name(key, flat, in_order))
+    return decoded
+
+
+def _decode_by_name(key: str, flat: FlatEntry, in_order: bool) -> Event | InvalidEntry:
+    """An entry from a dict of its fields: if it is plainly valid (and was not already found not
+    to be, `in_order`), quickly; else by the reference, which converts it or says why not."""
     fields = wire.fields_dict(flat)
-    if not in_order:  # written in another field order (by hand, another client)
-        event = _decode_plain(key, fields)
+    event = None if in_order else _decode_plain(key, fields)
     return event if event is not None else _decode_by_reference(key, fields)
 
 
@@ -160,7 +166,8 @@ def _plain_data(kind: str, raw: bytes, data: dict[str, Any]) -> dict[str, Any] |
             return None
     if not data:
         return None if kind == "metric" else data
-    if not _plain_numbers(data.values()):
+    values = data.values()
+    if not _FLOAT.issuperset(map(type, values)) and not _plain_numbers(values):
         return None
     # Keys are no longer than the JSON holding them, and an empty key is written `""`.
     if (len(raw) > 256 or b'""' in raw) and not 0 < min(map(len, data)) <= max(map(len, data)) <= 256:
@@ -206,7 +213,7 @@ def _decode_by_columns(
             return None
         decoded[shape] = iter(by_columns)
     others = [flat for flat, its in zip(entries, shapes, strict=True) if its == 0]
-    decoded[0] = iter([_decode_one(key, names, flat) for flat in others])
+    decoded[0] = iter(_decode_each(key, names, others))
     return [next(decoded[shape]) for shape in shapes]
 
 
