@@ -308,3 +308,39 @@ def test_clean_streams_are_decoded_by_columns(flavour):
 
 def test_each_decoder_name_is_one_config_documents():
     assert sorted(decoding.DECODERS) == sorted(config.DECODERS)
+
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=4),
+    st.sampled_from(["stdout", "NaN", "-Infinity", "INFO"]),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=2), st.dictionaries(st.text(max_size=3), inner, max_size=2)
+    ),
+    max_leaves=4,
+)
+data_names = st.sampled_from(
+    ["stream", "text", "level", "primary", "config", "exit_code", "loss", "", "x" * 257]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(sorted(wire.KINDS)),
+    st.dictionaries(data_names, json_values, max_size=4),
+    st.integers(1, 12),
+)
+def test_any_json_data_of_any_kind_is_decoded_or_refused_alike(kind, data, count):
+    """Whatever JSON object an entry's data holds, each path stores it or says why not, the same
+    way, and neither raises anything but InvalidEntry (a TypeError once stopped the worker)."""
+    key = wire.stream_key(RUN, LABEL)
+    step = 3 if kind == "metric" else None
+    flat = as_read(wire.encode_fields(kind, RUN, LABEL, 1, 1, 1.0, json.dumps(data).encode(), step))
+    reference = outcomes(wire.decode_stream(key, [flat] * count))
+    assert outcomes(decoding.decode_stream_fast(key, [flat] * count)) == reference
