@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from typing import Any, cast
 
@@ -80,7 +80,7 @@ def _key_names(key: str) -> KeyNames | None:
     return None if names is None else (*names, names[0].encode(), names[1].encode())
 
 
-def _decode_each(key: str, names: KeyNames | None, flats: list[FlatEntry]) -> list[Event | InvalidEntry]:
+def _decode_each(key: str, names: KeyNames | None, flats: Sequence[FlatEntry]) -> list[Event | InvalidEntry]:
     """Entry by entry: by position when written in the producers' order, else from a dict; the
     reference for an entry that is not plainly valid."""
     decoded: list[Event | InvalidEntry] = []
