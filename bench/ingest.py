@@ -2,8 +2,9 @@
 
 EVENTS events from 8 labels are pre-loaded into Redis, the same way for every measurement. The
 raw ceiling is measured in the same run on an identical copy: XREADGROUP + orjson decode + XACK
-and no storage. Stores: SQLite always, PostgreSQL when RUNBUS_BENCH_POSTGRES_DSN is set (or
---postgres starts a throwaway cluster, as the tests do).
+and no validation or storage. The workers decode with the path RUNBUS_DECODER names (the fast
+one unless it says `reference`), reported as "decoder". Stores: SQLite always, PostgreSQL when
+RUNBUS_BENCH_POSTGRES_DSN is set (or --postgres starts a throwaway cluster, as the tests do).
 
     python bench/ingest.py [--events 1000000] [--postgres]
 """
@@ -26,7 +27,7 @@ import psutil
 import redis
 from common import ROOT, emit, private_redis
 
-from runbus import wire
+from runbus import config, wire
 
 LABELS = 8
 PRELOAD_BATCH = 5000
@@ -225,7 +226,7 @@ def main() -> None:
         finally:
             if server is not None:
                 server.cleanup()
-    emit("ingest", {"events": args.events, **results})
+    emit("ingest", {"events": args.events, "decoder": config.decoder(), **results})
 
 
 if __name__ == "__main__":

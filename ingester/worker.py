@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
+from typing import cast
 
 from redis.asyncio import Redis
 from redis.crc import key_slot
@@ -30,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import config, storage, wire
 from runbus.config import safe_url
 from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
-from runbus.ingester import maintenance, telemetry
+from runbus.ingester import decoding, maintenance, telemetry
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
 from runbus.redis import access_denied, async_client, is_cluster
@@ -172,9 +173,9 @@ def decode_batch(
         ids, fieldses = zip(*items, strict=True)
         # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
         flats = fieldses if dict not in set(map(type, fieldses)) else list(map(_as_flat, fieldses))
-        decoded = wire.decode_stream(key, flats)
+        decoded = decoding.decode_stream(key, flats)
         if _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, without a loop in Python
-            events += decoded
+            events += cast("list[wire.Event]", decoded)
             sources += zip(repeat(key), ids, fieldses, strict=False)
             continue
         for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
@@ -191,16 +192,16 @@ _KIND, _RUN = attrgetter("kind"), attrgetter("run")
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
-    return fields if type(fields) is dict else wire.fields_dict(fields)
+    return fields if isinstance(fields, dict) else wire.fields_dict(fields)
 
 
 def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | None:
-    return [item for pair in fields.items() for item in pair] if type(fields) is dict else fields
+    return [item for pair in fields.items() for item in pair] if isinstance(fields, dict) else fields
 
 
 def _raw_reply(response, **options):
     """XREADGROUP's reply as the server sent it: entries stay flat [name, value, ...] lists,
-    decoded by position (wire.decode_stream) instead of becoming a dict each."""
+    decoded by position (decoding.decode_stream) instead of becoming a dict each."""
     return response
 
 
@@ -293,12 +294,13 @@ class Worker:
         )
         started = time.monotonic()
         log.info(
-            "worker %s starting: redis %s, store %s, group %s%s",
+            "worker %s starting: redis %s, store %s, group %s%s%s",
             settings.consumer,
             safe_url(settings.redis_url),
             safe_url(settings.store_url),
             settings.group,
             " (burst)" if settings.burst else "",
+            "" if decoding.decoder_in_use == "fast" else f", {decoding.decoder_in_use} decoder",
         )
         try:
             await self._with_redis(self.store.connect, retry_store=True)

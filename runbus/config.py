@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from runbus.errors import CommandError
+
 if TYPE_CHECKING:
     from redis.backoff import AbstractBackoff, EqualJitterBackoff
 
@@ -24,9 +26,12 @@ LABEL_ENV = "RUNBUS_LABEL"
 CONSOLE_ENV = "RUNBUS_CONSOLE"
 API_TOKEN_ENV = "RUNBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a token
 DEMO_STEPS_ENV = "RUNBUS_DEMO_STEPS"
+DECODER_ENV = "RUNBUS_DECODER"
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STORE_FILE = "runbus.db"
+# The ingester's stream decoders: its fast path (the default), and runbus.wire's reference.
+DECODERS = ("fast", "reference")
 
 # Query parameters that carry a secret in a Redis or database URL (`?password=…`).
 _SECRET_QUERY = frozenset({"password", "pass", "passwd", "token", "auth", "secret", "sslpassword"})
@@ -60,6 +65,15 @@ def default_store_url(env: Mapping[str, str] | None = None) -> str:
     every command finds the same runs from any working directory."""
     env = os.environ if env is None else env
     return env.get(STORE_ENV) or f"sqlite:///{data_dir(env) / STORE_FILE}"
+
+
+def decoder(env: Mapping[str, str] | None = None) -> str:
+    """Which decoder the ingester uses, from RUNBUS_DECODER: 'fast' (the default) or 'reference'
+    (runbus.wire's, entry by entry: the same results, slower; to rule the fast path out)."""
+    name = (os.environ if env is None else env).get(DECODER_ENV) or DECODERS[0]
+    if name not in DECODERS:
+        raise CommandError(f"{DECODER_ENV}={name[:40]!r} is not one of: {', '.join(DECODERS)}")
+    return name
 
 
 def safe_url(url: str) -> str:

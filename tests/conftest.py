@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from runbus.ingester import decoding
 from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
 from tests.pgserver import LocalPostgres, PostgresNotFound, create_database, drop_database
 
@@ -20,6 +21,18 @@ def missing_server(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required under CI=true but none could be started", pytrace=False)
     pytest.skip(f"{what} is not available")
+
+
+@pytest.fixture(params=sorted(decoding.DECODERS))
+def decoder(request: pytest.FixtureRequest) -> Iterator[decoding.Decoder]:
+    """The ingester decoding with each of its paths in turn (runbus.ingester.decoding: the fast
+    one and runbus.wire's reference): its decode_stream, also what an in-process Worker uses."""
+    before = decoding.decoder_in_use
+    decoding.use(request.param)
+    try:
+        yield decoding.decode_stream
+    finally:
+        decoding.use(before)
 
 
 def docker_answers() -> bool:

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from runbus import wire
+from runbus.config import DECODER_ENV
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 
 
@@ -43,7 +44,7 @@ def test_workers_finishing_first_then_the_primary(client, redis_url, store_url):
     assert read_store(store_url, "run", "fin").state == "finished"
 
 
-def test_shuffled_and_repeated_entries_with_finish_before_start(client, redis_url, store_url):
+def test_shuffled_and_repeated_entries_with_finish_before_start(client, redis_url, store_url, decoder):
     rnd = random.Random(7)
     entries = []
     for label, primary in (("rank0", True), ("rank1", False)):
@@ -92,10 +93,14 @@ BAD_ENTRIES = {
     "needs an integer 'exit_code'": good_fields(kind="finish", data=b'{"exit_code": "0"}', step=None),
     "over the limit": good_fields(data=b'{"x": 1, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'),
     "not UTF-8": good_fields(kind=b"\xff\xfe"),
+    # Unhashable where the contract looks a name up: once a TypeError that stopped the worker.
+    "log stream must be one of": good_fields(
+        kind="log", data=b'{"stream": ["stdout"], "text": "a"}', step=None
+    ),
 }
 
 
-def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url, store_url):
+def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url, store_url, decoder):
     key = wire.stream_key("bad", "rank0")
     ids = {reason: client.xadd(key, fields) for reason, fields in BAD_ENTRIES.items()}
     xadd_event(client, "bad", "rank0", "metric", 1, 2, {"ok": 2.0}, step=1)
@@ -157,7 +162,7 @@ def test_entries_no_store_can_hold_are_dead_lettered_and_the_rest_of_their_batch
         assert client.xpending(wire.stream_key(run, "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
 
 
-def test_non_finite_values_round_trip(client, redis_url, store_url):
+def test_non_finite_values_round_trip(client, redis_url, store_url, decoder):
     data = {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "big": 1e308, "int": 7}
     xadd_event(client, "nf", "rank0", "metric", 1, 1, data, step=0)
     ingest(redis_url, store_url)
@@ -165,6 +170,65 @@ def test_non_finite_values_round_trip(client, redis_url, store_url):
     assert values["nan"] != values["nan"]
     assert values["inf"] == float("inf") and values["ninf"] == float("-inf")
     assert values["big"] == 1e308 and values["int"] == 7
+
+
+def write_every_kind(client) -> None:
+    """Two labels of every kind of event (metrics at steps, without, with "NaN"; system figures;
+    logs), enough of each for the fast path's columns, and every kind of bad entry."""
+    for label, primary in (("rank0", True), ("rank1", False)):
+        xadd_event(client, "both", label, "start", 1, 1, {"primary": primary, "config": {"lr": 0.1}})
+        for seq in range(2, 62):
+            data = {"loss": 1 / seq, "n": seq, **({"odd": "NaN"} if seq % 17 == 0 else {})}
+            xadd_event(client, "both", label, "metric", 1, seq, data, step=seq if seq % 5 else None)
+        for seq in range(62, 72):
+            xadd_event(client, "both", label, "system", 1, seq, {"proc.rss_mb": seq + 0.5, "gpu.0.util": 7})
+        xadd_event(client, "both", label, "log", 1, 72, {"stream": "stderr", "level": "ERROR", "text": "x"})
+        xadd_event(client, "both", label, "heartbeat", 1, 73, {"dropped": 0})
+        xadd_event(client, "both", label, "finish", 1, 74, {"exit_code": 0 if primary else 3})
+    for fields in BAD_ENTRIES.values():
+        client.xadd(wire.stream_key("bad", "rank0"), fields)
+
+
+def test_the_worker_ingests_identically_with_the_reference_decoder(client, redis_url, tmp_path):
+    """`runbus ingest --burst` with RUNBUS_DECODER=reference stores and dead-letters exactly what
+    the default fast path does."""
+    stored = {}
+    for decoder in ("fast", "reference"):
+        client.flushdb()
+        write_every_kind(client)
+        store_url = f"sqlite:///{tmp_path / decoder}.db"
+        result = run_cli(
+            "--store", store_url, "ingest", "--redis", redis_url, "--burst", env={DECODER_ENV: decoder}
+        )
+        assert ("reference decoder" in result.stderr) == (decoder == "reference"), result.stderr
+        dead = [(f[b"source_stream"], f[b"reason"]) for _, f in client.xrange(wire.DEAD_LETTER_KEY)]
+        stored[decoder] = (
+            read_store(store_url, "run", "both"),
+            read_store(store_url, "metrics", "both"),
+            read_store(store_url, "system", "both"),
+            read_store(store_url, "logs", "both"),
+            dead,
+        )
+    run, metrics, system, logs, dead = stored["reference"]
+    assert (run.state, run.counts) == ("finished", {"metric": 120, "log": 2, "system": 20})
+    assert len(metrics) == 2 * (60 * 2 + 3) and len(system) == 2 * 10 * 2 and len(logs) == 2
+    assert len(dead) == len(BAD_ENTRIES)
+    assert stored["fast"] == stored["reference"]
+
+
+def test_an_unknown_decoder_is_one_line_and_exit_1(redis_url, store_url):
+    result = run_cli(
+        "--store",
+        store_url,
+        "ingest",
+        "--redis",
+        redis_url,
+        "--burst",
+        env={DECODER_ENV: "turbo"},
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr == "runbus: RUNBUS_DECODER='turbo' is not one of: fast, reference\n"
 
 
 def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis_url, store_url):

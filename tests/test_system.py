@@ -308,15 +308,21 @@ def test_only_the_machine_wide_label_has_machine_figures(sampler, monkeypatch) -
     assert any(k.startswith("sys.") for k in sampler(machine_wide=True).sample())
 
 
-def test_system_figures_are_valid_wire_data(sampler, nvml) -> None:
+def test_system_figures_are_valid_wire_data(sampler, nvml, decoder) -> None:
     fake = nvml(1)
     fake.gpus[0].processes = [(os.getpid(), 5 * MIB)]
     figures = sampler(machine_wide=True).sample()
     data = json.dumps(figures).encode()
     fields = wire.encode_fields("system", "run-1", "rank0", 1, 1, time.time(), data, None)
-    raw = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
-    event = wire.decode_entry(wire.stream_key("run-1", "rank0"), raw)
-    assert event.data == figures
+    flat = [
+        part
+        for k, v in fields.items()
+        for part in (k.encode(), v if isinstance(v, bytes) else str(v).encode())
+    ]
+    # One sample, and a stream of them (which the ingester's fast path decodes by columns).
+    [event] = decoder(wire.stream_key("run-1", "rank0"), [flat])
+    assert isinstance(event, wire.Event) and event.data == figures
+    assert decoder(wire.stream_key("run-1", "rank0"), [flat] * 10) == [event] * 10
     assert "gpu.0.proc_mem_mb" in event.data
 
 
