@@ -158,7 +158,8 @@ async def _known_run(store: storage.Store, run_id: str, url: str) -> storage.Run
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from runbus.ingester.worker import Worker, WorkerSettings
+    from runbus.ingester.supervisor import ingest
+    from runbus.ingester.worker import WorkerSettings
 
     settings = WorkerSettings(
         redis_url=args.redis,
@@ -174,16 +175,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     if args.consumer:
         settings.consumer = args.consumer
-    if args.workers != 1:
-        from runbus.ingester.supervisor import Supervisor, SupervisorSettings
-
-        setup = functools.partial(configure_logging, args.log_level or "INFO")
-        return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
-    if args.http:
-        from runbus.ingester.http import run_worker
-
-        return run_worker(Worker(settings), args.http)
-    return Worker(settings).run()
+    setup = functools.partial(configure_logging, args.log_level or "INFO")
+    return ingest(settings, args.workers, args.http, setup)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
