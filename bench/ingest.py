@@ -145,6 +145,7 @@ def measure(url: str, store_url: str, events: int, workers: int, http: bool = Fa
     client = redis.Redis.from_url(url)
     client.flushdb()
     client.close()
+    start_up_cpu = idle_cpu_seconds(url, store_url, workers, http)
     run_id = f"bench-{workers}w"
     preload(url, run_id, events)
     keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
@@ -160,6 +161,7 @@ def measure(url: str, store_url: str, events: int, workers: int, http: bool = Fa
     wall, sustained = burst(url, store_url, workers, keys, http)
     after = cpu_seconds(redis_server)
     stored = events - events % LABELS
+    worker_cpu = after[0] - before[0]
     return {
         "workers": workers,
         "events": stored,
@@ -170,10 +172,24 @@ def measure(url: str, store_url: str, events: int, workers: int, http: bool = Fa
         "raw_ceiling_passes": [round(rate) for rate in passes],
         "fraction_of_ceiling": round(stored / sustained / ceiling, 2),
         "cpu_us_per_event": {
-            part: None if b is None else round((a - b) / stored * 1e6, 2)
-            for part, a, b in zip(("workers", "redis", "rest"), after, before, strict=True)
+            **{
+                part: None if b is None else round((a - b) / stored * 1e6, 2)
+                for part, a, b in zip(("workers", "redis", "rest"), after, before, strict=True)
+            },
+            "workers_without_start_up": round((worker_cpu - start_up_cpu) / stored * 1e6, 2),
         },
+        "start_up_cpu_s": round(start_up_cpu, 3),
     }
+
+
+def idle_cpu_seconds(url: str, store_url: str, workers: int, http: bool) -> float:
+    """CPU seconds of the same workers over an empty Redis: the fixed cost of starting (the
+    interpreter, imports, connecting, the store's schema) and exiting, which the CPU per event
+    of a short run would otherwise carry (an --http worker imports aiohttp and prometheus_client
+    too), left out of `workers_without_start_up`."""
+    before = cpu_seconds(None)[0]
+    burst(url, store_url, workers, [], http)
+    return cpu_seconds(None)[0] - before
 
 
 def local_process(client: redis.Redis) -> psutil.Process | None:
