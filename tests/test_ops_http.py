@@ -31,6 +31,7 @@ from runbus.ingester.process import GC_THRESHOLDS
 from runbus.ingester.stats import WorkerStats
 from runbus.ingester.worker import Worker, WorkerSettings
 from tests.helpers import ingest_command, read_store, run_cli, xadd_event
+from tests.test_supervisor import free_ports
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
 SAMPLE = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? \S+$")
@@ -334,8 +335,6 @@ def test_the_cli_serves_them_set_up_and_drains_on_sigterm(redis_url, store_url):
 
 
 def test_every_worker_of_a_supervisor_is_set_up_and_serves(redis_url, store_url):
-    from tests.test_supervisor import free_ports
-
     seed(redis_url, "supervised", 300)
     base = free_ports(2)
     command = ingest_command(redis_url, store_url, "--workers", "2", "--consumer", "sup", "--http", str(base))
