@@ -4,9 +4,11 @@ EVENTS events from 8 labels are pre-loaded into Redis, the same way for every me
 raw ceiling is measured in the same run on an identical copy: XREADGROUP + orjson decode + XACK
 and no validation or storage. The workers decode with the path RUNBUS_DECODER names (the fast
 one unless it says `reference`), reported as "decoder". Stores: SQLite always, PostgreSQL when
-RUNBUS_BENCH_POSTGRES_DSN is set (or --postgres starts a throwaway cluster, as the tests do).
+RUNBUS_BENCH_POSTGRES_DSN is set (or --postgres starts a throwaway cluster, as the tests do). With
+--http each worker serves its ops endpoints (`runbus ingest --http`, as the Dockerfile runs it), on
+a port of its own.
 
-    python bench/ingest.py [--events 1000000] [--postgres]
+    python bench/ingest.py [--events 1000000] [--postgres] [--http]
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int 
     Each pass re-reads every entry (the group is set back to the start); the fraction is taken
     of the best pass, since this shared VM's rates vary by a fifth from one second to the next.
     """
-    from runbus.ingester.worker import GC_THRESHOLDS, _raw_reply
+    from runbus.ingester.process import GC_THRESHOLDS
+    from runbus.ingester.worker import _raw_reply
     from runbus.redis import async_client
 
     client = async_client(url)
@@ -99,10 +102,11 @@ async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int 
     return rates
 
 
-def burst(url: str, store_url: str, workers: int, keys: list[str]) -> tuple[float, float]:
+def burst(url: str, store_url: str, workers: int, keys: list[str], http: bool = False) -> tuple[float, float]:
     """Seconds for `workers` concurrent `runbus ingest --burst` processes until all are done:
     (from launch, from the first entry read). The second is the sustained rate's window: it
-    leaves out the interpreter's start, imports and connecting, as the raw ceiling does."""
+    leaves out the interpreter's start, imports and connecting, as the raw ceiling does. With
+    `http`, each serves its ops endpoints on a free loopback port."""
     cmd = [
         sys.executable,
         "-m",
@@ -115,6 +119,7 @@ def burst(url: str, store_url: str, workers: int, keys: list[str]) -> tuple[floa
         "--redis",
         url,
         "--burst",
+        *(["--http", "127.0.0.1:0"] if http else []),
     ]
     client = redis.Redis.from_url(url)
     started = time.perf_counter()
@@ -138,10 +143,11 @@ def first_read(client: redis.Redis, key: str) -> bool:
     return any(group["pending"] or group.get("entries-read") for group in client.xinfo_groups(key))
 
 
-def measure(url: str, store_url: str, events: int, workers: int) -> dict:
+def measure(url: str, store_url: str, events: int, workers: int, http: bool = False) -> dict:
     client = redis.Redis.from_url(url)
     client.flushdb()
     client.close()
+    start_up_cpu = idle_cpu_seconds(url, store_url, workers, http)
     run_id = f"bench-{workers}w"
     preload(url, run_id, events)
     keys = [wire.stream_key(run_id, f"rank{i}") for i in range(LABELS)]
@@ -154,9 +160,10 @@ def measure(url: str, store_url: str, events: int, workers: int) -> dict:
     redis_server = local_process(client)
     client.close()
     before = cpu_seconds(redis_server)
-    wall, sustained = burst(url, store_url, workers, keys)
+    wall, sustained = burst(url, store_url, workers, keys, http)
     after = cpu_seconds(redis_server)
     stored = events - events % LABELS
+    worker_cpu = after[0] - before[0]
     return {
         "workers": workers,
         "events": stored,
@@ -167,10 +174,24 @@ def measure(url: str, store_url: str, events: int, workers: int) -> dict:
         "raw_ceiling_passes": [round(rate) for rate in passes],
         "fraction_of_ceiling": round(stored / sustained / ceiling, 2),
         "cpu_us_per_event": {
-            part: None if b is None else round((a - b) / stored * 1e6, 2)
-            for part, a, b in zip(("workers", "redis", "rest"), after, before, strict=True)
+            **{
+                part: None if b is None else round((a - b) / stored * 1e6, 2)
+                for part, a, b in zip(("workers", "redis", "rest"), after, before, strict=True)
+            },
+            "workers_without_start_up": round((worker_cpu - start_up_cpu) / stored * 1e6, 2),
         },
+        "start_up_cpu_s": round(start_up_cpu, 3),
     }
+
+
+def idle_cpu_seconds(url: str, store_url: str, workers: int, http: bool) -> float:
+    """CPU seconds of the same workers over an empty Redis: the fixed cost of starting (the
+    interpreter, imports, connecting, the store's schema) and exiting, which the CPU per event
+    of a short run would otherwise carry (an --http worker imports aiohttp and prometheus_client
+    too), left out of `workers_without_start_up`."""
+    before = cpu_seconds(None)[0]
+    burst(url, store_url, workers, [], http)
+    return cpu_seconds(None)[0] - before
 
 
 def local_process(client: redis.Redis) -> psutil.Process | None:
@@ -200,13 +221,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--postgres", action="store_true", help="start a throwaway PostgreSQL cluster")
+    parser.add_argument(
+        "--http", action="store_true", help="workers serve their ops endpoints (ingest --http)"
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     results: dict = {}
     with private_redis() as url, tempfile.TemporaryDirectory() as tmp:
         for workers in (1, 2):
             results[f"sqlite_{workers}w"] = measure(
-                url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers
+                url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers, args.http
             )
         dsn = os.environ.get("RUNBUS_BENCH_POSTGRES_DSN")
         server = None
@@ -222,11 +246,11 @@ def main() -> None:
 
                 for workers in (1, 2):
                     store = asyncio.run(create_database(dsn))
-                    results[f"postgres_{workers}w"] = measure(url, store, args.events, workers)
+                    results[f"postgres_{workers}w"] = measure(url, store, args.events, workers, args.http)
         finally:
             if server is not None:
                 server.cleanup()
-    emit("ingest", {"events": args.events, "decoder": config.decoder(), **results})
+    emit("ingest", {"events": args.events, "decoder": config.decoder(), "http": args.http, **results})
 
 
 if __name__ == "__main__":

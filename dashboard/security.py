@@ -3,25 +3,24 @@
 With a token every request needs it, as `Authorization: Bearer TOKEN`, as `?token=TOKEN` (how a
 browser opens the page), or as the HttpOnly cookie a valid `?token=` sets so the page's own
 scripts and styles load. Without a token the server listens on loopback only and answers only
-requests addressed to a loopback name, so a web page elsewhere cannot reach it by DNS rebinding.
+requests addressed to a loopback name (runbus/loopback.py), so a web page elsewhere cannot reach it
+by DNS rebinding.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from runbus.config import API_TOKEN_ENV
 from runbus.errors import TokenRequired
+from runbus.loopback import Handler, Middleware, is_loopback, loopback_requests_only, refuse_in_text
 
 TOKEN_ENV = API_TOKEN_ENV
 COOKIE = "runbus_token"
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 # The page loads its own script, style and icon, and fetches its own API: nothing else, ever.
 CONTENT_SECURITY_POLICY = (
@@ -37,19 +36,6 @@ HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, IPv6 with or without brackets) is loopback only."""
-    host = host.strip().strip("[]").lower()
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_binding(host: str, token: str | None) -> None:
@@ -74,18 +60,16 @@ def _bearer(request: web.Request) -> str | None:
 def _refuse(request: web.Request, status: int, reason: str) -> web.Response:
     if request.path.startswith("/api/"):
         return web.json_response({"error": reason}, status=status)
-    return web.Response(status=status, text=f"{status}: {reason}\n")
+    return refuse_in_text(request, status, reason)
 
 
-def auth_middleware(token: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(token: str | None) -> Middleware:
     """The token check when a token is set, else the loopback Host check."""
+    if token is None:
+        return loopback_requests_only(_refuse)
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is None:
-            if not is_loopback(request.url.host or ""):
-                return _refuse(request, 403, "this server answers only requests addressed to loopback")
-            return await handler(request)
         from_query = request.query.get("token")
         if token_matches(_bearer(request), token) or token_matches(request.cookies.get(COOKIE), token):
             return await handler(request)

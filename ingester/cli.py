@@ -96,7 +96,7 @@ def add_demo(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from runbus.ingester.worker import Worker, WorkerSettings
+    from runbus.ingester.worker import WorkerSettings
 
     settings = WorkerSettings(
         redis_url=args.redis,
@@ -112,17 +112,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     if args.consumer:
         settings.consumer = args.consumer
-    if args.workers != 1:
-        from runbus.cli import configure_logging
-        from runbus.ingester.supervisor import Supervisor, SupervisorSettings
+    from runbus.cli import configure_logging
+    from runbus.ingester.supervisor import ingest
 
-        setup = functools.partial(configure_logging, args.log_level)
-        return Supervisor(settings, SupervisorSettings(workers=args.workers, http=args.http), setup).run()
-    if args.http:
-        from runbus.ingester.http import run_worker
-
-        return run_worker(Worker(settings), args.http)
-    return Worker(settings).run()
+    return ingest(settings, args.workers, args.http, functools.partial(configure_logging, args.log_level))
 
 
 def cmd_dead(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 The server runs on the worker's own event loop and reads its live counters; Redis and the store
 are asked through the worker's own clients. Every worker process serves its own: with
 `--workers N`, worker i listens on PORT+i, one Prometheus target each (nothing to aggregate
-across processes, and each one's /readyz speaks for that process).
+across processes, and each one's /readyz speaks for that process). Bound to loopback, it answers
+only requests addressed to loopback (runbus/loopback.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
-from runbus.dashboard.security import is_loopback
 from runbus.errors import AccessDenied, CannotListen, StoreError
 from runbus.ingester import telemetry
+from runbus.loopback import is_loopback, loopback_requests_only
 
 if TYPE_CHECKING:
     from runbus.ingester.worker import Worker
@@ -63,12 +65,16 @@ class OpsServer:
         self.worker = worker
         self.host, self.port = host, port
         self._runner: web.AppRunner | None = None
-        self._missing: dict[str, int] | None = None
+        settings = worker.settings
+        self.collector = telemetry.WorkerCollector(
+            worker.stats, settings.consumer, settings.group, MAX_STREAM_SERIES
+        )
+        self.registry = telemetry.worker_registry(self.collector)
         self._missing_next = 0.0
         self._missing_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        middlewares = [self._loopback_only] if is_loopback(self.host) else []
+        middlewares = [loopback_requests_only()] if is_loopback(self.host) else []
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -101,14 +107,6 @@ class OpsServer:
             await self._runner.cleanup()
             self._runner = None
 
-    @web.middleware
-    async def _loopback_only(self, request: web.Request, handler) -> web.StreamResponse:
-        # Bound to loopback: answer only requests addressed to loopback, so that a web page
-        # cannot read the endpoints through DNS rebinding.
-        if not is_loopback(request.url.host or ""):
-            return web.Response(status=403, text="403: only requests addressed to loopback are answered\n")
-        return await handler(request)
-
     async def healthz(self, request: web.Request) -> web.Response:
         """The process and its event loop answer."""
         consumer = self.worker.settings.consumer
@@ -139,17 +137,12 @@ class OpsServer:
         return "ok"
 
     async def metrics(self, request: web.Request) -> web.Response:
-        worker = self.worker
+        """The worker's registry, in the format the scraper asks for (Prometheus' text format
+        unless it accepts OpenMetrics), as prometheus_client's own servers choose it."""
         self._refresh_missing()
-        text = telemetry.render(
-            worker.stats,
-            worker.settings.consumer,
-            worker.settings.group,
-            await self._backlog(),
-            self._missing,
-            MAX_STREAM_SERIES,
-        )
-        return web.Response(body=text.encode(), headers={"Content-Type": telemetry.CONTENT_TYPE})
+        self.collector.backlog = await self._backlog()
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
 
     async def _backlog(self) -> list[telemetry.StreamBacklog] | None:
         """XINFO GROUPS of every stream the worker reads, pipelined; None if Redis is away."""
@@ -202,7 +195,7 @@ class OpsServer:
         except (StoreError, AccessDenied) as exc:
             log.debug("gaps not computed: %s", exc)
         else:
-            self._missing = missing
+            self.collector.missing = missing
         finally:
             took = time.monotonic() - started
             self._missing_next = time.monotonic() + max(GAPS_INTERVAL, GAPS_COST_SHARE * took)
@@ -216,13 +209,3 @@ async def serve_while_running(worker: Worker, host: str, port: int) -> None:
         await worker.async_run()
     finally:
         await server.stop()
-
-
-def run_worker(worker: Worker, address: tuple[str, int]) -> int:
-    """`Worker.run()` with the ops server: the exit code (1 if the address cannot be bound, or
-    access is denied)."""
-    try:
-        return worker.run_main(lambda: asyncio.run(serve_while_running(worker, *address)))
-    except CannotListen as exc:
-        log.error("%s", exc)
-        return 1

@@ -43,7 +43,9 @@ async def safe_trim_id(redis: Redis, key: str, retain_ms: int, now_ms: int) -> t
         keep = min(keep, (last[0], last[1] + 1))  # unread entries come after the last delivered
         if group["pending"]:
             summary = await redis.xpending(key, group["name"])
-            keep = min(keep, parse_id(summary["min"]))
+            # Another consumer may have acknowledged them all since XINFO: then none is pending.
+            if summary["min"] is not None:
+                keep = min(keep, parse_id(summary["min"]))
     return keep
 
 

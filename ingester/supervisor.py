@@ -1,4 +1,6 @@
-"""`runbus ingest --workers N`: N worker processes in one consumer group, one supervisor over them.
+"""`runbus ingest`: one worker in this process, or with `--workers N` N worker processes in one
+consumer group and a supervisor over them. Either way each worker process is set up and run the
+same way (ingester/process.py).
 
 Worker i is consumer `{base}-{i}` (base: `--consumer`, else host-pid of the supervisor) in every
 life: a worker restarted after a crash comes back under its old name and first re-reads the
@@ -92,12 +94,7 @@ def run_child(
     if setup is not None:
         setup(settings.consumer)
     worker = Worker(settings)
-    if http is None:
-        code = worker.run()
-    else:
-        from runbus.ingester.http import run_worker
-
-        code = run_worker(worker, http)
+    code = worker.run(http)
     sys.exit(ACCESS_DENIED_EXIT if worker.access_denied is not None else code)
 
 
@@ -190,8 +187,7 @@ class Supervisor:
             else:
                 for slot in self.slots:
                     if slot.restart_at is not None and now >= slot.restart_at:
-                        self._start(slot)
-                        alive.append(slot.process)
+                        alive.append(self._start(slot))
                 if not alive and all(slot.restart_at is None for slot in self.slots):
                     return  # every worker finished by itself (--burst)
             wake_at = [slot.restart_at for slot in self.slots if slot.restart_at is not None]
@@ -205,16 +201,17 @@ class Supervisor:
     def _grace(self) -> float:
         return self.worker.drain_timeout + self.settings.kill_margin
 
-    def _start(self, slot: Slot) -> None:
+    def _start(self, slot: Slot) -> BaseProcess:
         slot.restart_at = None
-        slot.process = self._context.Process(
+        slot.process = process = self._context.Process(
             target=run_child,
             args=(slot.settings, slot.http, self.setup, os.getpid()),
             name=slot.settings.consumer,
         )
-        slot.process.start()
+        process.start()
         slot.started = time.monotonic()
-        log.info("worker %s started (pid %d)", slot.settings.consumer, slot.process.pid)
+        log.info("worker %s started (pid %d)", slot.settings.consumer, process.pid)
+        return process
 
     def _reap(self, now: float) -> None:
         for slot in self.slots:
@@ -274,3 +271,18 @@ def _describe(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return f"exit code {code}"
+
+
+def ingest(
+    settings: WorkerSettings,
+    workers: int = 1,
+    http: tuple[str, int] | None = None,
+    setup: Setup | None = None,
+) -> int:
+    """`runbus ingest`: the exit code. One worker runs in this process; any other count starts a
+    supervisor over that many worker processes, `setup` run first in each (the CLI configures
+    logging there). With `http` (host, port), each worker serves its ops endpoints, worker i of
+    several on port + i."""
+    if workers == 1:
+        return Worker(settings).run(http)
+    return Supervisor(settings, SupervisorSettings(workers=workers, http=http), setup).run()

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import os
-import signal
 import socket
 import time
 from collections import Counter
@@ -31,9 +29,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import config, storage, wire
 from runbus.config import safe_url
 from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
-from runbus.ingester import decoding, maintenance, telemetry
+from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
+from runbus.ingester.process import STOP_SIGNALS, run_worker
+from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster
 from runbus.storage.base import Store
 
@@ -47,14 +47,6 @@ REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError
 Source = tuple[str, bytes, dict[bytes, bytes]]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
-
-# Every event allocates a handful of container objects (none in reference cycles). At the default
-# gen-0 threshold of 700 the cyclic collector runs every ~100 events and its older generations
-# sweep every live object in turn: a third of a worker's CPU (bench/ingest.py, SQLite, one worker:
-# 41k -> 58k-75k events/s with start-up objects frozen and (20000, 50, 100); 121k-133k -> 128k-149k
-# with (100000, 20, 100), and no further gain at 400000). Raised, not disabled, so cycles (the
-# tracebacks of retried errors) are still freed.
-GC_THRESHOLDS = (100_000, 20, 100)
 
 
 @dataclass
@@ -121,29 +113,6 @@ class WorkerSettings:
     maintenance_interval: float = 30.0
     max_backoff: float = 5.0
     handle_signals: bool = True
-
-
-@dataclass
-class WorkerStats:
-    """Counters reported in the stats and shutdown lines."""
-
-    batches: int = 0
-    entries: int = 0
-    stored: int = 0
-    duplicates: int = 0
-    dead_lettered: int = 0
-    claimed: int = 0
-    poison: int = 0
-    trimmed: int = 0
-    crashed: int = 0
-    store_retries: int = 0
-    reconnects: int = 0
-    # For /metrics (ingester/http.py): valid events written by kind, batch sizes, write times,
-    # and when each run was last written to (time.time()).
-    by_kind: dict[str, int] = field(default_factory=dict)
-    batch_sizes: telemetry.Histogram = field(default_factory=telemetry.batch_size_histogram)
-    write_seconds: telemetry.Histogram = field(default_factory=telemetry.write_seconds_histogram)
-    runs_written: dict[str, float] = field(default_factory=dict)
 
 
 def decode_batch(
@@ -243,26 +212,15 @@ class Worker:
         # Why run() stopped the worker with exit code 1, if Redis or the store refused access.
         self.access_denied: AccessDenied | None = None
 
-    def run(self) -> int:
-        """Run until stopped (or, with burst, until nothing is left); the exit code (run_main).
+    def run(self, http: tuple[str, int] | None = None) -> int:
+        """Run as this process's one job until stopped (or, with burst, until nothing is left),
+        with the ops endpoints on `http` (host, port) if given; the exit code.
 
-        The process is the worker's own here, so its garbage collector is tuned for ingesting
-        (see GC_THRESHOLDS); async_run() leaves an embedding process's collector alone.
+        The process is the worker's own here: it is set up as every worker process is
+        (ingester/process.py: its garbage collector tuned for ingesting); async_run() leaves an
+        embedding process alone.
         """
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
-        return self.run_main(lambda: asyncio.run(self.async_run()))
-
-    def run_main(self, main: Callable[[], object]) -> int:
-        """Run `main`, which runs this worker, as a process's main; the exit code: 1 when Redis
-        or the store refused access (logged in one line, kept in `access_denied`), else 0."""
-        try:
-            main()
-        except AccessDenied as exc:
-            self.access_denied = exc
-            log.error("worker %s stopped: %s", self.settings.consumer, exc)
-            return 1
-        return 0
+        return run_worker(self, http)
 
     def request_stop(self) -> None:
         """Stop reading; the batches in flight are finished and acknowledged first, for at most
@@ -285,7 +243,7 @@ class Worker:
         settings = self.settings
         loop = asyncio.get_running_loop()
         if settings.handle_signals:
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in STOP_SIGNALS:
                 loop.add_signal_handler(signum, self.request_stop)
         self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
         self.redis.set_response_callback("XREADGROUP", _raw_reply)
@@ -317,7 +275,7 @@ class Worker:
             await self._release_consumer()
         finally:
             if settings.handle_signals:
-                for signum in (signal.SIGTERM, signal.SIGINT):
+                for signum in STOP_SIGNALS:
                     loop.remove_signal_handler(signum)
             await self.store.close()
             await self.redis.aclose()

@@ -1,11 +1,13 @@
 """The ingester's ops endpoints: /healthz, /readyz against real and missing servers, /metrics in
-Prometheus' text format with the worker's live figures."""
+Prometheus' text format with the worker's live figures; the process setup every way of running a
+worker gets (ingester/process.py), seen in its log and its /metrics."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import gc
 import re
 import signal
 import socket
@@ -15,18 +17,53 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import prometheus_client
 import pytest
 import redis
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families
 
 from runbus import wire
 from runbus.ingester import telemetry
 from runbus.ingester.http import OpsServer, parse_address
 from runbus.ingester.localredis import free_port
+from runbus.ingester.process import GC_THRESHOLDS
+from runbus.ingester.stats import WorkerStats
 from runbus.ingester.worker import Worker, WorkerSettings
-from tests.helpers import ingest_command, xadd_event
+from tests.helpers import ingest_command, read_store, run_cli, xadd_event
+from tests.test_supervisor import free_ports
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
 SAMPLE = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? \S+$")
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+# Every name of the README's metric table, as a metric family or one of its samples.
+README_METRICS = (
+    "runbus_ingested_events_total",
+    "runbus_stored_events_total",
+    "runbus_duplicate_events_total",
+    "runbus_entries_total",
+    "runbus_batches_total",
+    "runbus_batch_size_entries",
+    "runbus_store_write_seconds",
+    "runbus_lag_entries",
+    "runbus_pending_entries",
+    "runbus_streams",
+    "runbus_stream_lag_entries",
+    "runbus_stream_pending_entries",
+    "runbus_dead_lettered_total",
+    "runbus_poison_total",
+    "runbus_missing_events",
+    "runbus_reconnects_total",
+    "runbus_store_retries_total",
+    "runbus_claimed_total",
+    "runbus_trimmed_total",
+    "runbus_crashed_labels_total",
+)
+# The line a worker process logs as it starts (ingester/process.py).
+SETUP_LINE = re.compile(
+    r"worker (\S+) in process (\d+): gc thresholds \(100000, 20, 100\), (\d+) start-up objects frozen; "
+    r"SIGTERM, SIGINT finish the batches in flight \(at most 10s\), then stop"
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -80,17 +117,45 @@ def test_parse_address():
             parse_address(bad)
 
 
-def test_histogram_and_escaping_follow_the_text_format():
-    histogram = telemetry.Histogram((1, 10))
-    for value in (0.5, 1, 5, 50):
-        histogram.observe(value)
-    out = telemetry.Exposition()
-    out.histogram("h", "help", histogram)
-    out.family("g", "gauge", "help", [({"stream": 'a"b\\c\nd'}, float("nan"))])
-    samples = parse_metrics(out.text())
-    assert [samples[f'h_bucket{{le="{le}"}}'] for le in ("1.0", "10.0", "+Inf")] == [2, 3, 4]
-    assert samples["h_count"] == 4 and samples["h_sum"] == 56.5
-    assert 'g{stream="a\\"b\\\\c\\nd"} NaN' in out.text()
+def exposition(stats: WorkerStats, consumer: str = "c", **scraped) -> str:
+    """What a scrape of a worker with these figures returns (text format)."""
+    collector = telemetry.WorkerCollector(stats, consumer, "g", max_streams=2)
+    for name, value in scraped.items():
+        setattr(collector, name, value)
+    return prometheus_client.generate_latest(telemetry.worker_registry(collector)).decode()
+
+
+def test_histograms_and_escaping_follow_the_text_format():
+    stats = WorkerStats()
+    for value in (0.5, 1, 5, 50):  # into the buckets up to 1, 10, 50
+        stats.batch_sizes.observe(value)
+    hostile = 'runbus:{a"b\\c\nd}:rank0'  # stream names come from whoever writes to Redis
+    backlog = [
+        telemetry.StreamBacklog(hostile, None, 7),
+        telemetry.StreamBacklog("quiet", 0, 0),
+        telemetry.StreamBacklog("busy", 5, 1),
+    ]
+    text = exposition(stats, backlog=backlog)
+    samples = parse_metrics(text)
+    buckets = [samples[f'runbus_batch_size_entries_bucket{{le="{le}"}}'] for le in ("1.0", "10.0", "50.0")]
+    assert buckets == [2, 3, 4] and samples['runbus_batch_size_entries_bucket{le="+Inf"}'] == 4
+    assert samples["runbus_batch_size_entries_count"] == 4
+    assert samples["runbus_batch_size_entries_sum"] == 56.5
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    pending = {s.labels["stream"]: s.value for s in families["runbus_stream_pending_entries"].samples}
+    assert pending == {hostile: 7, "busy": 1}  # the two with the most; the totals count all three
+    assert [s.labels for s in families["runbus_stream_lag_entries"].samples] == [{"stream": "busy"}]
+    assert samples["runbus_pending_entries"] == 8 and samples["runbus_lag_entries"] == 5
+    assert samples["runbus_streams"] == 3
+
+
+def test_each_worker_has_a_registry_of_its_own():
+    first, second = WorkerStats(stored=3), WorkerStats(stored=5)
+    texts = [exposition(first, "first"), exposition(second, "second")]
+    assert [parse_metrics(text)["runbus_stored_events_total"] for text in texts] == [3, 5]
+    assert 'consumer="second"' in texts[1] and 'consumer="second"' not in texts[0]
+    default = prometheus_client.generate_latest().decode()  # the library's global registry
+    assert "runbus_" not in default
 
 
 async def test_metrics_count_what_the_worker_did(redis_url, store_url):
@@ -122,8 +187,13 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
         await wait_until(lambda: worker.stats.entries >= 13)
         async with session.get("/metrics") as response:
             assert response.status == 200
-            assert response.headers["Content-Type"] == telemetry.CONTENT_TYPE
-            samples = parse_metrics(await response.text())
+            assert response.headers["Content-Type"] == TEXT_FORMAT
+            text = await response.text()
+            samples = parse_metrics(text)
+        openmetrics = {"Accept": "application/openmetrics-text; version=1.0.0"}
+        async with session.get("/metrics", headers=openmetrics) as response:
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+            scraped_as_openmetrics = {f.name for f in openmetrics_families(await response.text())}
 
         async def gaps_known() -> bool:
             async with session.get("/metrics") as response:
@@ -131,7 +201,8 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
 
         await wait_until(gaps_known)  # the first scrape starts computing them
         async with session.get("/metrics") as response:
-            final = parse_metrics(await response.text())
+            final_text = await response.text()
+            final = parse_metrics(final_text)
 
     assert samples['runbus_ingester_info{consumer="ops-test",group="runbus"}'] == 1
     assert samples['runbus_ingested_events_total{kind="start"}'] == 1
@@ -147,7 +218,13 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
     assert samples[f'runbus_stream_lag_entries{{stream="{other}"}}'] == 0
     assert samples["runbus_pending_entries"] == 3 and samples["runbus_lag_entries"] == 0
     assert final['runbus_missing_events{run="ops"}'] == 3
-    assert "runbus_reconnects_total" in samples and "runbus_claimed_total" in samples
+    families = list(text_string_to_metric_families(final_text))
+    names = {f.name for f in families} | {s.name for f in families for s in f.samples}
+    assert set(README_METRICS) <= names
+    assert {"runbus_stored_events", "runbus_batch_size_entries"} <= scraped_as_openmetrics
+    # The process's own figures, beside the worker's.
+    assert samples['runbus_gc_threshold{generation="0"}'] == gc.get_threshold()[0]
+    assert "process_cpu_seconds_total" in samples and "python_gc_collections_total" in text
 
 
 async def test_readyz_says_what_is_unreachable(store_url):
@@ -197,7 +274,42 @@ def status(url: str) -> int | None:
         return None
 
 
-def test_the_cli_serves_them_and_stops_on_sigterm(redis_url, store_url):
+def scrape(port: int) -> dict[str, float] | None:
+    """The samples of a worker's /metrics, None when nothing answers yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return parse_metrics(response.read().decode())
+    except OSError:
+        return None
+
+
+def wait_for(condition, proc: subprocess.Popen, within: float = 60.0):
+    """Poll `condition` until it returns something true, while `proc` runs."""
+    deadline = time.monotonic() + within
+    while not (result := condition()):
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return result
+
+
+def assert_set_up(samples: dict[str, float]) -> None:
+    """The worker process's garbage collector is tuned and its start-up objects frozen."""
+    thresholds = [samples[f'runbus_gc_threshold{{generation="{g}"}}'] for g in range(3)]
+    assert tuple(thresholds) == GC_THRESHOLDS
+    assert samples["runbus_gc_frozen_objects"] > 1000
+
+
+def seed(redis_url: str, run: str, count: int) -> None:
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, run, "rank0", "start", 1, 1, {"primary": True})
+        for seq in range(2, count + 1):
+            xadd_event(client, run, "rank0", "metric", 1, seq, {"loss": 1.0}, step=seq)
+
+
+def test_the_cli_serves_them_set_up_and_drains_on_sigterm(redis_url, store_url):
+    # The Dockerfile's and docker-compose.yml's way to run a worker: `runbus ingest --http`.
+    seed(redis_url, "served", 500)
     port = free_port()
     with subprocess.Popen(
         ingest_command(redis_url, store_url, "--http", f"127.0.0.1:{port}"),
@@ -205,14 +317,55 @@ def test_the_cli_serves_them_and_stops_on_sigterm(redis_url, store_url):
         stderr=subprocess.PIPE,
         text=True,
     ) as proc:
-        deadline = time.monotonic() + 60
-        while status(f"http://127.0.0.1:{port}/readyz") != 200:  # 503 until connected
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: status(f"http://127.0.0.1:{port}/readyz") == 200, proc)  # 503 until connected
+        samples = wait_for(lambda: (m := scrape(port)) and m["runbus_entries_total"] == 500 and m, proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert f"ops endpoints of {socket.gethostname()}-{proc.pid} at http://127.0.0.1:{port}/" in err
+    assert_set_up(samples)
+    consumer = f"{socket.gethostname()}-{proc.pid}"
+    assert f"ops endpoints of {consumer} at http://127.0.0.1:{port}/" in err
+    setup = SETUP_LINE.search(err)
+    assert setup and setup.group(1, 2) == (consumer, str(proc.pid)), err
+    assert "stopping: finishing the batches in flight" in err
+    assert f"worker {consumer} stopped after" in err and ", 500 entries, 500 stored," in err
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.xpending(wire.stream_key("served", "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+    assert read_store(store_url, "run", "served").counts["metric"] == 499
+
+
+def test_every_worker_of_a_supervisor_is_set_up_and_serves(redis_url, store_url):
+    seed(redis_url, "supervised", 300)
+    base = free_ports(2)
+    command = ingest_command(redis_url, store_url, "--workers", "2", "--consumer", "sup", "--http", str(base))
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        both = wait_for(lambda: (m := [scrape(base), scrape(base + 1)]) and all(m) and m, proc)
+        wait_for(lambda: sum(scrape(base + i)["runbus_entries_total"] for i in range(2)) == 300, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    for samples in both:
+        assert_set_up(samples)
+    workers = sorted(match.group(1) for match in SETUP_LINE.finditer(err))
+    assert workers == ["sup-0", "sup-1"], err
+    assert "[sup-0] " in err and "[sup-1] " in err  # each worker process configured its logging
+    assert "supervisor stopped: 0 restarts; last exit codes [0, 0]" in err
+    assert read_store(store_url, "run", "supervised").counts["metric"] == 299
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--burst"], ["--burst", "--http", "127.0.0.1:0"], ["--burst", "--workers", "2"]],
+    ids=["burst", "burst-http", "burst-workers"],
+)
+def test_every_way_of_running_a_worker_sets_its_process_up(redis_url, store_url, options):
+    seed(redis_url, "burst", 50)
+    result = run_cli("--store", store_url, "ingest", "--redis", redis_url, *options)
+    workers = 2 if "--workers" in options else 1
+    setups = SETUP_LINE.findall(result.stderr)
+    assert len(setups) == workers, result.stderr
+    assert all(int(frozen) > 1000 for _, _, frozen in setups)
+    assert read_store(store_url, "run", "burst").counts["metric"] == 49
 
 
 def test_an_address_in_use_is_a_clean_error(redis_url, store_url):
