@@ -141,6 +141,13 @@ def _series(
     return series
 
 
+def _step(point: storage.Point) -> int:
+    """A point's step, as the x of a chart whose points all have one."""
+    if point.step is None:
+        raise ValueError(f"{point.key} of {point.label} has a point without a step")
+    return point.step
+
+
 # -- routes ------------------------------------------------------------------------------------
 
 
@@ -191,7 +198,7 @@ async def metric_series(request: web.Request) -> web.Response:
             "x": "step" if by_step else "ts",
             "points": limit,
             "columns": downsample.COLUMNS,
-            "series": _series(points, limit, (lambda p: p.step) if by_step else (lambda p: p.ts)),
+            "series": _series(points, limit, _step if by_step else (lambda p: p.ts)),
         }
     )
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError, WatchError
 
 from runbus import wire
 from runbus.storage.base import Store
+
+if TYPE_CHECKING:
+    from runbus.redis import AsyncClient
 
 log = logging.getLogger("runbus.ingester")
 
@@ -29,7 +32,7 @@ def format_id(entry_id: tuple[int, int]) -> str:
     return f"{entry_id[0]}-{entry_id[1]}"
 
 
-async def safe_trim_id(redis: Redis, key: str, retain_ms: int, now_ms: int) -> tuple[int, int] | None:
+async def safe_trim_id(redis: AsyncClient, key: str, retain_ms: int, now_ms: int) -> tuple[int, int] | None:
     """The lowest id that must stay: nothing pending, unread, or younger than `retain_ms`.
 
     None when no group reads the stream yet (then nothing may go).
@@ -49,7 +52,7 @@ async def safe_trim_id(redis: Redis, key: str, retain_ms: int, now_ms: int) -> t
     return keep
 
 
-async def trim(redis: Redis, key: str, retain_s: float) -> int:
+async def trim(redis: AsyncClient, key: str, retain_s: float) -> int:
     """XTRIM MINID ~ the safe id: acknowledged entries older than the retention go."""
     keep = await safe_trim_id(redis, key, int(retain_s * 1000), int(time.time() * 1000))
     if keep is None or keep <= (0, 1):
@@ -57,7 +60,7 @@ async def trim(redis: Redis, key: str, retain_s: float) -> int:
     return await redis.xtrim(key, minid=format_id(keep), approximate=True)
 
 
-async def retire_consumers(redis: Redis, key: str, group: str, me: str) -> int:
+async def retire_consumers(redis: AsyncClient, key: str, group: str, me: str) -> int:
     """Remove consumers of `group` that have nothing pending and have been idle for an hour."""
     removed = 0
     for consumer in await redis.xinfo_consumers(key, group):
@@ -68,7 +71,7 @@ async def retire_consumers(redis: Redis, key: str, group: str, me: str) -> int:
     return removed
 
 
-async def release_consumer(redis: Redis, key: str, group: str, me: str) -> bool:
+async def release_consumer(redis: AsyncClient, key: str, group: str, me: str) -> bool:
     """Remove our own consumer at shutdown, only if nothing is pending for it."""
     try:
         consumers = await redis.xinfo_consumers(key, group)
@@ -81,7 +84,7 @@ async def release_consumer(redis: Redis, key: str, group: str, me: str) -> bool:
     return False
 
 
-async def remove_if_empty(redis: Redis, key: str, retain_s: float) -> bool:
+async def remove_if_empty(redis: AsyncClient, key: str, retain_s: float) -> bool:
     """Delete a stream that is empty, has nothing pending, and has had no entry for `retain_s`.
 
     WATCH makes it safe against a producer adding an entry meanwhile: then nothing is deleted.

@@ -14,13 +14,12 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
-from redis.asyncio import Redis
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -34,17 +33,24 @@ from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
-from runbus.redis import access_denied, async_client, is_cluster
+from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
 from runbus.storage.base import Store
+
+if TYPE_CHECKING:
+    from runbus.redis import AsyncClient
 
 log = logging.getLogger("runbus.ingester")
 
-# Raw entries as redis-py returns them: (stream key, [(entry id, {field: value})]).
-Entries = list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]
+# An entry's fields: XAUTOCLAIM's reply parses them into a dict; XREADGROUP's stays a flat
+# [name, value, ...] list (_raw_reply).
+Fields = dict[bytes, bytes] | wire.FlatEntry
+# Raw entries as redis-py returns them: (stream key, [(entry id, fields)]).
+StreamItems = list[tuple[bytes, Fields]]
+Entries = list[tuple[str, StreamItems]]
 # Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
 # Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
-Source = tuple[str, bytes, dict[bytes, bytes]]
+Source = tuple[str, bytes, Fields]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
 
@@ -59,7 +65,7 @@ class Commits:
     written: asyncio.Future | None = None  # done once its store write has returned
     acknowledging: asyncio.Task | None = None  # the batch before, finishing its commit
 
-    async def start(self, commit: Callable[[asyncio.Future], Awaitable[None]]) -> None:
+    async def start(self, commit: Callable[[asyncio.Future], Coroutine[Any, Any, None]]) -> None:
         """Start `commit(written)` once the store is free, and the batch before last is done."""
         if self.written is not None:
             await self.written
@@ -202,7 +208,7 @@ class Worker:
         self.settings = settings or WorkerSettings()
         self.store = store or storage.open_store(self.settings.store_url)
         self.stats = WorkerStats()
-        self.redis: Redis | None = None
+        self.redis: AsyncClient | None = None  # connected by async_run (None before)
         self.discovery: Discovery | None = None
         self._stop_requested = False
         self._stop_time: float | None = None
@@ -234,6 +240,20 @@ class Worker:
                     self.settings.drain_timeout + 1.0, self._loop_task.cancel
                 )
 
+    @property
+    def _redis(self) -> AsyncClient:
+        """The Redis client, for the loop that async_run starts once it has connected."""
+        if self.redis is None:
+            raise RuntimeError("the worker has no Redis client before async_run()")
+        return self.redis
+
+    @property
+    def _discovery(self) -> Discovery:
+        """The streams to read, for the loop that async_run starts once it has connected."""
+        if self.discovery is None:
+            raise RuntimeError("the worker discovers streams only once async_run() has connected")
+        return self.discovery
+
     def _drain_expired(self) -> bool:
         return self._stop_time is not None and (
             time.monotonic() - self._stop_time > self.settings.drain_timeout
@@ -245,11 +265,9 @@ class Worker:
         if settings.handle_signals:
             for signum in STOP_SIGNALS:
                 loop.add_signal_handler(signum, self.request_stop)
-        self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
-        self.redis.set_response_callback("XREADGROUP", _raw_reply)
-        self.discovery = Discovery(
-            self.redis, settings.group, settings.registry_interval, settings.scan_interval
-        )
+        redis = self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
+        redis.set_response_callback("XREADGROUP", _raw_reply)
+        self.discovery = Discovery(redis, settings.group, settings.registry_interval, settings.scan_interval)
         started = time.monotonic()
         log.info(
             "worker %s starting: redis %s, store %s, group %s%s%s",
@@ -262,7 +280,7 @@ class Worker:
         )
         try:
             await self._with_redis(self.store.connect, retry_store=True)
-            await self._with_redis(lambda: self.discovery.refresh(force=True))
+            await self._with_redis(lambda: self._discovery.refresh(force=True))
             self._loop_task = asyncio.create_task(self._loop())
             try:
                 await self._loop_task
@@ -278,7 +296,7 @@ class Worker:
                 for signum in STOP_SIGNALS:
                     loop.remove_signal_handler(signum)
             await self.store.close()
-            await self.redis.aclose()
+            await redis.aclose()
             s = self.stats
             log.info(
                 "worker %s stopped after %.1fs: %d batches, %d entries, %d stored, %d duplicates, "
@@ -320,7 +338,7 @@ class Worker:
         finished = False
         try:
             while not self._stop_requested:
-                await self._with_redis(self.discovery.refresh)
+                await self._with_redis(self._discovery.refresh)
                 now = time.monotonic()
                 if pending_first:
                     entries = await self._with_redis(lambda: self._read("0"))
@@ -350,7 +368,7 @@ class Worker:
                         # Before a burst finishes, whatever other consumers left idle is its too.
                         if await self._take_over_idle():
                             continue
-                        if not await self._with_redis(lambda: self.discovery.refresh(force=True)):
+                        if not await self._with_redis(lambda: self._discovery.refresh(force=True)):
                             break
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
@@ -365,7 +383,8 @@ class Worker:
             # Stopping or done: the batches in flight commit, then what was read ahead. Cancelled
             # because the drain timed out, or on an error: all are cancelled, and stay pending
             # for another worker (or this one, restarted under its name).
-            cancelled = asyncio.current_task().cancelling()
+            current = asyncio.current_task()  # this loop's task: never None in a coroutine
+            cancelled = current is not None and current.cancelling() > 0
             keep_ahead = finished and not cancelled
             if read_ahead is not None and not keep_ahead:
                 read_ahead.cancel()
@@ -391,9 +410,9 @@ class Worker:
     async def _claim(self) -> Entries:
         """Entries other consumers left pending for longer than claim_idle (XAUTOCLAIM)."""
         settings, claimed = self.settings, []
-        for key in list(self.discovery.streams):
+        for key in list(self._discovery.streams):
             try:
-                reply = await self.redis.xautoclaim(
+                reply = await self._redis.xautoclaim(
                     key,
                     settings.group,
                     settings.consumer,
@@ -425,7 +444,7 @@ class Worker:
         """How often each entry has been delivered (XPENDING), to spot poison entries."""
         counts: dict[bytes, int] = {}
         for key, items in entries:
-            pending = await self.redis.xpending_range(
+            pending = await self._redis.xpending_range(
                 key,
                 self.settings.group,
                 min=items[0][0],
@@ -433,7 +452,7 @@ class Worker:
                 count=len(items) * 2,
                 consumername=self.settings.consumer,
             )
-            counts.update((p["message_id"], p["times_delivered"]) for p in pending)
+            counts.update((p["message_id"], p["times_delivered"]) for p in pending_entries(pending))
         return counts
 
     async def _keep_alive(self, entries: Entries) -> None:
@@ -443,7 +462,7 @@ class Worker:
             await asyncio.sleep(interval)
             for key, items in entries:
                 try:
-                    await self.redis.xclaim(
+                    await self._redis.xclaim(
                         key,
                         self.settings.group,
                         self.settings.consumer,
@@ -456,12 +475,12 @@ class Worker:
 
     async def _maintain(self) -> None:
         settings, stats = self.settings, self.stats
-        for key in list(self.discovery.streams):
+        for key in list(self._discovery.streams):
             try:
-                stats.trimmed += await maintenance.trim(self.redis, key, settings.retain)
-                await maintenance.retire_consumers(self.redis, key, settings.group, settings.consumer)
-                if await maintenance.remove_if_empty(self.redis, key, settings.retain):
-                    self.discovery.forget(key)
+                stats.trimmed += await maintenance.trim(self._redis, key, settings.retain)
+                await maintenance.retire_consumers(self._redis, key, settings.group, settings.consumer)
+                if await maintenance.remove_if_empty(self._redis, key, settings.retain):
+                    self._discovery.forget(key)
                     log.info("removed empty stream %s (no entry for %.0fs)", key, settings.retain)
             except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("maintenance of %s skipped: %s", key, exc)
@@ -471,17 +490,17 @@ class Worker:
             log.warning("crash detection skipped: %s", exc)
 
     async def _release_consumer(self) -> None:
-        for key in list(self.discovery.streams):
+        for key in list(self._discovery.streams):
             try:
                 await maintenance.release_consumer(
-                    self.redis, key, self.settings.group, self.settings.consumer
+                    self._redis, key, self.settings.group, self.settings.consumer
                 )
             except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.debug("could not release consumer on %s: %s", key, exc)
                 return
 
     async def _read(self, start_id: str) -> Entries:
-        streams = self.discovery.streams
+        streams = self._discovery.streams
         if not streams:
             if not self.settings.burst:
                 await asyncio.sleep(self.settings.block_ms / 1000)
@@ -492,7 +511,7 @@ class Worker:
         entries: Entries = []
         for chunk in chunks:
             try:
-                reply = await self.redis.xreadgroup(
+                reply = await self._redis.xreadgroup(
                     self.settings.group,
                     self.settings.consumer,
                     dict.fromkeys(chunk, start_id),
@@ -504,9 +523,12 @@ class Worker:
                     raise
                 await self._recover_groups(chunk)
                 continue
-            for key, items in reply.items() if isinstance(reply, dict) else reply or []:
+            # _raw_reply keeps the reply as the server sent it, which redis-py's types do not
+            # describe: [[key, [[id, [name, value, ...]], ...]], ...] (a map of the same in RESP3).
+            read = cast("dict[bytes, StreamItems] | list[tuple[bytes, StreamItems]] | None", reply)
+            for key, items in read.items() if isinstance(read, dict) else read or []:
                 if items:
-                    entries.append((key.decode(), items))
+                    entries.append((reply_text(key), items))
         if not entries and block is None and len(chunks) > 1 and not self.settings.burst:
             await asyncio.sleep(self.settings.block_ms / 1000)
         return entries
@@ -514,11 +536,11 @@ class Worker:
     async def _recover_groups(self, keys: Sequence[str]) -> None:
         """A stream was deleted (or its group destroyed): forget it or make the group again."""
         for key in keys:
-            if await self.redis.exists(key):
-                await self.discovery._ensure_group(key)
+            if await self._redis.exists(key):
+                await self._discovery._ensure_group(key)
             else:
                 log.info("stream %s is gone; no longer reading it", key)
-                self.discovery.forget(key)
+                self._discovery.forget(key)
 
     async def _process(self, entries: Entries, redelivered: bool = False) -> None:
         started = time.monotonic()
@@ -636,7 +658,7 @@ class Worker:
     async def _dead_letter(self, dead: list[DeadEntry]) -> None:
         if not dead:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         for entry in dead:
             pipe.xadd(wire.DEAD_LETTER_KEY, dead_letter_fields(entry))
         await pipe.execute()
@@ -644,7 +666,7 @@ class Worker:
             log.warning("dead-lettered %s %s: %s", entry.stream, entry.entry_id.decode(), entry.reason)
 
     async def _ack(self, entries: Entries) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=False)
         for key, items in entries:
             pipe.xack(key, self.settings.group, *[entry_id for entry_id, _ in items])
         await pipe.execute()

@@ -10,13 +10,14 @@ redis-py is imported inside the functions: `import runbus` must stay cheap.
 
 runbus's clients never set decode_responses, and speak RESP2: keys, fields and values come back
 as bytes. redis-py types its replies for every setting (bytes or str, RESP2 or RESP3 shapes);
-`stream_entries`, `read_streams` and `reply_text` give them the shape runbus's clients read.
+`stream_entries`, `read_streams`, `pending_entries` and `reply_text` give them the shape runbus's
+clients read.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeVar, cast
 
 from runbus.config import safe_url
 from runbus.errors import AccessDenied
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import redis.asyncio.cluster
     import redis.cluster
     from redis.asyncio.connection import AbstractConnection
-    from redis.typing import StreamRangeResponse, XReadResponse
+    from redis.typing import StreamRangeResponse, XPendingRangeResponse, XReadResponse
 
     # What sync_client and async_client return.
     SyncClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 
 StreamEntry: TypeAlias = tuple[bytes, dict[bytes, bytes]]
 """One entry of a stream as runbus's clients read it: (entry id, {field: value})."""
+
+
+class PendingEntry(TypedDict):
+    """One entry of an XPENDING range (redis-py's xpending_range) as runbus's clients read it."""
+
+    message_id: bytes
+    consumer: bytes
+    time_since_delivered: int  # milliseconds
+    times_delivered: int
+
 
 E = TypeVar("E", bound=BaseException)
 
@@ -144,6 +155,11 @@ def read_streams(reply: XReadResponse) -> list[tuple[bytes, list[StreamEntry]]]:
     """An XREAD reply as runbus's clients read it (RESP2, bytes): [(stream key, its entries)]."""
     # RESP2 gives each stream as a two-item list [key, entries].
     return [(key, entries) for key, entries in cast("list[list[Any]]", reply or [])]
+
+
+def pending_entries(reply: XPendingRangeResponse) -> list[PendingEntry]:
+    """An XPENDING range reply (xpending_range) as runbus's clients read it (bytes)."""
+    return cast("list[PendingEntry]", reply)
 
 
 def reply_text(reply: bytes | str) -> str:

@@ -579,7 +579,8 @@ class SQLiteStore:
         limit: int | None,
         offset: int,
     ) -> list[LogLine]:
-        where, args = ["l.run_id = ?"], [run_id]
+        where: list[str] = ["l.run_id = ?"]
+        args: list[str | int] = [run_id]
         if label is not None:
             where.append("l.label = ?")
             args.append(label)

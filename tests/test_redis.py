@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runbus.redis import async_client, read_streams, reply_text, stream_entries, sync_client
+from runbus.redis import async_client, pending_entries, read_streams, reply_text, stream_entries, sync_client
 
 FIELDS = {b"kind": b"log", b"\xff\xfe": b"\x00not utf-8\xff"}
 
@@ -35,5 +35,14 @@ async def test_the_asyncio_client_reads_bytes_in_resp2_shapes(redis_url):
         assert [reply_text(m) for m in await client.smembers("no-such-set")] == []
         await client.sadd("shapes-set", "runbus:{r}:rank0")
         assert [reply_text(m) for m in await client.smembers("shapes-set")] == ["runbus:{r}:rank0"]
+        await client.xgroup_create("shapes", "readers", id="0")
+        await client.xreadgroup("readers", "reader-1", {"shapes": ">"})
+        await client.xreadgroup("readers", "reader-1", {"shapes": "0"})  # delivered again
+        pending = pending_entries(await client.xpending_range("shapes", "readers", "-", "+", 10))
+        assert [(p["message_id"], p["consumer"], p["times_delivered"]) for p in pending] == [
+            (entry_id, b"reader-1", 2)
+        ]
+        assert isinstance(pending[0]["time_since_delivered"], int)
+        assert pending_entries(await client.xpending_range("shapes", "readers", "-", "+", 10, "nobody")) == []
     finally:
         await client.aclose()
