@@ -53,7 +53,7 @@ local function next_epoch(key)
   end
   local epoch = math.max(last + 1, now)
   redis.call('SET', key, string.format('%.0f', epoch))
-  return epoch, now, odd
+  return epoch, now, odd, last
 end
 local function text_at(key)
   if redis.call('TYPE', key).ok == 'string' then return redis.call('GET', key) end
@@ -68,7 +68,9 @@ end
 # KEYS: lease, epoch counter, primary, finished marker, created marker.
 # ARGV: token, token of a holder known to be gone (or ''), lease TTL ms, resume mode, restart
 # count, '1' to claim the primary role, label, primary TTL s, then the holder's field/value pairs.
-# Checks everything before it writes anything: a refused claim leaves no trace.
+# Checks everything before it writes anything: a refused claim leaves no trace. "never" refuses a
+# label that has logged into the run before (its epoch counter exists) once the run finished: a
+# rank of the same job starting late, or a child's new label, still joins.
 CLAIM_SCRIPT = (
     _NEXT_EPOCH
     + """
@@ -76,7 +78,8 @@ local held = token_at(KEYS[1])
 if held and held ~= ARGV[1] and held ~= ARGV[2] then
   return {'held', redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1])}
 end
-if ARGV[4] == 'never' and tonumber(ARGV[5]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+if ARGV[4] == 'never' and tonumber(ARGV[5]) == 0 and redis.call('EXISTS', KEYS[4]) == 1
+    and redis.call('EXISTS', KEYS[2]) == 1 then
   return {'finished', text_at(KEYS[4]) or '{}'}
 end
 if ARGV[4] == 'must' and redis.call('EXISTS', KEYS[4], KEYS[5]) == 0 then
@@ -90,9 +93,9 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if ARGV[6] == '1' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[8]) end
-local epoch, now, odd = next_epoch(KEYS[2])
+local epoch, now, odd, last = next_epoch(KEYS[2])
 redis.call('SET', KEYS[5], string.format('%.0f', now), 'NX')
-return {'ok', epoch, odd}
+return {'ok', epoch, odd, last}
 """
 )
 
@@ -286,6 +289,9 @@ class LabelLease:
     primary_ttl: float
     redis_url: str = field(default="", repr=False)
     holder: Holder | None = None
+    # Epochs between the label's last one and ours, never given out: for events of earlier
+    # processes that never reached Redis, so they order before this process's (highest first).
+    _spare: tuple[int, int] = (0, 0)
     _scripts: dict[str, Script] = field(default_factory=dict, repr=False)
 
     def _script(self, client: SyncClient, text: str) -> Script:
@@ -318,6 +324,7 @@ class LabelLease:
             if status == "ok":
                 self.holder = me
                 epoch, odd = int(reply[1]), reply_text(reply[2])
+                self._spare = (int(reply[3]), epoch)
                 if odd:
                     log.warning(
                         "runbus: %s held %r, not an epoch; replaced",
@@ -466,7 +473,12 @@ class LabelLease:
         self.holder = None
         return released
 
-    def new_epoch(self, client: SyncClient) -> int:
-        """An epoch of this label for events whose process never reached Redis."""
+    def earlier_epoch(self, client: SyncClient) -> int:
+        """An epoch of this label for events of an earlier process that never reached Redis:
+        below this process's own and above every other given out (one after it if none is left)."""
+        last, mine = self._spare
+        if mine - 1 > last:
+            self._spare = (last, mine - 1)
+            return mine - 1
         epoch, _ = self._call(client, EPOCH_SCRIPT, [wire.epoch_key(self.run_id, self.label)], [])
         return int(epoch)

@@ -468,7 +468,7 @@ class Shipper(threading.Thread):
                     break
                 if epoch is None and any(r.epoch == 0 for r in records):
                     # That process never reached Redis: its events get an epoch of their own.
-                    epoch = self.lease.new_epoch(client)
+                    epoch = self.lease.earlier_epoch(client)
                 self._send(client, records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)
