@@ -149,6 +149,21 @@ def test_a_second_process_on_a_live_label_gets_label_in_use_and_ships_nothing(re
         holder.communicate(timeout=30)
 
 
+def test_processes_racing_for_one_label_leave_exactly_one_writer(redis_url, client):
+    racers = [start_rank(redis_url, "race", HANG="1") for _ in range(4)]
+    try:
+        first = [line(proc) for proc in racers]
+        winners = [doc["pid"] for doc in first if "pid" in doc]
+        assert len(winners) == 1 and sum(doc.get("error") == "LabelInUse" for doc in first) == 3
+        assert f"pid {winners[0]} on" in next(doc["message"] for doc in first if "error" in doc)
+        line(next(proc for proc in racers if proc.pid == winners[0]))  # it has shipped
+        assert [s["pid"] for s in starts(client, "race", "rank0")] == winners
+    finally:
+        for proc in racers:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
 def test_the_lease_is_renewed_by_heartbeats_and_given_back_at_finish(redis_url, client):
     run = runbus.init(
         run_id="renew", label="rank0", redis_url=redis_url, heartbeat_interval=0.2, lease_ttl=1.0, **QUIET
