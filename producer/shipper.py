@@ -48,6 +48,9 @@ class ShipperOptions:
     heartbeat_interval: float = 10.0
     primary_ttl: float = 30.0
     lease_ttl: float | None = None  # None: three heartbeats, at least 30 s
+    connect_timeout: float = 2.0
+    socket_timeout: float = 10.0
+    max_backoff: float = 5.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl is not None and not self.lease_ttl > self.heartbeat_interval:
@@ -55,10 +58,6 @@ class ShipperOptions:
                 f"lease_ttl ({self.lease_ttl}s) must be longer than heartbeat_interval "
                 f"({self.heartbeat_interval}s), which renews it"
             )
-
-    connect_timeout: float = 2.0
-    socket_timeout: float = 10.0
-    max_backoff: float = 5.0
 
 
 def connect(url: str, options: ShipperOptions) -> SyncClient:
