@@ -16,13 +16,22 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from runbus.errors import InvalidName, PrimaryConflict, RunFinished
+from runbus.errors import InvalidName, LabelInUse, PrimaryConflict, RunExists, RunFinished, RunNotFound
 from runbus.producer import environment, exits
 from runbus.producer.environment import Identity
 from runbus.producer.run import Run, RunOptions
 from runbus.producer.shipper import ShipperOptions
 
-__all__ = ["InvalidName", "PrimaryConflict", "Run", "RunFinished", "init"]
+__all__ = [
+    "InvalidName",
+    "LabelInUse",
+    "PrimaryConflict",
+    "Run",
+    "RunExists",
+    "RunFinished",
+    "RunNotFound",
+    "init",
+]
 
 log = logging.getLogger("runbus.producer")
 
@@ -32,6 +41,7 @@ _SHIPPER_OPTIONS = {
     "batch_size",
     "heartbeat_interval",
     "primary_ttl",
+    "lease_ttl",
     "connect_timeout",
     "socket_timeout",
     "max_backoff",
@@ -88,12 +98,21 @@ def init(
     primary: bool | None = None,
     redis_url: str | None = None,
     config: Mapping[str, Any] | None = None,
+    resume: str | None = None,
     **options: Any,
 ) -> Run:
     """Start logging this process into a run, as one label.
 
     Defaults come from the environment: RUNBUS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
-    label `rank{RANK}`; primary when RANK is 0; RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
+    label RUNBUS_LABEL, else `rank{RANK}`; primary when RANK is 0 (or unset) and the label is
+    that one (a label passed as an argument, a child's own, is not primary unless primary=True);
+    RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
+
+    A label has one live writer: this process holds a lease on it in Redis (renewed by its
+    heartbeats, lease_ttl: 3 heartbeats, at least 30 s; given back at finish). resume
+    (RUNBUS_RESUME, else "never") says what to do with a run that exists: "never", a new job
+    (restart count 0) does not continue a finished run; "allow" continues it under new epochs;
+    "must" requires the run to exist. torchrun's elastic restarts always continue their run.
 
     Buffering while Redis is away: max_buffer_events (50,000 queued before encoding),
     max_buffer_bytes (128 MiB encoded in memory), spool_dir (None: then to an append-only file
@@ -108,11 +127,14 @@ def init(
     only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
     prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
 
-    Raises ValueError for invalid names, PrimaryConflict when another label is the run's live
-    primary. If Redis cannot be reached, or refuses the credentials (logged once, as an error),
-    init() returns at once and events are buffered.
+    Raises ValueError for invalid names, LabelInUse (naming its host and pid) when another live
+    process logs as this run and label, RunExists / RunNotFound as resume says, PrimaryConflict
+    when another label is the run's live primary. If Redis cannot be reached, or refuses the
+    credentials (logged once, as an error), init() returns at once and events are buffered; a
+    conflict found once Redis answers is logged as one error, nothing of this Run is shipped, and
+    finish() returns False. init() again in this process for a live label returns that Run.
     """
-    identity: Identity = environment.resolve(run_id, label, primary, redis_url)
+    identity: Identity = environment.resolve(run_id, label, primary, redis_url, resume=resume)
     run_options, shipper_options = _split_options(options)
     plain_config = _plain_config(config)
     with _active_lock:
@@ -144,7 +166,7 @@ def _handshake(run: Run) -> None:
     shipper = run._shipper
     try:
         shipper.handshake()
-    except PrimaryConflict:
+    except (PrimaryConflict, LabelInUse, RunExists, RunNotFound):
         shipper._drop_connection()
         raise
     except (redis.RedisError, OSError) as exc:

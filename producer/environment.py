@@ -1,7 +1,8 @@
 """Where a rank learns its run id, label, primary flag and world size: arguments, then env.
 
 Under torchrun nothing needs passing: TORCHELASTIC_RUN_ID names the run, RANK the label, and
-rank 0 is the primary. RUNBUS_* variables override torchrun's.
+rank 0 is the primary. RUNBUS_* variables override torchrun's. A label given as an argument
+(a child process's own label) is not the primary unless primary=True says so.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class Identity:
     world_size: int | None
     restart_count: int
     redis_url: str
+    resume: str = "never"  # one of RESUME_MODES: what to do when the run already exists
+
+
+# resume=: "never" (a new job does not continue a finished run), "allow", "must" (the run must exist).
+RESUME_MODES = ("never", "allow", "must")
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:
@@ -48,17 +54,29 @@ def _torch_rank_and_size() -> tuple[int | None, int | None]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def check_resume(resume: object) -> str:
+    """`resume` if it is one of RESUME_MODES, else ValueError saying which are."""
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, not {resume!r}")
+    return str(resume)
+
+
 def resolve(
     run_id: str | None = None,
     label: str | None = None,
     primary: bool | None = None,
     redis_url: str | None = None,
     env: Mapping[str, str] | None = None,
+    resume: str | None = None,
 ) -> Identity:
     """The Identity from explicit arguments, then RUNBUS_* and torchrun variables, then defaults.
 
-    Raises ValueError with the reason for an invalid name, or when several ranks could not agree
-    on a run id (WORLD_SIZE > 1 and no id given nor found).
+    primary defaults to True only for rank 0 (or no RANK) under the label the environment gives
+    it (RUNBUS_LABEL, else `rank0`): a process that names its own label, such as a child of rank
+    0 with `label="rank0-loader"`, is a worker label unless it passes primary=True.
+
+    Raises ValueError with the reason for an invalid name or resume mode, or when several ranks
+    could not agree on a run id (WORLD_SIZE > 1 and no id given nor found).
     """
     env = os.environ if env is None else env
     rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
@@ -78,11 +96,13 @@ def resolve(
             )
         run_id = new_run_id()
     check_name("run id", run_id)
+    launcher_label = env.get(config.LABEL_ENV) or f"rank{rank if rank is not None else 0}"
     if label is None:
-        label = env.get(config.LABEL_ENV) or f"rank{rank if rank is not None else 0}"
+        label = launcher_label
     check_name("label", label)
     if primary is None:
-        primary = (rank or 0) == 0
+        primary = (rank or 0) == 0 and label == launcher_label
+    resume = check_resume(resume if resume is not None else env.get(config.RESUME_ENV) or "never")
     return Identity(
         run_id=run_id,
         label=label,
@@ -92,4 +112,5 @@ def resolve(
         world_size=world_size,
         restart_count=_int_env(env, "TORCHELASTIC_RESTART_COUNT") or 0,
         redis_url=redis_url or config.redis_url(env),
+        resume=resume,
     )

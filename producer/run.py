@@ -23,6 +23,7 @@ from runbus.producer.outbox import Outbox
 from runbus.producer.shipper import Shipper, ShipperOptions
 
 if TYPE_CHECKING:
+    from runbus.producer.child import ChildLabel
     from runbus.producer.console import ConsoleCapture
 
 log = logging.getLogger("runbus.producer")
@@ -227,6 +228,13 @@ class Run:
             )
         self._put("log", None, {"stream": stream, "level": str(level), "text": text})
 
+    def child(self, label: str, **options: Any) -> ChildLabel:
+        """A picklable handle for a child process to log into this run under its own `label`
+        (never the primary): pass it to the child, which calls `.init()`."""
+        from runbus.producer.child import ChildLabel
+
+        return ChildLabel.of(self, label, options)
+
     def logging_handler(self, level: int = logging.NOTSET) -> logging.Handler:
         """A logging.Handler that ships records as `log` events of this run."""
         from runbus.producer.handler import RunHandler
@@ -260,8 +268,9 @@ class Run:
             # A little past the deadline: the shipper spools what is left when it passes it.
             self._shipper.join(max(0.0, deadline - time.monotonic()) + 1.0)
         complete = not self._shipper.is_alive() and not self._shipper.unshipped
+        complete = complete and self._shipper.refused is None
         if complete:
-            self._shipper.release_primary()
+            self._shipper.release(exit_code)
         if self.dropped:
             log.warning("runbus: %d events were dropped (buffers full)", self.dropped)
         from runbus.producer import exits

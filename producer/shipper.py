@@ -1,9 +1,11 @@
 """The background thread that turns queued events into stream entries and ships them to Redis.
 
-It owns the Redis connection: the handshake (epoch, primary claim, announcing the stream),
-batched pipelined XADDs, heartbeats, and reconnecting with capped, jittered backoff. Nothing here
-runs on the training thread, and nothing here raises into it: while Redis is away, or refuses the
-credentials, events are buffered and the problem is logged once.
+It owns the Redis connection: the handshake (the label's lease, epoch and primary claim, see
+runbus.producer.lease; announcing the stream), batched pipelined XADDs, heartbeats, and
+reconnecting with capped, jittered backoff. Nothing here runs on the training thread, and nothing
+here raises into it: while Redis is away, or refuses the credentials, events are buffered and the
+problem is logged once. A handshake done late (Redis was away at init) that finds the label in
+use, or a run this job may not join, stops shipping instead, with one error.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import orjson
 
 from runbus import config, wire
 from runbus.config import safe_url
-from runbus.errors import PrimaryConflict
+from runbus.errors import LabelInUse, PrimaryConflict, RunbusError, RunExists, RunNotFound
 from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
 from runbus.producer.environment import Identity
+from runbus.producer.lease import LabelLease, default_ttl
 from runbus.producer.outbox import Outbox, Pending
-from runbus.redis import reply_text
 
 if TYPE_CHECKING:
     from redis.commands.core import Script
@@ -45,9 +47,17 @@ class ShipperOptions:
     max_spool_bytes: int = 4 << 30
     heartbeat_interval: float = 10.0
     primary_ttl: float = 30.0
+    lease_ttl: float | None = None  # None: three heartbeats, at least 30 s
     connect_timeout: float = 2.0
     socket_timeout: float = 10.0
     max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl is not None and not self.lease_ttl > self.heartbeat_interval:
+            raise ValueError(
+                f"lease_ttl ({self.lease_ttl}s) must be longer than heartbeat_interval "
+                f"({self.heartbeat_interval}s), which renews it"
+            )
 
 
 def connect(url: str, options: ShipperOptions) -> SyncClient:
@@ -107,6 +117,17 @@ class Shipper(threading.Thread):
         self.key = wire.stream_key(identity.run_id, identity.label)
         self.primary = identity.primary
         self.epoch: int | None = None
+        self.lease = LabelLease(
+            identity.run_id,
+            identity.label,
+            identity.restart_count,
+            identity.resume,
+            ttl=options.lease_ttl or default_ttl(options.heartbeat_interval),
+            primary_ttl=options.primary_ttl,
+            redis_url=identity.redis_url,
+        )
+        # Why this process ships nothing (more): the label is another's, or the run not to join.
+        self.refused: RunbusError | None = None
         self.shipped = 0
         self.failed_encodes = 0
         self.describe_hardware = True
@@ -136,59 +157,97 @@ class Shipper(threading.Thread):
     # -- the handshake -------------------------------------------------------------------------
 
     def handshake(self) -> None:
-        """Take an epoch, announce the stream and claim the primary role.
+        """Claim the label's lease, a new epoch and (as the primary) the primary role, and
+        announce the stream.
 
-        Raises PrimaryConflict when another label holds a live primary claim, and redis-py's
-        ConnectionError / TimeoutError when Redis cannot be reached.
+        Raises LabelInUse when another live process holds this run and label, RunExists /
+        RunNotFound as the resume mode says, PrimaryConflict when another label holds a live
+        primary claim, and redis-py's ConnectionError / TimeoutError when Redis cannot be reached.
         """
         client = self._connection()
-        ident = self.identity
-        if self.primary:
-            self._claim_primary(client)
-        pipe = client.pipeline(transaction=False)
-        pipe.incr(wire.epoch_key(ident.run_id, ident.label))
-        pipe.sadd(wire.REGISTRY_KEY, self.key)
-        self.epoch = int(pipe.execute()[0])
+        epoch = self.lease.claim(client, self.primary)
+        client.sadd(wire.REGISTRY_KEY, self.key)
+        self.epoch = epoch
         if self.backlog.spool is not None:
             self.backlog.spool.note_epoch(self.epoch)
 
-    def _claim_primary(self, client: SyncClient) -> None:
-        key, label = wire.primary_key(self.identity.run_id), self.identity.label
-        ttl = max(1, math.ceil(self.options.primary_ttl))
-        if client.set(key, label, nx=True, ex=ttl):
-            return
-        holder = client.get(key)
-        if holder is None or reply_text(holder) == label:
-            # Our own earlier claim (a restarted rank), or it expired in between.
-            client.set(key, label, ex=ttl)
-            return
-        raise PrimaryConflict(
-            f"run {self.identity.run_id!r} already has a live primary, label {reply_text(holder)!r}; "
-            f"label {label!r} cannot also be primary (pass primary=False, or wait "
-            f"{ttl}s for the other claim to lapse)"
-        )
-
-    def _refresh_primary(self, client: SyncClient) -> None:
+    def _handshake_later(self) -> bool:
+        """The handshake from this thread (Redis was away at init): another live primary demotes
+        this label; a label in use or a run not to join stops shipping. Whether it succeeded."""
         try:
-            self._claim_primary(client)
-        except PrimaryConflict as exc:
-            self._demote(exc)
+            try:
+                self.handshake()
+            except PrimaryConflict as exc:
+                self._demote(exc)
+                self.handshake()
+        except (LabelInUse, RunExists, RunNotFound) as exc:
+            self._refuse(exc)
+            return False
+        return True
+
+    def _renew_claims(self, client: SyncClient) -> None:
+        """With each heartbeat: extend the lease and the primary claim, if still ours."""
+        import redis
+
+        if self.epoch is None or self.refused is not None:
+            return
+        try:
+            other_primary = self.lease.renew(client, self.primary)
+        except LabelInUse as exc:
+            self._refuse(exc)
+            return
+        except (redis.RedisError, OSError) as exc:  # the next flush finds the outage
+            log.debug("runbus: could not renew the lease: %s", exc)
+            return
+        if other_primary is not None and self.primary:
+            self._demote(
+                PrimaryConflict(
+                    f"run {self.identity.run_id!r} has another live primary, label {other_primary!r}"
+                )
+            )
 
     def _demote(self, exc: PrimaryConflict) -> None:
         log.error("runbus: %s; this label goes on as a non-primary", exc)
         self.primary = False
 
-    def release_primary(self) -> None:
-        """Give the primary claim up (at finish), if it is still ours."""
-        if not self.primary or self._client is None or self._outage_since is not None:
+    def _refuse(self, exc: RunbusError) -> None:
+        """Stop shipping for good: what is not in Redis yet is discarded, the spool removed."""
+        left = self.unshipped
+        self.refused = exc
+        self._discard()
+        log.error(
+            "runbus: %s. This process ships nothing more as %s/%s (%d events discarded); "
+            "finish() returns False",
+            exc,
+            self.identity.run_id,
+            self.identity.label,
+            left,
+        )
+
+    def _discard(self) -> None:
+        self._held_start = None
+        if self.backlog.spool is not None:
+            self.backlog.spool.close(remove=True)
+        self.backlog = Backlog(self.options.max_buffer_bytes, None, 0, self.outbox.drops)
+        self.outbox.take(len(self.outbox))
+
+    def _discard_until_stopped(self) -> None:
+        """After a refusal: keep the queue that log() feeds empty until finish()."""
+        while not self._stopping.wait(self.options.flush_interval):
+            self._discard()
+        self._discard()
+
+    def release(self, exit_code: int) -> None:
+        """At finish, once everything is shipped: give the lease and the primary claim up, if
+        still ours; the primary leaves the run's finished marker."""
+        if self.refused is not None or self._client is None or self._outage_since is not None:
             return
-        key = wire.primary_key(self.identity.run_id)
         try:
-            holder = self._client.get(key)
-            if holder is not None and reply_text(holder) == self.identity.label:
-                self._client.delete(key)
-        except Exception as exc:  # the claim then lapses by its TTL
-            log.debug("runbus: could not release the primary claim: %s", exc)
+            if not self.lease.release(self._client, self.primary, exit_code):
+                ident = self.identity
+                log.error("runbus: %s/%s was taken over before finish", ident.run_id, ident.label)
+        except Exception as exc:  # the claims then lapse by their TTLs
+            log.debug("runbus: could not release the lease: %s", exc)
 
     def _connection(self) -> SyncClient:
         if self._client is None:
@@ -212,18 +271,17 @@ class Shipper(threading.Thread):
             else:
                 self._stopping.wait(self.options.flush_interval)
             self._maybe_heartbeat()
+            if self.refused is not None:
+                self._discard_until_stopped()
+                return
             # Encoding goes on while Redis is away, so the queue feeding log() never fills up
             # during a backoff: the bounded backlog (and spool) decide what is kept.
             self._encode_outbox()
             if time.monotonic() < next_try and self._time_left() > 0:
                 continue
             try:
-                if self.epoch is None:
-                    try:
-                        self.handshake()
-                    except PrimaryConflict as exc:
-                        self._demote(exc)
-                        self.handshake()
+                if self.epoch is None and not self._handshake_later():
+                    continue  # refused: the loop stops shipping at its next turn
                 self._encode_held_start()
                 if not self._orphans_checked:
                     self._ship_orphans()
@@ -321,8 +379,8 @@ class Shipper(threading.Thread):
             None,
             {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped},
         )
-        if self.primary and self._client is not None and self._outage_since is None:
-            self._refresh_primary(self._client)
+        if self._client is not None and self._outage_since is None:
+            self._renew_claims(self._client)
 
     def _encode_outbox(self) -> None:
         """Queued events → encoded records in the backlog (no network: also while Redis is away)."""
@@ -409,7 +467,7 @@ class Shipper(threading.Thread):
                     break
                 if epoch is None and any(r.epoch == 0 for r in records):
                     # That process never reached Redis: its events get an epoch of their own.
-                    epoch = int(client.incr(wire.epoch_key(self.identity.run_id, self.identity.label)))
+                    epoch = self.lease.earlier_epoch(client)
                 self._send(client, records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)

@@ -30,6 +30,20 @@ class RunFinished(RunbusError, RuntimeError):
     """log() on a Run after finish(); start a new Run to log more."""
 
 
+class LabelInUse(RunbusError, RuntimeError):
+    """Another live process holds this run and label (the message names its host and pid): a
+    label has one writer. Give this process a label of its own, or wait for that one to end."""
+
+
+class RunExists(RunbusError, RuntimeError):
+    """A new job named a run that has already finished: pass resume="allow" to continue it, or
+    pick another run id."""
+
+
+class RunNotFound(RunbusError, RuntimeError):
+    """resume="must" named a run that Redis knows nothing of: check the run id and the Redis URL."""
+
+
 class StoreError(RunbusError):
     """A storage operation failed; see the subclass for what to do."""
 

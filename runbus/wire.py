@@ -71,6 +71,27 @@ def primary_key(run: str) -> str:
     return f"{PREFIX}:{{{run}}}:meta:primary"
 
 
+def lease_key(run: str, label: str) -> str:
+    """A hash naming the one live process that writes this label (token, host, pid, …), with a
+    TTL its heartbeats renew; deleted when it finishes."""
+    return f"{PREFIX}:{{{run}}}:lease:{label}"
+
+
+def finished_key(run: str) -> str:
+    """Set when the run's primary finishes (JSON: label, exit code, time), kept FINISHED_TTL: a
+    new job naming the run finds it there."""
+    return f"{PREFIX}:{{{run}}}:meta:finished"
+
+
+def created_key(run: str) -> str:
+    """The Redis time (ms) when a first label of the run took an epoch: the run exists."""
+    return f"{PREFIX}:{{{run}}}:meta:created"
+
+
+# How long the finished marker is kept: a re-used run id is recognised for this long.
+FINISHED_TTL = 30 * 24 * 3600
+
+
 def parse_stream_key(key: str) -> tuple[str, str] | None:
     """(run, label) of a stream key, or None if `key` is not a runbus event stream."""
     match = _STREAM_KEY.fullmatch(key)

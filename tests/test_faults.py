@@ -332,7 +332,11 @@ def test_a_spool_left_by_a_dead_process_is_shipped_by_the_next_init(local_redis,
     ingest(local_redis.url, store_url)
     stored = read_store(store_url, "run", "orphan")
     assert stored.counts["metric"] == 501 and stored.labels[0].missing == 0
-    assert stored.labels[0].epoch == 2
+    # The dead process's events get an epoch of their own, ordered before the later process's:
+    # the label's state is the later process's.
+    assert stored.labels[0].epoch == later.epoch
+    epochs = {p.key: p.epoch for p in read_store(store_url, "metrics", "orphan")}
+    assert epochs["loss"] < epochs["after"] == later.epoch
 
 
 def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):

@@ -58,7 +58,7 @@ def check_run(store_url: str, run_id: str, world: int, steps: int) -> None:
     assert [lab.label for lab in run.labels] == [f"rank{r}" for r in range(world)]
     logs_per_rank = (steps + 9) // 10
     for lab in run.labels:
-        assert lab.state == "finished" and lab.missing == 0 and lab.epoch == 1
+        assert lab.state == "finished" and lab.missing == 0
         # start + metrics + logs + finish, numbered without gaps
         assert lab.events == lab.last_seq == 1 + steps + logs_per_rank + 1
         assert lab.primary == (lab.label == "rank0")
@@ -68,6 +68,7 @@ def check_run(store_url: str, run_id: str, world: int, steps: int) -> None:
     for rank in range(world):
         mine = [p for p in points if p.label == f"rank{rank}"]
         assert [p.step for p in mine] == list(range(steps))
+        assert {p.epoch for p in mine} == {run.labels[rank].epoch}  # one process, one epoch
         assert [p.value for p in mine] == [1.0 / (s + 1) + rank for s in range(steps)]
 
 

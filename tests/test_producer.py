@@ -71,8 +71,11 @@ def test_a_second_live_primary_is_refused(redis_url):
         worker.finish()
     finally:
         assert first.finish()
-    # Once the primary has finished, its claim is released.
-    again = init(redis_url, "prim", "rank2", primary=True)
+    # Once the primary has finished, its claim is released; the run is finished, so taking it up
+    # again is a resume.
+    with pytest.raises(runbus.RunExists, match="resume"):
+        init(redis_url, "prim", "rank0", primary=True)
+    again = init(redis_url, "prim", "rank0", primary=True, resume="allow")
     assert again.primary
     again.finish()
 

@@ -155,8 +155,8 @@ def test_ddp_example_under_torchrun(redis_url, store_url):
     ingest(redis_url, store_url)
     run = read_store(store_url, "run", "ddp-4")
     assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
-    assert [(lab.label, lab.primary, lab.state, lab.epoch, lab.missing) for lab in run.labels] == [
-        (f"rank{r}", r == 0, "finished", 1, 0) for r in range(4)
+    assert [(lab.label, lab.primary, lab.state, lab.missing) for lab in run.labels] == [
+        (f"rank{r}", r == 0, "finished", 0) for r in range(4)
     ]
     assert run.config["backend"] in ("gloo", "nccl") and run.config["world_size"] == 4
     assert run.labels[2].start["world_size"] == 4 and run.labels[2].start["rank"] == 2
@@ -198,22 +198,28 @@ def test_an_elastic_restart_continues_the_run(redis_url, store_url):
     ingest(redis_url, store_url)
     run = read_store(store_url, "run", "ddp-restart")
     assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
-    assert [(lab.label, lab.state, lab.epoch, lab.missing) for lab in run.labels] == [
-        (f"rank{r}", "finished", 2, 0) for r in range(4)
+    assert [(lab.label, lab.state, lab.missing) for lab in run.labels] == [
+        (f"rank{r}", "finished", 0) for r in range(4)
     ]
     assert [lab.start["restart_count"] for lab in run.labels] == [1] * 4
 
+    # Each label has two epochs, the attempt that failed and the restart, the restart's higher.
     loss = collections.defaultdict(list)
     for p in read_store(store_url, "metrics", "ddp-restart", key="loss"):
         loss[(p.label, p.epoch)].append(p.step)
-    # Epoch 1 kept what every rank logged before the failure; epoch 2 is the whole run again.
-    assert loss[("rank1", 1)] == list(range(fail_step + 1))
+    epochs = {f"rank{r}": sorted(e for label, e in loss if label == f"rank{r}") for r in range(4)}
+    assert all(
+        len(pair) == 2 and pair[1] == lab.epoch for pair, lab in zip(epochs.values(), run.labels, strict=True)
+    )
+    # The first epoch kept what every rank logged before the failure; the second is the whole run.
+    assert loss[("rank1", epochs["rank1"][0])] == list(range(fail_step + 1))
     for rank in range(4):
-        assert loss[(f"rank{rank}", 2)] == list(range(STEPS))
-        assert loss[(f"rank{rank}", 1)] == list(range(len(loss[(f"rank{rank}", 1)])))
+        first, second = epochs[f"rank{rank}"]
+        assert loss[(f"rank{rank}", second)] == list(range(STEPS))
+        assert loss[(f"rank{rank}", first)] == list(range(len(loss[(f"rank{rank}", first)])))
 
     failure = read_store(store_url, "logs", "ddp-restart", label="rank1", level="ERROR")
-    assert {line.epoch for line in failure} == {1}
+    assert {line.epoch for line in failure} == {epochs["rank1"][0]}
     assert failure[-1].text == f"RuntimeError: rank 1 fails at step {fail_step} (injected by --fail-rank)"
     started = read_store(store_url, "logs", "ddp-restart", label="rank1", grep="attempt ")
     attempts = [line.text for line in started]
