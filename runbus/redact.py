@@ -32,7 +32,7 @@ import binascii
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlencode
+from urllib.parse import quote, quote_plus, unquote, unquote_plus
 
 MARKER = "***"
 # The password in runbus's own hints (`redis://[USER]:PASSWORD@HOST`), left as written.
@@ -71,28 +71,43 @@ def secret_name(name: str) -> bool:
 
 
 class _Url(NamedTuple):
-    """A URL in its parts, read by hand: urlsplit refuses some (a `[` in the userinfo) that a
-    message may still hold. `password` is None where the userinfo has none."""
+    """A URL in its parts, read by hand rather than by urlsplit, which refuses some URLs (a `[`
+    in the userinfo) that a message may still hold, and ends the userinfo at a `/` that a
+    password typed unescaped may hold (base64 ones do)."""
 
     scheme: str
-    netloc: str
-    password: str | None
-    path: str
-    query: str  # with its "?"
-    fragment: str  # with its "#"
+    userinfo: str | None  # None: no `@`
+    rest: str  # host, port and path
+    query: str | None  # without its `?`; None: no `?`
+    fragment: str  # with its `#`
 
     @classmethod
     def read(cls, url: str) -> _Url | None:
         scheme, sep, rest = url.partition("://")
         if not sep:
             return None
-        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-        netloc, tail = rest[:end], rest[end:]
-        userinfo = netloc.rpartition("@")[0]
-        password = userinfo.partition(":")[2] if ":" in userinfo else None
-        before_fragment, hash_sign, fragment = tail.partition("#")
-        path, question, query = before_fragment.partition("?")
-        return cls(scheme, netloc, password, path, question + query, hash_sign + fragment)
+        rest, hash_sign, fragment = rest.partition("#")
+        rest, question, query = rest.partition("?")
+        userinfo, at, rest = rest.rpartition("@")
+        return cls(scheme, userinfo if at else None, rest, query if question else None, hash_sign + fragment)
+
+    @property
+    def password(self) -> str | None:
+        if self.userinfo is None or ":" not in self.userinfo:
+            return None
+        password = self.userinfo.partition(":")[2]
+        return None if password == PLACEHOLDER else password
+
+    def fields(self) -> list[tuple[str, bool]]:
+        """The query's `name=value` fields as written, each with whether it holds a secret. A
+        field without `=` after a secret one is a piece of it: a password with an unescaped `&`."""
+        fields: list[tuple[str, bool]] = []
+        for field in (self.query or "").split("&"):
+            if "=" not in field and fields and fields[-1][1]:
+                fields[-1] = (fields[-1][0] + "&" + field, True)
+            else:
+                fields.append((field, secret_name(unquote_plus(field.partition("=")[0]))))
+        return fields
 
 
 def safe_url(url: str) -> str:
@@ -100,30 +115,31 @@ def safe_url(url: str) -> str:
     parts = _Url.read(url)
     if parts is None:
         return url
-    netloc = parts.netloc
-    if parts.password not in (None, PLACEHOLDER):
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = f"{userinfo.partition(':')[0]}:{MARKER}@{host}"
-    query = parts.query
-    pairs = parse_qsl(query[1:], keep_blank_values=True)
-    if any(secret_name(name) for name, _ in pairs):
-        query = "?" + urlencode([(n, MARKER if secret_name(n) else v) for n, v in pairs], safe="*")
-    if netloc == parts.netloc and query == parts.query:
+    userinfo, query = parts.userinfo, parts.query
+    if parts.password is not None and userinfo is not None:
+        userinfo = f"{userinfo.partition(':')[0]}:{MARKER}"
+    fields = parts.fields()
+    if any(secret for _, secret in fields):
+        query = "&".join(f"{f.partition('=')[0]}={MARKER}" if secret else f for f, secret in fields)
+    if userinfo == parts.userinfo and query == parts.query:
         return url
-    return f"{parts.scheme}://{netloc}{parts.path}{query}{parts.fragment}"
+    shown = "" if userinfo is None else userinfo + "@"
+    return f"{parts.scheme}://{shown}{parts.rest}{'' if query is None else '?' + query}{parts.fragment}"
 
 
 def url_secrets(url: str) -> list[str]:
-    """The secrets `url` holds (its password, secret query values), as written and decoded,
-    longest first, so that a driver's error text quoting one can be masked (`redact_text`)."""
+    """The secrets `url` holds (its password, secret query values), as written, decoded and in
+    the pieces a driver may quote (split at `/` and `&`), longest first: to mask them wherever a
+    driver's error text quotes them (`redact_text`)."""
     parts = _Url.read(url)
     if parts is None:
         return []
-    password = "" if parts.password in (None, PLACEHOLDER) else parts.password
-    found = {password, unquote(password)}
-    for name, value in parse_qsl(parts.query[1:], keep_blank_values=True):
-        if secret_name(name):
-            found |= {value, quote_plus(value), quote(value, safe="")}
+    written = [] if parts.password is None else [parts.password]
+    written += [field.partition("=")[2] for field, secret in parts.fields() if secret]
+    found = set()
+    for value in written:
+        for form in (value, unquote(value), unquote_plus(value)):
+            found |= {form, quote(form, safe=""), quote_plus(form), *re.split("[/&]", form)}
     return sorted((s for s in found if len(s) >= MIN_SCRUBBED), key=len, reverse=True)
 
 
