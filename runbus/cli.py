@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, NoReturn
 
@@ -220,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if not isinstance(exc, _expected_errors()):
-            raise
-        print(f"runbus: {printable(redact_text(_one_line(exc), known))}", file=sys.stderr)
+        if isinstance(exc, _expected_errors()):
+            print(f"runbus: {printable(redact_text(_one_line(exc), known))}", file=sys.stderr)
+            return 1
+        # A bug: its traceback as Python prints it (and its exit status, 1), but with no secret.
+        print(
+            printable(redact_text("".join(traceback.format_exception(exc)), known)), file=sys.stderr, end=""
+        )
         return 1
