@@ -146,10 +146,16 @@ def url_secrets(url: str) -> list[str]:
 # Shorter known secrets are not scrubbed from free text: masking every "ab" would garble it.
 MIN_SCRUBBED = 3
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
-_PAIR = re.compile(r"""(?P<name>[A-Za-z_][\w.\-]*)(?P<sep>\s*=\s*)(?P<value>"[^"]*"|'[^']*'|[^\s&;,'"]+)""")
+# Each pattern starts where its first character cannot continue a longer run (a lookbehind) and
+# bounds its repeats, so that no text, however hostile, costs more than linear time.
+_URL = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,30}://[^\s'\"<>`]+")
+_PAIR = re.compile(
+    r"""(?<![\w.])(?P<name>[A-Za-z_][\w.\-]{0,100})(?P<sep>\s{0,10}=\s{0,10})"""
+    r"""(?P<value>"[^"]{0,4096}"|'[^']{0,4096}'|[^\s&;,'"]+)"""
+)
 _QUOTED_PAIR = re.compile(
-    r"""(?P<q>["'])(?P<name>[^"'\s]{1,100})(?P=q)(?P<sep>\s*:\s*)(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')"""
+    r"""(?P<q>["'])(?P<name>[^"'\s]{1,100})(?P=q)(?P<sep>\s{0,10}:\s{0,10})"""
+    r"""(?P<value>"(?:[^"\\]|\\.){0,4096}"|'(?:[^'\\]|\\.){0,4096}')"""
 )
 _TOKEN = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{30,}"
@@ -203,22 +209,33 @@ def _masked_basic(match: re.Match[str]) -> str:
 def redact(value: Any) -> Any:
     """`value` (JSON-like: dicts, lists, strings, numbers) with secrets replaced by MARKER: by
     name in every dict at any depth, by shape in every string; a list under a key named `argv`
-    is read as a command line (`redact_argv`). A new value: the argument is not changed."""
+    is read as a command line (`redact_argv`); a dict or list nested deeper than MAX_DEPTH is
+    MARKER whole. A new value: the argument is not changed."""
+    return _redacted(value, 0)
+
+
+# No config nests this deep; a hand-written entry that does would exhaust Python's stack.
+MAX_DEPTH = 100
+
+
+def _redacted(value: Any, depth: int) -> Any:
     if isinstance(value, str):
         return redact_text(value)
+    if isinstance(value, Mapping | list | tuple) and depth >= MAX_DEPTH:
+        return MARKER
     if isinstance(value, Mapping):
-        return {key: _redacted_item(str(key), item) for key, item in value.items()}
+        return {key: _redacted_item(str(key), item, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [redact(item) for item in value]
+        return [_redacted(item, depth + 1) for item in value]
     return value
 
 
-def _redacted_item(name: str, value: Any) -> Any:
+def _redacted_item(name: str, value: Any, depth: int) -> Any:
     if secret_name(name) and _holds_secret(value):
         return MARKER
     if name == "argv" and isinstance(value, list) and all(isinstance(a, str) for a in value):
         return redact_argv(value)
-    return redact(value)
+    return _redacted(value, depth)
 
 
 def _holds_secret(value: Any) -> bool:

@@ -8,7 +8,16 @@ import argparse
 import orjson
 import pytest
 
-from runbus.redact import MARKER, redact, redact_argv, redact_text, safe_url, secret_name, url_secrets
+from runbus.redact import (
+    MARKER,
+    MAX_DEPTH,
+    redact,
+    redact_argv,
+    redact_text,
+    safe_url,
+    secret_name,
+    url_secrets,
+)
 from runbus.terminal import json_printable, printable
 
 SECRET_NAMES = [
@@ -168,6 +177,37 @@ def test_a_driver_error_quoting_the_urls_secrets_is_masked():
     said = "bad login p@ss-word for postgresql://u:p%40ss-word@h/db; cannot decrypt with key pass"
     shown = redact_text(said, url_secrets(url))
     assert shown == "bad login *** for postgresql://u:***@h/db; cannot decrypt with ***"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "=" + "a" * 200_000,
+        "a" * 200_000 + "://",
+        "-" * 200_000 + "=x",
+        "x." * 100_000 + "=",
+        '"k": "' * 50_000,
+        "'password': '" * 50_000,
+        "-----BEGIN RSA PRIVATE KEY-----" * 10_000,
+        "Bearer " * 50_000,
+        "sk-" + "a" * 200_000,
+        "redis://" + "@" * 100_000,
+    ],
+    ids=lambda text: repr(text[:12]),
+)
+def test_hostile_text_takes_linear_time(text):
+    """Each of these took quadratic time or more with unbounded patterns: minutes, not
+    milliseconds, for one start entry. Here they return (the suite's per-test timeout guards)."""
+    redact_text(text, url_secrets(text))
+    redact({"a": [text]})
+
+
+def test_a_config_nested_deeper_than_the_stack_is_redacted_without_error():
+    deep = orjson.loads('{"a":' * 1000 + '{"api_key": "deep-sekrit"}' + "}" * 1000)
+    shown = redact(deep)
+    for _ in range(MAX_DEPTH):
+        shown = shown["a"]
+    assert shown == MARKER
 
 
 HOSTILE = "a\x1b[2Jb\x1b]52;c;aGFja2Vk\x07c\x9b31md\u202eevil\u2066e\x00f\x7fg\th"
