@@ -146,8 +146,9 @@ def url_secrets(url: str) -> list[str]:
 # Shorter known secrets are not scrubbed from free text: masking every "ab" would garble it.
 MIN_SCRUBBED = 3
 
-# Each pattern starts where its first character cannot continue a longer run (a lookbehind) and
-# bounds its repeats, so that no text, however hostile, costs more than linear time.
+# Each pattern starts only where its first character does not continue a run of the characters
+# it reads (a lookbehind), and bounds what it may read again, so that no text, however hostile,
+# costs more than linear time.
 _URL = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]{0,30}://[^\s'\"<>`]+")
 _PAIR = re.compile(
     r"""(?<![\w.])(?P<name>[A-Za-z_][\w.\-]{0,100})(?P<sep>\s{0,10}=\s{0,10})"""
@@ -158,8 +159,8 @@ _QUOTED_PAIR = re.compile(
     r"""(?P<value>"(?:[^"\\]|\\.){0,4096}"|'(?:[^'\\]|\\.){0,4096}')"""
 )
 _TOKEN = re.compile(
-    r"\b(?:hf_[A-Za-z0-9]{30,}"
-    r"|sk-(?=[A-Za-z0-9_\-]*[0-9])[A-Za-z0-9_\-]{20,}"
+    r"(?<![A-Za-z0-9_\-])(?:hf_[A-Za-z0-9]{30,}"
+    r"|sk-(?=[A-Za-z0-9_\-]{0,100}[0-9])[A-Za-z0-9_\-]{20,}"
     r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}"
     r"|glpat-[A-Za-z0-9_\-]{20,}"
     r"|xox[abposr]-[A-Za-z0-9\-]{10,}"
@@ -193,8 +194,8 @@ def redact_text(text: str, known: Iterable[str] = ()) -> str:
 def _masked_pair(match: re.Match[str]) -> str:
     if not secret_name(match["name"]) or match["value"].strip("\"'") in ("", MARKER):
         return match[0]
-    quote = match["value"][0] if match["value"][0] in "\"'" else ""
-    return match[0][: match.start("value") - match.start()] + f"{quote}{MARKER}{quote}"
+    mark = match["value"][0] if match["value"][0] in "\"'" else ""
+    return match[0][: match.start("value") - match.start()] + f"{mark}{MARKER}{mark}"
 
 
 def _masked_basic(match: re.Match[str]) -> str:
