@@ -172,7 +172,7 @@ async def run(request: web.Request) -> web.Response:
     document = documents.run_head(summary)
     document["labels"] = [_label_document(lab) for lab in summary.labels]
     document["gaps"] = sum(lab.missing for lab in summary.labels)
-    document["config"] = summary.config
+    document["config"] = documents.config_document(summary.config)
     document["dead_letters"] = await request.app[DEAD_LETTERS].counts(summary.run_id)
     return _json(document)
 

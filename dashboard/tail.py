@@ -6,7 +6,8 @@ appears later is followed from its first entry. By default only lines produced f
 printed (`from_start` prints the history first). It returns once the run's primary has finished
 and the streams have been quiet for `finish_grace` (the other ranks' last lines still show).
 A run with no stream in Redis is looked up in the store: unknown there too, it is an error unless
-`wait` asks to wait for it to start.
+`wait` asks to wait for it to start. Log text is printed through `runbus.terminal.printable`:
+escape sequences in it are shown, not obeyed.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import wire
 from runbus.config import safe_url
 from runbus.errors import CommandError, InvalidEntry, StoreMissing
+from runbus.redact import redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
 from runbus.storage import RunSummary, open_store
+from runbus.terminal import printable
 
 if TYPE_CHECKING:
     from runbus.redis import SyncClient
@@ -54,11 +57,12 @@ class TailSettings:
 
 
 def format_line(label: str, width: int, text: str, color: str | None) -> str:
-    """`label | text`, the label padded to `width` and, with a colour, painted with it."""
-    prefix = f"{label.ljust(width)} |"
+    """`label | text`, the label padded to `width` and, with a colour, painted with it; the
+    label and text printable (their own escape sequences shown, not obeyed)."""
+    prefix = printable(f"{label.ljust(width)} |")
     if color is not None:
         prefix = f"\x1b[{color}m{prefix}\x1b[0m"
-    return f"{prefix} {text}"
+    return f"{prefix} {printable(text)}"
 
 
 @dataclass
@@ -137,7 +141,7 @@ class Tail:
         return CommandError(f"no run {s.run_id!r}: {where}; `runbus tail --wait` waits for it to start")
 
     def _say(self, message: str) -> None:
-        print(f"runbus: {message}", file=self.err, flush=True)
+        print(f"runbus: {_shown(message, self.settings.redis_url)}", file=self.err, flush=True)
 
     # -- finding the streams -------------------------------------------------------------------
 
@@ -235,6 +239,11 @@ class Tail:
             self.out.flush()
 
 
+def _shown(message: str, redis_url: str) -> str:
+    """A message for stderr: no secret of the Redis URL in a driver's error text, no control."""
+    return printable(redact_text(message, url_secrets(redis_url)))
+
+
 def stored_run(store_url: str, run_id: str) -> RunSummary | None:
     """The run as the store has it; None where the store has no such run, or there is no store."""
 
@@ -256,5 +265,6 @@ def tail(settings: TailSettings) -> int:
     try:
         return Tail(settings).run()
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        print(f"runbus: cannot read the streams at {safe_url(settings.redis_url)}: {exc}", file=sys.stderr)
+        message = f"cannot read the streams at {safe_url(settings.redis_url)}: {exc}"
+        print(f"runbus: {_shown(message, settings.redis_url)}", file=sys.stderr)
         return 1

@@ -112,16 +112,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     if args.consumer:
         settings.consumer = args.consumer
-    from runbus.cli import configure_logging
+    from runbus.cli import configure_logging, known_secrets
     from runbus.ingester.supervisor import ingest
 
-    return ingest(settings, args.workers, args.http, functools.partial(configure_logging, args.log_level))
+    setup = functools.partial(configure_logging, args.log_level, known=known_secrets(args))
+    return ingest(settings, args.workers, args.http, setup)
 
 
 def cmd_dead(args: argparse.Namespace) -> int:
     from redis import exceptions as redis_errors
 
     from runbus.ingester import deadletter
+    from runbus.redact import redact
     from runbus.redis import async_client
     from runbus.storage import documents, tables
 
@@ -143,7 +145,9 @@ def cmd_dead(args: argparse.Namespace) -> int:
     if args.replay:
         print(f"replayed {result} dead-lettered entries onto their streams")
     elif args.json:
-        print(documents.dumps([asdict(letter) for letter in result]))
+        # The entries' fields as written, but for secrets of a recognisable shape (a start event's
+        # config written by hand): listing is for reading; replay works on Redis's copy.
+        print(documents.dumps([redact(asdict(letter)) for letter in result]))
     else:
         rows = [(d.dead_id, d.source_stream, d.source_id, d.deliveries, d.reason) for d in result]
         print(tables.table(("DEAD ID", "STREAM", "ENTRY", "DELIVERIES", "REASON"), rows))

@@ -56,6 +56,7 @@ _active_lock = threading.Lock()
 def _plain_config(config: Any) -> dict[str, Any]:
     import orjson
 
+    from runbus.redact import redact
     from runbus.wire import MAX_DATA_BYTES
 
     if config is None:
@@ -73,7 +74,9 @@ def _plain_config(config: Any) -> dict[str, Any]:
     )
     if len(blob) > MAX_DATA_BYTES // 2:
         raise ValueError(f"config is {len(blob)} bytes as JSON, over {MAX_DATA_BYTES // 2}")
-    return orjson.loads(blob)
+    # Secrets (api_key=, tokens, URL passwords) never leave the process: see runbus.redact.
+    plain: dict[str, Any] = redact(orjson.loads(blob))
+    return plain
 
 
 def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]:

@@ -1,6 +1,7 @@
 """What a label runs on, for its `start` event: host, Python, torch and GPUs; never raises.
 
-Keys: `host`, `cpu_count`, `memory_total_mb`, `platform`, `python_version`, `argv`, `gpus`
+Keys: `host`, `cpu_count`, `memory_total_mb`, `platform`, `python_version`, `argv` (its
+secrets redacted: runbus.redact.redact_argv), `gpus`
 (a list of `{"index", "name", "memory_total_mb"}`, NVML indices), and, when they can be read,
 `torch_version` (only if the program already imported torch), `driver_version` and
 `cuda_version` (the newest CUDA the driver supports, "12.4"). A figure that cannot be read is
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runbus.producer.system import MB, parse_visible_devices
+from runbus.redact import redact_argv
 
 logger = logging.getLogger("runbus.producer")
 
@@ -31,7 +33,7 @@ def describe(gpu_device_ids: list[int] | None = None) -> dict[str, Any]:
         ("memory_total_mb", _memory_total_mb),
         ("platform", platform.platform),
         ("python_version", platform.python_version),
-        ("argv", lambda: redacted_argv(sys.argv)),
+        ("argv", lambda: redact_argv(sys.argv)),
         ("torch_version", _torch_version),
     )
     for key, read in readers:
@@ -44,28 +46,6 @@ def describe(gpu_device_ids: list[int] | None = None) -> dict[str, Any]:
             info[key] = value
     info.update(_gpus(gpu_device_ids))
     return info
-
-
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
-
-
-def redacted_argv(argv: list[str]) -> list[str]:
-    """The command line with the values of secret-looking options (`--api-key X`) as '***'."""
-    redacted: list[str] = []
-    hide_next = False
-    for arg in map(str, argv):
-        if hide_next:
-            redacted.append("***")
-            hide_next = False
-            continue
-        name, eq, _ = arg.partition("=")
-        secret = name.startswith("-") and any(word in name.lower() for word in _SECRET_WORDS)
-        if secret and eq:
-            redacted.append(f"{name}=***")
-        else:
-            redacted.append(arg)
-            hide_next = secret
-    return redacted
 
 
 def _memory_total_mb() -> float:

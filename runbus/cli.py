@@ -6,7 +6,9 @@ once its command is chosen: `runbus --help` imports none of the four packages, `
 imports storage alone. What every command shares lives here: the `--store` and `--redis` options
 (given before or after the command; the command's value wins), logging (configured here and
 nowhere else), and how an expected error ends: one `runbus: ...` line on stderr and a non-zero
-exit, never a traceback.
+exit, never a traceback. Every log line and error line goes through `runbus.redact.redact_text`
+(URL passwords and the secrets of the --store and --redis URLs masked, even inside a driver's
+error text) and `runbus.terminal.printable`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, NoReturn
 
 import runbus
 from runbus import config, wire
 from runbus.errors import InvalidName, RunbusError
+from runbus.redact import redact_text, url_secrets
+from runbus.terminal import printable
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -55,10 +60,29 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"runbus: {message} (`{self.prog} --help` shows the usage)\n")
 
 
-def configure_logging(level: str, process: str | None = None) -> None:
-    """Log to stderr; a worker process of `ingest --workers N` puts its consumer name first."""
+class SafeFormatter(logging.Formatter):
+    """Log lines with secrets masked (by shape, and the `known` ones) and terminal controls shown."""
+
+    def __init__(self, fmt: str, known: Iterable[str] = ()) -> None:
+        super().__init__(fmt)
+        self.known = tuple(known)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(redact_text(super().format(record), self.known))
+
+
+def configure_logging(level: str, process: str | None = None, known: Iterable[str] = ()) -> None:
+    """Log to stderr, through SafeFormatter (`known`: secrets to mask wherever they show); a
+    worker process of `ingest --workers N` puts its consumer name first."""
     prefix = f"[{process.replace('%', '%%')}] " if process else ""
-    logging.basicConfig(level=level.upper(), format=prefix + LOG_FORMAT, stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SafeFormatter(prefix + LOG_FORMAT, known))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def known_secrets(args: argparse.Namespace) -> list[str]:
+    """The secrets of the command's --store and --redis URLs, to mask in every line it writes."""
+    return [s for name in ("store", "redis") for s in url_secrets(str(getattr(args, name, "") or ""))]
 
 
 # -- what the command modules share --------------------------------------------------------------
@@ -182,7 +206,8 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.log_level = args.log_level or ROUTES[args.command].log_level
-    configure_logging(args.log_level)
+    known = known_secrets(args)
+    configure_logging(args.log_level, known=known)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         code = handler(args)
@@ -196,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if not isinstance(exc, _expected_errors()):
-            raise
-        print(f"runbus: {_one_line(exc)}", file=sys.stderr)
+        if isinstance(exc, _expected_errors()):
+            print(f"runbus: {printable(redact_text(_one_line(exc), known))}", file=sys.stderr)
+            return 1
+        # A bug: its traceback as Python prints it (and its exit status, 1), but with no secret.
+        print(
+            printable(redact_text("".join(traceback.format_exception(exc)), known)), file=sys.stderr, end=""
+        )
         return 1

@@ -2,7 +2,8 @@
 
 Nothing else reads a `RUNBUS_*` variable directly: each has a name constant and a reader here, so
 the names, their defaults and their documentation live in one place. URLs are shown through
-`safe_url`, which never lets a password reach a log line, an error message or a page.
+`safe_url` (from runbus.redact, re-exported here), which never lets a password reach a log line,
+an error message or a page.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from runbus.errors import CommandError
+from runbus.redact import safe_url as safe_url  # re-exported: URLs are shown through it
 
 if TYPE_CHECKING:
     from redis.backoff import AbstractBackoff, EqualJitterBackoff
@@ -33,9 +34,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STORE_FILE = "runbus.db"
 # The ingester's stream decoders: its fast path (the default), and runbus.wire's reference.
 DECODERS = ("fast", "reference")
-
-# Query parameters that carry a secret in a Redis or database URL (`?password=…`).
-_SECRET_QUERY = frozenset({"password", "pass", "passwd", "token", "auth", "secret", "sslpassword"})
 
 
 def redis_url(env: Mapping[str, str] | None = None) -> str:
@@ -75,27 +73,6 @@ def decoder(env: Mapping[str, str] | None = None) -> str:
     if name not in DECODERS:
         raise CommandError(f"{DECODER_ENV}={name[:40]!r} is not one of: {', '.join(DECODERS)}")
     return name
-
-
-def safe_url(url: str) -> str:
-    """`url` with any password, in its userinfo or its query, replaced by '***'."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # a port that is not a number: show the scheme only
-        return url.partition("://")[0] + "://***"
-    netloc = parts.netloc
-    if password is not None:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(name.lower() in _SECRET_QUERY for name, _ in pairs):
-            query = urlencode([(n, "***" if n.lower() in _SECRET_QUERY else v) for n, v in pairs], safe="*")
-    if netloc == parts.netloc and query == parts.query:
-        return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def backoff(cap: float, base: float = 0.1) -> AbstractBackoff:

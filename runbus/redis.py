@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeVar, cast
 
 from runbus.config import safe_url
 from runbus.errors import AccessDenied
+from runbus.redact import redact_text, url_secrets
 
 if TYPE_CHECKING:
     import redis
@@ -180,17 +181,18 @@ def access_denied(exc: BaseException, url: str) -> AccessDenied | None:
     from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError
 
     where = f"Redis at {safe_url(url)}"
+    said = redact_text(str(exc), url_secrets(url))
     if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
         if safe_url(url) == url:  # nothing masked: no password given
             return AccessDenied(
-                f"{where} needs a password ({exc}): give it in the Redis URL, "
+                f"{where} needs a password ({said}): give it in the Redis URL, "
                 "redis://[USER]:PASSWORD@HOST:PORT/DB"
             )
         return AccessDenied(
-            f"{where} refused the credentials ({exc}): fix the user or password in the Redis URL"
+            f"{where} refused the credentials ({said}): fix the user or password in the Redis URL"
         )
     if isinstance(exc, NoPermissionError):
-        return AccessDenied(f"{where} does not let this user run a command runbus needs ({exc})")
+        return AccessDenied(f"{where} does not let this user run a command runbus needs ({said})")
     certificate = _caused_by(exc, ssl.SSLCertVerificationError)
     if certificate is not None:
         return AccessDenied(

@@ -16,6 +16,7 @@ from runbus.cli import add_store_option, level_argument
 from runbus.errors import CommandError
 from runbus.storage import Store, documents, open_store, safe_url, tables
 from runbus.storage.base import RunSummary
+from runbus.terminal import printable
 
 T = TypeVar("T")
 RECENT_RUNS = 5  # runs an unknown run's error names
@@ -181,5 +182,5 @@ def cmd_logs(args: argparse.Namespace) -> int:
     width = max((len(line.label) for line in found), default=0)
     for line in found:
         for text in line.text.splitlines() or [""]:
-            print(f"{line.label.ljust(width)} | {tables.when(line.ts)} {line.level:<7} {text}")
+            print(printable(f"{line.label.ljust(width)} | {tables.when(line.ts)} {line.level:<7} {text}"))
     return 0

@@ -1,4 +1,8 @@
-"""The JSON documents the CLI prints and the dashboard's API answers: one shape for each record."""
+"""The JSON documents the CLI prints and the dashboard's API answers: one shape for each record.
+
+A run's config is shown redacted (`runbus.redact`) even where the store holds it as written by
+hand; the CLI's JSON text has the controls a terminal would obey escaped (`json_printable`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ from typing import Any
 
 import orjson
 
+from runbus.redact import redact
 from runbus.storage.base import LogLine, Point, RunSummary
+from runbus.terminal import json_printable
 from runbus.wire import finite_to_wire
 
 
@@ -19,7 +25,7 @@ def json_value(value: float) -> float | str:
 
 def dumps(document: Any) -> str:
     """`document` as indented JSON text, as the CLI prints it."""
-    return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode()
+    return json_printable(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode())
 
 
 def run_head(run: RunSummary) -> dict[str, Any]:
@@ -58,8 +64,13 @@ def run_document(run: RunSummary) -> dict[str, Any]:
             }
             for lab in run.labels
         ],
-        "config": run.config,
+        "config": config_document(run.config),
     }
+
+
+def config_document(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run's config as the CLI and the API show it: secrets redacted."""
+    return None if config is None else redact(config)
 
 
 def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import asyncpg
 import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
+from runbus.redact import redact_text, url_secrets
 from runbus.storage import rows, safe_url
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
@@ -171,7 +172,8 @@ class PostgresStore:
         StoreUnavailable (connection lost or refused, too many connections, shutting down,
         serialization failure or deadlock, disk full, read-only: retried)."""
         where = f"postgres {safe_url(self.url)}"
-        what = f"{type(exc).__name__}: {exc}"
+        # A driver's text may quote the DSN or a piece of it (a bad query field): mask its secrets.
+        what = redact_text(f"{type(exc).__name__}: {exc}", url_secrets(self.url))
         sqlstate = (exc.sqlstate or "") if isinstance(exc, asyncpg.PostgresError) else ""
         if sqlstate[:2] == DENIED_CLASS:
             return AccessDenied(f"{where} refused access ({what}): fix the user or password in the store URL")

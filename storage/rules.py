@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
+from runbus.redact import redact
 from runbus.wire import Event
 
 RUNNING, FINISHED, FAILED, CRASHED = "running", "finished", "failed", "crashed"
@@ -115,7 +116,9 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
             last_ts = ts
         kind = event.kind
         if kind == "start" and pos > start_pos:
-            primary, start_pos, start_data = event.data["primary"], pos, event.data
+            # Redacted here, once per start, so that not even an entry written by hand puts a
+            # secret in the store (the producer has redacted its own already).
+            primary, start_pos, start_data = event.data["primary"], pos, redact(event.data)
         elif kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
             dropped = merge_dropped(dropped, event.epoch, event.data["dropped_ranges"])
         if pos > state_pos:

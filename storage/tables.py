@@ -1,4 +1,8 @@
-"""How the CLI prints runs as text: aligned tables, times, states and numbers."""
+"""How the CLI prints runs as text: aligned tables, times, states and numbers.
+
+Every string from the bus goes through `printable` (terminal controls shown, not obeyed) and a
+run's config through `redact` (secrets as '***') before it is printed.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import orjson
+
+from runbus.redact import redact
 from runbus.storage.base import RunSummary
+from runbus.terminal import printable
 from runbus.wire import finite_to_wire
 
 
@@ -17,8 +25,10 @@ def when(ts: float | None) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """Left-aligned columns separated by two spaces."""
-    cells = [list(map(str, headers))] + [["-" if c is None else str(c) for c in row] for row in rows]
+    """Left-aligned columns separated by two spaces; every cell printable."""
+    cells = [list(map(str, headers))] + [
+        ["-" if c is None else printable(str(c)) for c in row] for row in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
@@ -33,7 +43,7 @@ def state_text(run: RunSummary) -> str:
 
 
 def show_text(run: RunSummary) -> str:
-    """The `runbus show` page: the run, a table of its labels, then its gaps."""
+    """The `runbus show` page: the run, a table of its labels, its gaps, then its config."""
     counts = ", ".join(f"{kind} {n}" for kind, n in run.counts.items())
     head = [
         f"run      {run.run_id}",
@@ -67,7 +77,17 @@ def show_text(run: RunSummary) -> str:
             + (f", {g.dropped} dropped by the producer (buffers full)" if g.dropped else ", unexplained")
             for label, g in gaps
         )
+    if run.config:
+        text += "\n\nconfig:\n" + config_text(run.config)
     return text
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """A run's config, secrets redacted: one `  key: value` line per key, the value as JSON."""
+    return "\n".join(
+        printable(f"  {key}: {orjson.dumps(value, default=str).decode()}")
+        for key, value in redact(config).items()
+    )
 
 
 def number_text(value: float) -> str:

@@ -23,6 +23,7 @@ import pytest
 from runbus import wire
 from runbus.producer import hardware, system
 from runbus.producer.system import SystemSampler, default_sampler_ids_from_env, parse_visible_devices
+from runbus.redact import redact_argv
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -563,7 +564,7 @@ def test_describe_with_gpus(nvml, monkeypatch) -> None:
         "memory_total_mb": psutil.virtual_memory().total / MIB,
         "platform": platform.platform(),
         "python_version": platform.python_version(),
-        "argv": sys.argv,
+        "argv": redact_argv(sys.argv),
         "gpus": [
             {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_mb": 81920.0},
             {"index": 1, "name": "Tesla V100-SXM2-16GB", "memory_total_mb": 16384.0},
@@ -669,10 +670,8 @@ def test_import_does_not_load_nvml_or_torch() -> None:
 
 
 def test_secret_options_are_redacted_from_the_command_line():
-    from runbus.producer.hardware import redacted_argv
-
     argv = ["train.py", "--api-key", "abc", "--TOKEN=xyz", "--lr", "0.1", "--db-password=pw", "--keys-file"]
-    assert redacted_argv(argv) == [
+    assert redact_argv(argv) == [
         "train.py",
         "--api-key",
         "***",
