@@ -33,6 +33,11 @@ NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _NAME = re.compile(NAME_PATTERN)
 _STREAM_KEY = re.compile(rf"{PREFIX}:\{{({NAME_PATTERN})\}}:({NAME_PATTERN})")
 
+# The `ts` accepted: wall-clock seconds since the Unix epoch from 2000-01-01 to 2200-01-01 UTC.
+# Outside it a ts is a unit or clock mistake (milliseconds, a monotonic clock, seconds since the
+# job began) or garbage that no date can show (1e300 overflows every time conversion).
+TS_MIN, TS_MAX = 946_684_800.0, 7_258_118_400.0
+
 # Biggest `data` field accepted, encoded. A log line or config larger than this is an error at
 # the producer and a dead letter at the ingester, never a silent truncation.
 MAX_DATA_BYTES = 1 << 20
@@ -275,6 +280,10 @@ def _timestamp(fields: dict[bytes, bytes]) -> float:
         raise InvalidEntry(f"field 'ts' is not a number: {text[:40]!r}") from None
     if not math.isfinite(ts):
         raise InvalidEntry("field 'ts' must be finite")
+    if not TS_MIN <= ts < TS_MAX:
+        raise InvalidEntry(
+            f"field 'ts' must be seconds since the Unix epoch, from year 2000 to 2200, got {text[:40]}"
+        )
     return ts
 
 
@@ -346,8 +355,11 @@ def _start_data(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _finish_data(data: dict[str, Any]) -> dict[str, Any]:
-    if type(data.get("exit_code")) is not int:
+    code = data.get("exit_code")
+    if type(code) is not int:
         raise InvalidEntry("finish data needs an integer 'exit_code'")
+    if code not in INT64:
+        raise InvalidEntry(f"finish exit_code {code} does not fit in 64 bits")
     return data
 
 

@@ -238,11 +238,18 @@ def by_epoch(events: Sequence[Event]) -> dict[int, list[Event]]:
 def merge_dropped(
     dropped: dict[int, tuple[tuple[int, int], ...]], epoch: int, ranges: Iterable
 ) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free."""
+    """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free.
+    Anything but [first, last] pairs of seqs is ignored (the report is the producer's, unchecked
+    by the wire)."""
+    if not isinstance(ranges, list | tuple):
+        return dropped
     valid = [
-        (int(r[0]), int(r[1]))
+        (r[0], r[1])
         for r in ranges
-        if isinstance(r, list | tuple) and len(r) == 2 and all(type(x) is int for x in r) and r[0] <= r[1]
+        if isinstance(r, list | tuple)
+        and len(r) == 2
+        and all(type(x) is int and 0 < x < 2**63 for x in r)
+        and r[0] <= r[1]
     ]
     return {**dropped, epoch: merge_ranges([*dropped.get(epoch, ()), *valid])}
 

@@ -23,6 +23,9 @@ def ingest(redis_url: str, store_url: str, **settings: Any):
     return asyncio.run(worker.async_run())
 
 
+T0 = 1_700_000_000.0  # a ts the wire accepts (2023); entries written by hand count from it
+
+
 def xadd_event(
     client: redis.Redis,
     run: str,
@@ -34,9 +37,9 @@ def xadd_event(
     step: int | None = None,
     ts: float | None = None,
 ) -> bytes:
-    """Write one well-formed entry by hand, as redis-cli would."""
+    """Write one well-formed entry by hand, as redis-cli would (ts: T0 + seq unless given)."""
     fields = wire.encode_fields(
-        kind, run, label, epoch, seq, ts if ts is not None else 1000.0 + seq, orjson.dumps(data or {}), step
+        kind, run, label, epoch, seq, ts if ts is not None else T0 + seq, orjson.dumps(data or {}), step
     )
     return client.xadd(wire.stream_key(run, label), fields)
 
