@@ -21,7 +21,8 @@ from runbus.errors import InvalidEntry, InvalidName
 
 VERSION = "1"
 PREFIX = "runbus"
-DEFAULT_GROUP = "runbus"
+# The consumer group every store's ingesters shared before each store had its own (store_group).
+LEGACY_GROUP = "runbus"
 DEAD_LETTER_KEY = f"{PREFIX}:dead"
 # Every stream a producer creates is announced here (a set of stream keys), so ingesters find
 # it within a poll instead of a keyspace scan.
@@ -74,6 +75,17 @@ def epoch_key(run: str, label: str) -> str:
 def primary_key(run: str) -> str:
     """Holds the label of the run's live primary (with a TTL its heartbeats refresh)."""
     return f"{PREFIX}:{{{run}}}:meta:primary"
+
+
+def replay_claim_key(dead_id: str) -> str:
+    """Held (with a TTL) by the `runbus dead --replay` putting dead letter `dead_id` back."""
+    return f"{DEAD_LETTER_KEY}:replaying:{dead_id}"
+
+
+def store_group(store_id: str) -> str:
+    """The consumer group of the store whose id is `store_id` (the ingester's default): every
+    store receives every event, and the workers of one store share them."""
+    return f"{PREFIX}:{store_id}"
 
 
 def parse_stream_key(key: str) -> tuple[str, str] | None:

@@ -59,7 +59,18 @@ def run_document(run: RunSummary) -> dict[str, Any]:
             for lab in run.labels
         ],
         "config": run.config,
+        "primary_refused": refused_primaries(run),
     }
+
+
+def refused_primaries(run: RunSummary) -> list[dict[str, Any]]:
+    """The labels that claimed the run's primary role while another held it, with when they
+    last did (the claims were refused and changed nothing)."""
+    return [
+        {"label": lab.label, "ts": lab.primary_refused_ts}
+        for lab in run.labels
+        if lab.primary_refused_ts is not None
+    ]
 
 
 def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:

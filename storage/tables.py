@@ -49,6 +49,12 @@ def show_text(run: RunSummary) -> str:
         f"ended    {when(run.ended_ts)}",
         f"events   {counts}",
     ]
+    head += [
+        f"refused  {lab.label} claimed the primary role at {when(lab.primary_refused_ts)}; "
+        f"{run.primary or '-'} holds it"
+        for lab in run.labels
+        if lab.primary_refused_ts is not None
+    ]
     rows = [
         (
             lab.label,

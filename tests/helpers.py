@@ -58,6 +58,26 @@ def read_store(store_url: str, method: str, *args: Any, **kwargs: Any):
     return asyncio.run(call())
 
 
+def store_group(store_url: str) -> str:
+    """The consumer group of this store's ingesters by default (creating the store if need be)."""
+    return wire.store_group(read_store(store_url, "identity"))
+
+
+async def store_group_async(store_url: str) -> str:
+    """store_group, inside an event loop."""
+    store = storage.open_store(store_url)
+    await store.connect()
+    try:
+        return wire.store_group(await store.identity())
+    finally:
+        await store.close()
+
+
+def pending_count(client: redis.Redis, key: str) -> int:
+    """Entries of `key` read and not acknowledged, in every consumer group."""
+    return sum(group["pending"] for group in client.xinfo_groups(key))
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True, cwd: str | None = None):
     """Run `python -m runbus ARGS` and return the CompletedProcess (text mode)."""
     result = subprocess.run(

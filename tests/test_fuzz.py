@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from runbus import config, wire
 from runbus.ingester import decoding
-from tests.helpers import ingest, read_store
+from tests.helpers import ingest, pending_count, read_store
 
 RUN, LABEL = "fuzz", "rank0"
 junk = st.one_of(st.binary(max_size=20), st.text(max_size=20).map(str.encode))
@@ -107,7 +107,7 @@ def test_every_entry_is_stored_or_dead_lettered(redis_server_url, decoder, gener
         dead = client.xrange(wire.DEAD_LETTER_KEY)
         # Each dead letter says what the reference decoder says, in the stream's order.
         assert [f[b"reason"].decode() for _, f in dead] == [r for r in map(reason, generated) if r]
-        assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending_count(client, key) == 0
         if valid:
             run = read_store(store_url, "run", RUN)
             assert run.counts["metric"] == len({f[b"seq"] for f in valid})

@@ -11,7 +11,7 @@ import redis
 
 from runbus import wire
 from runbus.config import DECODER_ENV
-from tests.helpers import T0, ingest, read_store, run_cli, xadd_event
+from tests.helpers import T0, ingest, pending_count, read_store, run_cli, xadd_event
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url
     # The original fields travel with the dead letter, so it can be read and replayed.
     assert by_source[key, ids["unknown kind"]][b"kind"] == b"banana"
     # Everything was acknowledged: nothing stays pending.
-    assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+    assert pending_count(client, key) == 0
     assert [p.value for p in read_store(store_url, "metrics", "bad", key="ok")] == [2.0]
 
 
@@ -170,7 +170,7 @@ def test_entries_no_store_can_hold_are_dead_lettered_and_the_rest_of_their_batch
     assert (far_run.state, far_run.exit_code, far_run.counts["metric"]) == ("finished", 0, 40)
     assert (big_run.state, big_run.label_count, big_run.counts["metric"]) == ("running", 2, 40)
     for run in ("far", "big"):
-        assert client.xpending(wire.stream_key(run, "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending_count(client, wire.stream_key(run, "rank0")) == 0
 
 
 def test_non_finite_values_round_trip(client, redis_url, store_url, decoder):
