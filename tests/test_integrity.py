@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import redis
 
 from runbus import wire
+from runbus.ingester import demo
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
 from tests.helpers import (
@@ -28,6 +30,7 @@ from tests.helpers import (
     pending_count,
     read_store,
     run_cli,
+    store_group,
     xadd_event,
 )
 
@@ -361,3 +364,101 @@ def test_a_dead_letter_that_cannot_go_back_is_left_with_a_note(client, redis_url
     assert client.xlen(wire.DEAD_LETTER_KEY) == 5
     listed = json.loads(run_cli("dead", "--json", "--redis", redis_url).stdout)
     assert len(listed) == 5 and {letter["deliveries"] for letter in listed} == {1}
+
+
+# -- every store receives every event ----------------------------------------------------------------
+
+
+def write_runs(client: redis.Redis, runs: list[str], metrics: int) -> int:
+    """Runs written by hand: a primary start, `metrics` metrics and a finish each; how many entries."""
+    for run in runs:
+        xadd_event(client, run, "rank0", "start", 1, 1, {"primary": True})
+        pipe = client.pipeline(transaction=False)
+        for seq in range(2, metrics + 2):
+            xadd_event(pipe, run, "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
+        pipe.execute()
+        xadd_event(client, run, "rank0", "finish", 1, metrics + 2, {"exit_code": 0})
+    return len(runs) * (metrics + 2)
+
+
+def entries_read(stderr: str) -> int:
+    """The entries a worker read, from its stop line."""
+    match = re.search(r"stopped after [\d.]+s: \d+ batches, (\d+) entries", stderr)
+    assert match, stderr
+    return int(match.group(1))
+
+
+def test_two_stores_on_one_redis_each_receive_every_event(client, redis_url, tmp_path):
+    total = write_runs(client, ["split-a", "split-b", "split-c"], 400)
+    one, other = f"sqlite:///{tmp_path / 'one.db'}", f"sqlite:///{tmp_path / 'other.db'}"
+    assert store_group(one) != store_group(other)
+    # Two workers of one store and one of the other, all at once, as a real ingester beside a demo.
+    workers = [
+        subprocess.Popen(
+            ingest_command(redis_url, url, "--burst", "--batch-size", "50", "--consumer", f"w{n}"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n, url in enumerate([one, one, other])
+    ]
+    errs = [w.communicate(timeout=120)[1] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0, 0], errs
+    # The store's own workers shared its events, each read once; the other store read them all.
+    assert entries_read(errs[0]) + entries_read(errs[1]) == total
+    assert entries_read(errs[2]) == total
+    for url in (one, other):
+        for run in ("split-a", "split-b", "split-c"):
+            summary = read_store(url, "run", run)
+            assert (summary.state, summary.counts["metric"], summary.labels[0].missing) == (
+                "finished",
+                400,
+                0,
+            )
+    groups = {g["name"].decode() for g in client.xinfo_groups(wire.stream_key("split-a", "rank0"))}
+    assert groups == {store_group(one), store_group(other)}
+
+
+def test_group_overrides_and_the_old_shared_group_on_upgrade(client, redis_url, store_url):
+    key = wire.stream_key("upgrade", "rank0")
+    total = write_runs(client, ["upgrade"], 20)
+    # An older ingester left the shared `runbus` group with entries read but not acknowledged.
+    client.xgroup_create(key, wire.LEGACY_GROUP, id="0")
+    client.xreadgroup(wire.LEGACY_GROUP, "old-worker", {key: ">"}, count=5)
+    stats = ingest(redis_url, store_url)
+    # The store's own group starts at the stream's first entry: it reads them all, those included.
+    assert stats.entries == total and stats.stored == total
+    assert read_store(store_url, "run", "upgrade").state == "finished"
+    assert client.xpending(key, wire.LEGACY_GROUP)["pending"] == 5  # left as it was
+    run_cli("--store", store_url, "ingest", "--redis", redis_url, "--burst", "--group", "pinned")
+    groups = {g["name"].decode(): g["pending"] for g in client.xinfo_groups(key)}
+    assert groups == {wire.LEGACY_GROUP: 5, store_group(store_url): 0, "pinned": 0}
+
+
+def test_the_demo_beside_a_real_ingester_leaves_the_real_run_whole(client, redis_url, tmp_path, monkeypatch):
+    real_store, demo_store = f"sqlite:///{tmp_path / 'real.db'}", f"sqlite:///{tmp_path / 'demo.db'}"
+    real = subprocess.Popen(
+        ingest_command(redis_url, real_store, "--consumer", "real"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        total = write_runs(client, ["real-run"], 300)
+        monkeypatch.setattr(demo, "torch_job", lambda ranks, steps: None)  # plain processes: quicker
+        assert asyncio.run(demo._demo(redis_url, demo_store, ranks=2, steps=5)) == 0
+        wait_for("the real run", lambda: stored_run(real_store, "real-run") == ("finished", 1))
+    finally:
+        real.send_signal(signal.SIGTERM)
+        _, err = real.communicate(timeout=30)
+    assert real.returncode == 0, err
+    summary = read_store(real_store, "run", "real-run")
+    assert (summary.primary, summary.counts["metric"], summary.labels[0].missing) == ("rank0", 300, 0)
+    demo_runs = read_store(demo_store, "runs")
+    assert len(demo_runs) == 1 and demo_runs[0].run_id.startswith("demo-")
+    assert demo_runs[0].state == "finished" and demo_runs[0].label_count == 2
+    # The demo run's keys are gone from Redis; the real run's stream is as it was.
+    demo_id = demo_runs[0].run_id
+    assert list(client.scan_iter(match=f"runbus:{{{demo_id}}}:*")) == []
+    assert not any(demo_id.encode() in member for member in client.smembers(wire.REGISTRY_KEY))
+    assert client.xlen(wire.stream_key("real-run", "rank0")) == total
