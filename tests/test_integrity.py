@@ -138,6 +138,24 @@ def test_a_run_written_by_hand_takes_its_first_primary_start(client, redis_url, 
     assert {lab.label: lab.primary_refused_ts for lab in run.labels} == {"other": T0 + 5, "rank0": None}
 
 
+async def test_the_dashboard_s_run_document_shows_the_refused_claim(redis_url, store_url):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runbus.dashboard.api import create_app
+
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, "dash", "rank0", "start", 1, 1, {"primary": True})
+        await asyncio.to_thread(ingest, redis_url, store_url)
+        xadd_event(client, "dash", "rogue", "start", 1, 1, {"primary": True}, ts=T0 + 7)
+        await asyncio.to_thread(ingest, redis_url, store_url)
+    async with TestClient(TestServer(create_app(store_url, redis_url=redis_url))) as api:
+        response = await api.get("/api/runs/dash")
+        document = await response.json()
+    assert (document["primary"], document["primary_refused"]) == ("rank0", [{"label": "rogue", "ts": T0 + 7}])
+    labels = {lab["label"]: (lab["primary"], lab["primary_refused_ts"]) for lab in document["labels"]}
+    assert labels == {"rank0": (True, None), "rogue": (False, T0 + 7)}
+
+
 # -- bad input never stops ingest ------------------------------------------------------------------
 
 

@@ -197,6 +197,34 @@ def test_the_first_primary_claim_wins_and_later_ones_are_refused():
     assert refuse(label, 10.0) == label and refuse(label, 6000.0).primary_refused_ts == 6000.0
 
 
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 5)), max_size=4),
+        max_size=6,
+    ),
+    st.sampled_from([None, "a", "z"]),
+)
+def test_a_run_s_primary_is_decided_once_and_every_other_claim_refused(batches, holder):
+    """Claims arriving in any batches: the first batch with a claim decides (its live claim's
+    holder, else its earliest claim), nothing changes it after, and every other claimant is
+    refused at its latest claim."""
+    decided, refused, first = None, {}, None
+    for batch in batches:
+        claims = [ev(label, "start", 1, 1, primary=True)._replace(ts=float(ts)) for label, ts in batch]
+        before = decided
+        decided = decide_primary(decided, claims, holder)
+        if claims and first is None:
+            first = holder or min(claims, key=lambda e: (e.ts, e.label)).label
+        assert before is None or decided == before
+        for label, ts in refused_claims(decided, claims).items():
+            refused[label] = max(refused.get(label, ts), ts)
+    claimants = {label for batch in batches for label, _ in batch}
+    assert decided == first
+    assert set(refused) == claimants - {decided}
+    for label, ts in refused.items():
+        assert ts == max(t for batch in batches for name, t in batch if name == label)
+
+
 def test_the_run_follows_its_primary_whatever_other_labels_claim():
     rank0 = fold(
         "rank0", [ev("rank0", "start", 1, 1, primary=True), ev("rank0", "finish", 1, 9, exit_code=3)]
