@@ -118,6 +118,7 @@ def _label_document(label: storage.LabelSummary) -> dict[str, Any]:
         "missing": label.missing,
         "first_ts": label.first_ts,
         "last_ts": label.last_ts,
+        "primary_refused_ts": label.primary_refused_ts,
         "host": start.get("host"),
         "rank": start.get("rank"),
         "world_size": start.get("world_size"),
@@ -173,6 +174,7 @@ async def run(request: web.Request) -> web.Response:
     document["labels"] = [_label_document(lab) for lab in summary.labels]
     document["gaps"] = sum(lab.missing for lab in summary.labels)
     document["config"] = documents.config_document(summary.config)
+    document["primary_refused"] = documents.refused_primaries(summary)
     document["dead_letters"] = await request.app[DEAD_LETTERS].counts(summary.run_id)
     return _json(document)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import sys
 from dataclasses import asdict
 
 from runbus import wire
@@ -25,7 +26,12 @@ def _ops_address(text: str) -> tuple[str, int]:
 def add_ingest(parser: argparse.ArgumentParser) -> None:
     add_redis_option(parser, "redis+cluster://host:port,... for a cluster")
     add_store_option(parser)
-    parser.add_argument("--group", default=wire.DEFAULT_GROUP, help="consumer group (default %(default)s)")
+    parser.add_argument(
+        "--group",
+        default="",
+        help="consumer group (default: the store's own, runbus:<store id>, so that every store "
+        "receives every event; `runbus` was the default of every store before)",
+    )
     parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
     parser.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
     parser.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
@@ -101,7 +107,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     settings = WorkerSettings(
         redis_url=args.redis,
         store_url=args.store,
-        group=args.group,
+        group=args.group or "",
         burst=args.burst,
         batch_size=args.batch_size,
         claim_idle=args.claim_idle,
@@ -143,7 +149,11 @@ def cmd_dead(args: argparse.Namespace) -> int:
     except unreachable as exc:
         raise CommandError(f"cannot reach Redis at {safe_url(args.redis)}: {exc}") from exc
     if args.replay:
-        print(f"replayed {result} dead-lettered entries onto their streams")
+        print(f"replayed {result.replayed} dead-lettered entries onto their streams")
+        if result.taken:
+            print(f"{result.taken} were being replayed by another `runbus dead --replay`")
+        for dead_id, why in result.skipped:
+            print(f"left {dead_id} in {wire.DEAD_LETTER_KEY}: {why}", file=sys.stderr)
     elif args.json:
         # The entries' fields as written, but for secrets of a recognisable shape (a start event's
         # config written by hand): listing is for reading; replay works on Redis's copy.

@@ -22,7 +22,7 @@ import orjson
 
 from runbus import config, wire
 from runbus.errors import InvalidEntry
-from runbus.wire import INT64, MAX_DATA_BYTES, Event, FlatEntry
+from runbus.wire import INT64, MAX_DATA_BYTES, TS_MAX, TS_MIN, Event, FlatEntry
 
 # Decodes the entries of one stream: in each entry's place its Event or the InvalidEntry saying why.
 Decoder = Callable[[str, Iterable[FlatEntry]], list[Event | InvalidEntry]]
@@ -149,7 +149,7 @@ def _decode_values(
         data = orjson.loads(raw)
     except ValueError:  # orjson.JSONDecodeError is a ValueError
         return None
-    if not (0 < epoch < 2**63 and 0 < seq < 2**63 and math.isfinite(ts)) or type(data) is not dict:
+    if not (0 < epoch < 2**63 and 0 < seq < 2**63 and TS_MIN <= ts < TS_MAX) or type(data) is not dict:
         return None
     if step is not None and (kind != "metric" or not 0 <= step < 2**63):
         return None
@@ -279,7 +279,9 @@ def _places_columns(
         and max(epochs) < 2**63
         and min(seqs) > 0
         and max(seqs) < 2**63
-        and math.isfinite(sum(stamps))  # inf or NaN if any is; a finite sum that overflows errs safe
+        and math.isfinite(sum(stamps))  # inf or NaN if any is (min and max can miss a NaN)
+        and min(stamps) >= TS_MIN
+        and max(stamps) < TS_MAX
         and (steps is None or (min(steps) >= 0 and max(steps) < 2**63))
     ):
         return None

@@ -4,6 +4,10 @@ Where torch is installed and examples/ddp_train.py is on disk (a source checkout
 example under torchrun: a real DDP model on gloo (NCCL on GPUs). Otherwise each rank is a plain
 OS process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and a simulated loop. Where
 no Redis answers, a private redis-server is started for the demo and stopped after.
+
+The demo's workers read only the demo run's streams, into the store's own consumer group, and the
+demo run's keys are removed from Redis at the end: beside a real ingester (of the same store or
+another) it leaves every other run as it was.
 """
 
 from __future__ import annotations
@@ -107,9 +111,33 @@ def run_demo(redis_url: str, store_url: str, ranks: int = 4, steps: int = 40) ->
             private.cleanup()
 
 
+def remove_run(redis_url: str, run_id: str) -> int:
+    """Delete every key of run `run_id` (its streams, epoch counters, primary claim) and its
+    streams' registry entries; how many keys were deleted."""
+    client = sync_client(redis_url, socket_connect_timeout=5, socket_timeout=30)
+    try:
+        keys = list(client.scan_iter(match=f"{wire.PREFIX}:{{{run_id}}}:*", count=1000))
+        for key in keys:
+            client.srem(wire.REGISTRY_KEY, key)
+            client.delete(key)
+        return len(keys)
+    finally:
+        client.close()
+
+
 async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
     run_id = wire.new_run_id().replace("run-", "demo-", 1)
-    worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
+    try:
+        return await _demo_run(run_id, redis_url, store_url, ranks, steps)
+    finally:
+        await asyncio.to_thread(remove_run, redis_url, run_id)
+
+
+async def _demo_run(run_id: str, redis_url: str, store_url: str, ranks: int, steps: int) -> int:
+    own = frozenset({run_id})
+    worker = Worker(
+        WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False, only_runs=own)
+    )
     ingesting = asyncio.create_task(worker.async_run())
     env = {**os.environ, config.RUN_ID_ENV: run_id, config.REDIS_URL_ENV: redis_url}
     job = torch_job(ranks, steps)
@@ -128,7 +156,9 @@ async def _demo(redis_url: str, store_url: str, ranks: int, steps: int) -> int:
     worker.request_stop()
     await ingesting
     # Whatever arrived after the live worker's last read.
-    burst = WorkerSettings(redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False)
+    burst = WorkerSettings(
+        redis_url=redis_url, store_url=store_url, burst=True, handle_signals=False, only_runs=own
+    )
     await Worker(burst).async_run()
 
     store = storage.open_store(store_url)

@@ -4,6 +4,9 @@ Producers announce their stream in a set as they start, so a poll of its size fi
 a fraction of a second; streams written by anything else (redis-cli, another client) are found by
 SCAN at start-up and every `scan_interval`, without any other key having to be written. In a
 Redis Cluster the scan covers every master (redis-py's cluster `scan_iter` walks each primary).
+
+A key that cannot be read as a stream (not UTF-8, a registry member of another type, or outside
+the streams' key space) is skipped and logged once, never an error that stops the worker.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from typing import TYPE_CHECKING
 from redis.exceptions import ResponseError
 
 from runbus import wire
-from runbus.redis import reply_text
 
 if TYPE_CHECKING:
     from runbus.redis import AsyncClient
 
 log = logging.getLogger("runbus.ingester")
+
+# Unreadable keys remembered (each logged once); past this many they are skipped unlogged.
+MAX_SKIPPED = 10_000
 
 
 def is_event_stream(key: str) -> bool:
@@ -32,6 +37,13 @@ def is_event_stream(key: str) -> bool:
     return key.startswith(f"{wire.PREFIX}:{{") and "}:" in key and key.count(":") >= 2
 
 
+def run_of(key: str) -> str | None:
+    """The run (hash tag) of a key in the event streams' key space, valid name or not."""
+    if not is_event_stream(key):
+        return None
+    return key[len(wire.PREFIX) + 2 : key.index("}:")]
+
+
 class Discovery:
     """The set of known streams, each with its consumer group created."""
 
@@ -41,48 +53,115 @@ class Discovery:
         group: str,
         registry_interval: float = 0.25,
         scan_interval: float = 10.0,
+        only_runs: frozenset[str] | None = None,
     ) -> None:
         self.redis = redis
         self.group = group
         self.registry_interval = registry_interval
         self.scan_interval = scan_interval
+        self.only_runs = only_runs
         self.streams: list[str] = []
         self._known: set[str] = set()
+        self._skipped: set[bytes] = set()
+        self._not_streams: set[bytes] = set()  # of the skipped: those of another type
         self._registry_size = -1
+        self._registry_unreadable = False
         self._next_registry = 0.0
         self._next_scan = 0.0
 
     async def refresh(self, force: bool = False) -> list[str]:
         """Check the registry (and scan when due, or when `force`); return the new streams."""
         now = time.monotonic()
-        found: list[str] = []
+        found: list[bytes] = []
         if force or now >= self._next_registry:
             self._next_registry = now + self.registry_interval
-            size = await self.redis.scard(wire.REGISTRY_KEY)
-            if size != self._registry_size or force:
-                members = await self.redis.smembers(wire.REGISTRY_KEY)
-                found += [reply_text(m) for m in members]
-                self._registry_size = size
+            found += await self._registry_members(force)
         if force or now >= self._next_scan:
             self._next_scan = now + self.scan_interval
-            async for key in self.redis.scan_iter(match=wire.scan_pattern(), count=1000, _type="stream"):
-                found.append(reply_text(key))
-        new = [key for key in dict.fromkeys(found) if key not in self._known and is_event_stream(key)]
-        for key in new:
-            await self._ensure_group(key)
-            self._known.add(key)
-            self.streams.append(key)
+            # Only streams: a key of another type under the pattern is none of ours to read.
+            scanned = [key async for key in self._scan()]
+            again = self._not_streams.intersection(scanned)  # streams now: read them after all
+            self._skipped -= again
+            self._not_streams -= again
+            found += scanned
+        new = []
+        for raw in dict.fromkeys(found):
+            key = self._readable(raw)
+            if key is not None and key not in self._known and await self.ensure_group(key):
+                self._known.add(key)
+                self.streams.append(key)
+                new.append(key)
         if new:
             log.info("discovered %d new stream(s), %d in all", len(new), len(self.streams))
         return new
 
-    async def _ensure_group(self, key: str) -> None:
+    async def _registry_members(self, force: bool) -> list[bytes]:
         try:
-            # From id 0: a group made after the first entries still reads them all.
+            size = await self.redis.scard(wire.REGISTRY_KEY)
+            if size == self._registry_size and not force:
+                return []
+            members = await self.redis.smembers(wire.REGISTRY_KEY)
+        except ResponseError as exc:  # WRONGTYPE: the registry is not a set
+            if not self._registry_unreadable:
+                self._registry_unreadable = True
+                log.error("%s cannot be read (%s); finding streams by scan only", wire.REGISTRY_KEY, exc)
+            return []
+        self._registry_unreadable = False
+        self._registry_size = size
+        return [m if isinstance(m, bytes) else m.encode() for m in members]
+
+    def _scan(self):
+        pattern = wire.scan_pattern()
+        if self.only_runs is not None and len(self.only_runs) == 1:
+            (run,) = self.only_runs
+            pattern = f"{wire.PREFIX}:{{{_glob_escape(run)}}}:*"
+        return self.redis.scan_iter(match=pattern, count=1000, _type="stream")
+
+    def _readable(self, raw: bytes | str) -> str | None:
+        """`raw` as a stream key to read, or None (logged once) if it cannot be one of ours."""
+        raw = raw if isinstance(raw, bytes) else raw.encode()
+        if raw in self._skipped:
+            return None
+        try:
+            key = raw.decode()
+        except UnicodeDecodeError:
+            self._skip(raw, "its name is not UTF-8")
+            return None
+        if not is_event_stream(key):
+            self._skip(raw, f"it is not in the streams' key space ({wire.scan_pattern()})")
+            return None
+        if self.only_runs is not None and run_of(key) not in self.only_runs:
+            return None  # another run's, read by other workers: nothing to log
+        return key
+
+    def _skip(self, raw: bytes, why: str) -> None:
+        if len(self._skipped) < MAX_SKIPPED:
+            self._skipped.add(raw)
+            log.warning("skipping key %r: %s", raw[:200], why)
+        elif len(self._skipped) == MAX_SKIPPED:
+            self._skipped.add(raw)
+            log.warning("%d unreadable keys skipped; more are skipped without a log line", MAX_SKIPPED)
+
+    async def ensure_group(self, key: str) -> bool:
+        """Create the group on `key` (from id 0: a group made after the first entries still
+        reads them all); False, logged once, if `key` holds something other than a stream."""
+        try:
             await self.redis.xgroup_create(key, self.group, id="0", mkstream=True)
         except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+            if "BUSYGROUP" in str(exc):
+                return True
+            if "WRONGTYPE" not in str(exc):
                 raise
+            self.not_a_stream(key)
+            return False
+        return True
+
+    def not_a_stream(self, key: str) -> None:
+        """Stop reading `key`, which holds another type now (logged once); a scan finds it
+        again if it becomes a stream."""
+        self.forget(key)
+        self._not_streams.add(key.encode())
+        self._skip(key.encode(), "it is not a stream")
 
     def forget(self, key: str) -> None:
         """Stop reading `key` (it was deleted); a later refresh finds it again if it returns."""
@@ -90,3 +169,8 @@ class Discovery:
             self._known.discard(key)
             self.streams.remove(key)
             self._registry_size = -1
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally by a Redis glob pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)

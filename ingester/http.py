@@ -141,6 +141,7 @@ class OpsServer:
         unless it accepts OpenMetrics), as prometheus_client's own servers choose it."""
         self._refresh_missing()
         self.collector.backlog = await self._backlog()
+        self.collector.group = self.worker.settings.group  # the store's, once connected
         encode, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encode(self.registry), headers={"Content-Type": content_type})
 
@@ -150,7 +151,7 @@ class OpsServer:
         if worker.redis is None or worker.discovery is None:
             return None
         streams = list(worker.discovery.streams)
-        group = worker.settings.group.encode()
+        group = worker.discovery.group.encode()
         backlog = []
         try:
             if not streams:

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
+from runbus.errors import AccessDenied, InvalidEntry, InvalidName, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
@@ -35,6 +35,7 @@ from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
 from runbus.storage.base import Store
+from runbus.storage.rules import primary_claims
 
 if TYPE_CHECKING:
     from runbus.redis import AsyncClient
@@ -53,6 +54,8 @@ REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError
 Source = tuple[str, bytes, Fields]
 STREAMS_PER_READ = 256
 STATS_INTERVAL = 30.0
+# Runs whose primary claim (wire.primary_key) this worker has read, remembered at most.
+CLAIMS_REMEMBERED = 65536
 
 
 @dataclass
@@ -104,7 +107,7 @@ class WorkerSettings:
 
     redis_url: str = field(default_factory=config.redis_url)
     store_url: str = field(default_factory=config.default_store_url)
-    group: str = wire.DEFAULT_GROUP
+    group: str = ""  # "": the store's own, wire.store_group(its id), set once connected
     consumer: str = field(default_factory=default_consumer_name)
     batch_size: int = 1000
     block_ms: int = 250
@@ -119,6 +122,7 @@ class WorkerSettings:
     maintenance_interval: float = 30.0
     max_backoff: float = 5.0
     handle_signals: bool = True
+    only_runs: frozenset[str] | None = None  # read only these runs' streams (the demo's worker)
 
 
 def decode_batch(
@@ -164,6 +168,17 @@ def decode_batch(
 
 _ONLY_EVENTS = frozenset({wire.Event})
 _KIND, _RUN = attrgetter("kind"), attrgetter("run")
+
+
+def claim_holder(held: bytes | str | None) -> str | None:
+    """The label a primary claim key holds (as its producer writes it), or None: no claim, or
+    a value that is no label name."""
+    if held is None:
+        return None
+    try:
+        return wire.check_name("label", held.decode() if isinstance(held, bytes) else held)
+    except (UnicodeDecodeError, InvalidName):
+        return None
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
@@ -212,11 +227,14 @@ class Worker:
         self.discovery: Discovery | None = None
         self._stop_requested = False
         self._stop_time: float | None = None
+        self._stopping = asyncio.Event()  # set with _stop_requested: cuts retry waits short
         self._loop_task: asyncio.Task | None = None
         # Jittered, so that workers that lost Redis or the store together do not retry in step.
         self._retry = config.backoff(self.settings.max_backoff)
         # Why run() stopped the worker with exit code 1, if Redis or the store refused access.
         self.access_denied: AccessDenied | None = None
+        # Per run: the label holding the producers' live primary claim when first read, or None.
+        self._claim_holders: dict[str, str | None] = {}
 
     def run(self, http: tuple[str, int] | None = None) -> int:
         """Run as this process's one job until stopped (or, with burst, until nothing is left),
@@ -234,6 +252,7 @@ class Worker:
         if not self._stop_requested:
             log.info("stopping: finishing the batches in flight (at most %.0fs)", self.settings.drain_timeout)
             self._stop_requested = True
+            self._stopping.set()
             self._stop_time = time.monotonic()
             if self._loop_task is not None:
                 asyncio.get_running_loop().call_later(
@@ -254,6 +273,16 @@ class Worker:
             raise RuntimeError("the worker discovers streams only once async_run() has connected")
         return self.discovery
 
+    async def _pause(self, delay: float) -> None:
+        """Wait `delay` seconds before a retry: cut short by a stop request, and after it never
+        past the drain timeout, so a stop is not held up by a long backoff."""
+        if self._stop_time is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            return
+        left = self._stop_time + self.settings.drain_timeout - time.monotonic()
+        await asyncio.sleep(max(0.0, min(delay, left)))
+
     def _drain_expired(self) -> bool:
         return self._stop_time is not None and (
             time.monotonic() - self._stop_time > self.settings.drain_timeout
@@ -267,19 +296,25 @@ class Worker:
                 loop.add_signal_handler(signum, self.request_stop)
         redis = self.redis = async_client(settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
         redis.set_response_callback("XREADGROUP", _raw_reply)
-        self.discovery = Discovery(redis, settings.group, settings.registry_interval, settings.scan_interval)
         started = time.monotonic()
         log.info(
             "worker %s starting: redis %s, store %s, group %s%s%s",
             settings.consumer,
             safe_url(settings.redis_url),
             safe_url(settings.store_url),
-            settings.group,
+            settings.group or "(the store's)",
             " (burst)" if settings.burst else "",
             "" if decoding.decoder_in_use == "fast" else f", {decoding.decoder_in_use} decoder",
         )
         try:
             await self._with_redis(self.store.connect, retry_store=True)
+            group = settings.group or await self._with_redis(self._store_group, retry_store=True)
+            if group is None:  # stopped while the store was away
+                return self.stats
+            settings.group = group
+            self.discovery = Discovery(
+                redis, group, settings.registry_interval, settings.scan_interval, settings.only_runs
+            )
             await self._with_redis(lambda: self._discovery.refresh(force=True))
             self._loop_task = asyncio.create_task(self._loop())
             try:
@@ -317,6 +352,11 @@ class Worker:
                 s.reconnects,
             )
         return self.stats
+
+    async def _store_group(self) -> str:
+        group = wire.store_group(await self.store.identity())
+        log.info("consumer group %s: the store's own (runbus ingest --group overrides it)", group)
+        return group
 
     async def _loop(self) -> None:
         settings = self.settings
@@ -421,9 +461,7 @@ class Worker:
                     count=settings.batch_size,
                 )
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self._recover_groups([key])
+                await self._recover_groups([key], exc)
                 continue
             items = [(entry_id, fields) for entry_id, fields in reply[1] if fields is not None]
             if items:
@@ -444,14 +482,18 @@ class Worker:
         """How often each entry has been delivered (XPENDING), to spot poison entries."""
         counts: dict[bytes, int] = {}
         for key, items in entries:
-            pending = await self._redis.xpending_range(
-                key,
-                self.settings.group,
-                min=items[0][0],
-                max=items[-1][0],
-                count=len(items) * 2,
-                consumername=self.settings.consumer,
-            )
+            try:
+                pending = await self._redis.xpending_range(
+                    key,
+                    self.settings.group,
+                    min=items[0][0],
+                    max=items[-1][0],
+                    count=len(items) * 2,
+                    consumername=self.settings.consumer,
+                )
+            except ResponseError as exc:  # deleted, or another type now: counted as first deliveries
+                log.debug("delivery counts of %s unknown: %s", key, exc)
+                continue
             counts.update((p["message_id"], p["times_delivered"]) for p in pending_entries(pending))
         return counts
 
@@ -519,9 +561,7 @@ class Worker:
                     block=block,
                 )
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self._recover_groups(chunk)
+                await self._recover_groups(chunk, exc)
                 continue
             # _raw_reply keeps the reply as the server sent it, which redis-py's types do not
             # describe: [[key, [[id, [name, value, ...]], ...]], ...] (a map of the same in RESP3).
@@ -533,14 +573,21 @@ class Worker:
             await asyncio.sleep(self.settings.block_ms / 1000)
         return entries
 
-    async def _recover_groups(self, keys: Sequence[str]) -> None:
-        """A stream was deleted (or its group destroyed): forget it or make the group again."""
+    async def _recover_groups(self, keys: Sequence[str], error: ResponseError) -> None:
+        """A stream was deleted (while a read blocked on it, too), its group destroyed, or its
+        key now holds another type: forget it, make the group again, or skip it (logged once);
+        any other error is raised."""
+        if not any(code in str(error) for code in ("NOGROUP", "WRONGTYPE", "UNBLOCKED")):
+            raise error
+        redis, discovery = self._redis, self._discovery
         for key in keys:
-            if await self._redis.exists(key):
-                await self._discovery._ensure_group(key)
-            else:
+            if not await redis.exists(key):
                 log.info("stream %s is gone; no longer reading it", key)
-                self._discovery.forget(key)
+                discovery.forget(key)
+            elif await redis.type(key) not in (b"stream", "stream"):
+                discovery.not_a_stream(key)
+            else:
+                await discovery.ensure_group(key)
 
     async def _process(self, entries: Entries, redelivered: bool = False) -> None:
         started = time.monotonic()
@@ -563,9 +610,11 @@ class Worker:
         invalid = len(dead)  # _write adds the events the store rejects
         try:
             try:
-                stored = await self._write(events, sources, dead)
+                holders = await self._holders(events)
+                stored = None if holders is None else await self._write(events, sources, dead, holders)
             finally:
-                if written is not None:
+                # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
+                if written is not None and not written.done():
                     written.set_result(None)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
@@ -600,8 +649,36 @@ class Worker:
             (time.monotonic() - started) * 1000,
         )
 
+    async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:
+        """For each run with a primary claim among `events`: the label holding the producers'
+        live claim (wire.primary_key), read once per run; None if a stop gave up on Redis."""
+        if "start" not in map(_KIND, events):
+            return {}
+        runs = {event.run for event in primary_claims(events)}
+        unread = [run for run in runs if run not in self._claim_holders]
+        if unread and await self._with_redis(lambda: self._read_holders(unread), drain=True) is None:
+            return None
+        return {run: self._claim_holders.get(run) for run in runs}
+
+    async def _read_holders(self, runs: list[str]) -> bool:
+        pipe = self._redis.pipeline(transaction=False)
+        for run in runs:
+            pipe.get(wire.primary_key(run))
+        replies = await pipe.execute()
+        if len(self._claim_holders) + len(runs) > CLAIMS_REMEMBERED:
+            self._claim_holders.clear()  # each store decides a run's primary once: reading again is harmless
+        for run, held in zip(runs, replies, strict=True):
+            self._claim_holders[run] = holder = claim_holder(held)
+            if held is not None and holder is None:
+                log.warning("run %s: its primary claim key holds no label (%r); ignored", run, held[:140])
+        return True
+
     async def _write(
-        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
+        self,
+        events: list[wire.Event],
+        sources: list[Source],
+        dead: list[DeadEntry],
+        holders: dict[str, str | None] | None = None,
     ) -> int | None:
         """Store events, retrying while the store is unavailable; None if a drain ran out of time.
 
@@ -613,9 +690,9 @@ class Worker:
         while True:
             write_started = time.perf_counter()
             try:
-                stored = await self.store.write(events)
+                stored = await self.store.write(events, holders)
             except StoreRejected as exc:
-                return await self._isolate(events, sources, dead, exc)
+                return await self._isolate(events, sources, dead, exc, holders)
             except StoreError as exc:  # StoreUnavailable, or a store error of no known kind
                 if failing_since is None:
                     failing_since = time.monotonic()
@@ -623,20 +700,25 @@ class Worker:
                 self.stats.store_retries += 1
                 if self._drain_expired():
                     return None
-                await asyncio.sleep(self._retry.compute(failures))
+                await self._pause(self._retry.compute(failures))
                 failures += 1
                 continue
             except AccessDenied:
                 raise
             except Exception as exc:
-                return await self._isolate(events, sources, dead, exc)
+                return await self._isolate(events, sources, dead, exc, holders)
             self.stats.write_seconds.observe(time.perf_counter() - write_started)
             if failing_since is not None:
                 log.warning("store writes work again after %.1fs", time.monotonic() - failing_since)
             return stored
 
     async def _isolate(
-        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry], exc: Exception
+        self,
+        events: list[wire.Event],
+        sources: list[Source],
+        dead: list[DeadEntry],
+        exc: Exception,
+        holders: dict[str, str | None] | None = None,
     ) -> int | None:
         """Write the two halves of a batch the store refused, down to the single events it
         refuses, which are dead-lettered with the reason; as _write returns."""
@@ -651,8 +733,8 @@ class Worker:
             dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
             return 0
         half = len(events) // 2
-        first = await self._write(events[:half], sources[:half], dead)
-        second = None if first is None else await self._write(events[half:], sources[half:], dead)
+        first = await self._write(events[:half], sources[:half], dead, holders)
+        second = None if first is None else await self._write(events[half:], sources[half:], dead, holders)
         return None if first is None or second is None else first + second
 
     async def _dead_letter(self, dead: list[DeadEntry]) -> None:
@@ -669,7 +751,9 @@ class Worker:
         pipe = self._redis.pipeline(transaction=False)
         for key, items in entries:
             pipe.xack(key, self.settings.group, *[entry_id for entry_id, _ in items])
-        await pipe.execute()
+        for (key, _), reply in zip(entries, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, ResponseError):  # deleted or replaced meanwhile: nothing to keep
+                log.warning("could not acknowledge entries of %s: %s", key, reply)
 
     async def _with_redis(self, call, retry_store: bool = False, drain: bool = False):
         """Run `call`, retrying with capped, jittered backoff while Redis (or the store) is away.
@@ -703,5 +787,5 @@ class Worker:
             self.stats.reconnects += 1
             if self._stop_requested and (not drain or self._drain_expired()):
                 return None
-            await asyncio.sleep(self._retry.compute(failures))
+            await self._pause(self._retry.compute(failures))
             failures += 1

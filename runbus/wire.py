@@ -21,7 +21,8 @@ from runbus.errors import InvalidEntry, InvalidName
 
 VERSION = "1"
 PREFIX = "runbus"
-DEFAULT_GROUP = "runbus"
+# The consumer group every store's ingesters shared before each store had its own (store_group).
+LEGACY_GROUP = "runbus"
 DEAD_LETTER_KEY = f"{PREFIX}:dead"
 # Every stream a producer creates is announced here (a set of stream keys), so ingesters find
 # it within a poll instead of a keyspace scan.
@@ -32,6 +33,11 @@ LOG_STREAMS = frozenset({"stdout", "stderr", "logging"})
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _NAME = re.compile(NAME_PATTERN)
 _STREAM_KEY = re.compile(rf"{PREFIX}:\{{({NAME_PATTERN})\}}:({NAME_PATTERN})")
+
+# The `ts` accepted: wall-clock seconds since the Unix epoch from 2000-01-01 to 2200-01-01 UTC.
+# Outside it a ts is a unit or clock mistake (milliseconds, a monotonic clock, seconds since the
+# job began) or garbage that no date can show (1e300 overflows every time conversion).
+TS_MIN, TS_MAX = 946_684_800.0, 7_258_118_400.0
 
 # Biggest `data` field accepted, encoded. A log line or config larger than this is an error at
 # the producer and a dead letter at the ingester, never a silent truncation.
@@ -90,6 +96,17 @@ def created_key(run: str) -> str:
 
 # How long the finished marker is kept: a re-used run id is recognised for this long.
 FINISHED_TTL = 30 * 24 * 3600
+
+
+def replay_claim_key(dead_id: str) -> str:
+    """Held (with a TTL) by the `runbus dead --replay` putting dead letter `dead_id` back."""
+    return f"{DEAD_LETTER_KEY}:replaying:{dead_id}"
+
+
+def store_group(store_id: str) -> str:
+    """The consumer group of the store whose id is `store_id` (the ingester's default): every
+    store receives every event, and the workers of one store share them."""
+    return f"{PREFIX}:{store_id}"
 
 
 def parse_stream_key(key: str) -> tuple[str, str] | None:
@@ -296,6 +313,10 @@ def _timestamp(fields: dict[bytes, bytes]) -> float:
         raise InvalidEntry(f"field 'ts' is not a number: {text[:40]!r}") from None
     if not math.isfinite(ts):
         raise InvalidEntry("field 'ts' must be finite")
+    if not TS_MIN <= ts < TS_MAX:
+        raise InvalidEntry(
+            f"field 'ts' must be seconds since the Unix epoch, from year 2000 to 2200, got {text[:40]}"
+        )
     return ts
 
 
@@ -367,8 +388,11 @@ def _start_data(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _finish_data(data: dict[str, Any]) -> dict[str, Any]:
-    if type(data.get("exit_code")) is not int:
+    code = data.get("exit_code")
+    if type(code) is not int:
         raise InvalidEntry("finish data needs an integer 'exit_code'")
+    if code not in INT64:
+        raise InvalidEntry(f"finish exit_code {code} does not fit in 64 bits")
     return data
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +17,7 @@ class LabelSummary:
     """One label of a run, as `runbus show` prints it."""
 
     label: str
-    primary: bool
+    primary: bool  # it is the run's primary
     state: str
     exit_code: int | None
     epoch: int
@@ -28,6 +28,8 @@ class LabelSummary:
     last_ts: float | None = None
     start: dict[str, Any] | None = None
     gaps: list[Gap] = field(default_factory=list)
+    # When it last claimed the primary role while another label held it (refused), if ever.
+    primary_refused_ts: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +95,16 @@ class Store(Protocol):
     async def close(self) -> None:
         """Release every connection."""
 
-    async def write(self, events: Sequence[Event]) -> int:
+    async def identity(self) -> str:
+        """The store's id: random, made with its schema, the same through any URL that reaches
+        it (the ingester's default consumer group is named after it)."""
+
+    async def write(self, events: Sequence[Event], holders: Mapping[str, str | None] | None = None) -> int:
         """Store a batch in one transaction, applying storage.rules; return how many were new.
 
-        An event already stored (same run, label, epoch, seq) is ignored.
+        An event already stored (same run, label, epoch, seq) is ignored. `holders` gives, per
+        run, the label that held the producers' live primary claim when the ingester first saw
+        the run's primary start (None: no claim was held), which decides a run's primary.
         """
 
     async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:

@@ -65,12 +65,23 @@ def run_document(run: RunSummary) -> dict[str, Any]:
             for lab in run.labels
         ],
         "config": config_document(run.config),
+        "primary_refused": refused_primaries(run),
     }
 
 
 def config_document(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """A run's config as the CLI and the API show it: secrets redacted."""
     return None if config is None else redact(config)
+
+
+def refused_primaries(run: RunSummary) -> list[dict[str, Any]]:
+    """The labels that claimed the run's primary role while another held it, with when they
+    last did (the claims were refused and changed nothing)."""
+    return [
+        {"label": lab.label, "ts": lab.primary_refused_ts}
+        for lab in run.labels
+        if lab.primary_refused_ts is not None
+    ]
 
 
 def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -108,6 +108,13 @@ MIGRATIONS: list[str] = [
     );
     """
     + rows.SEEN_MIGRATION,
+    # Refused primary claims per label; the store's own id, which names its consumer group.
+    """
+    ALTER TABLE labels ADD COLUMN primary_refused_ts DOUBLE PRECISION;
+    CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    INSERT INTO store_meta (name, value)
+        VALUES ('id', substr(md5(random()::text || clock_timestamp()::text), 1, 16));
+    """,
 ]
 
 # pg_advisory_xact_lock key serialising migrations per database ("runbus" in ASCII).
@@ -116,7 +123,7 @@ MIGRATION_LOCK = 0x72756E627573
 _LABEL_COLUMNS = (
     "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
     "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
-    "l.last_ts, l.dropped"
+    "l.last_ts, l.dropped, l.primary_refused_ts"
 )
 _RUN_WITH_LABEL_COUNT = (
     "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
@@ -154,6 +161,7 @@ def _label_state(row: asyncpg.Record) -> LabelState:
         first_ts=row["first_ts"],
         last_ts=row["last_ts"],
         dropped=rows.dropped_from_json(row["dropped"]),
+        primary_refused_ts=row["primary_refused_ts"],
     )
 
 
@@ -257,12 +265,20 @@ class PostgresStore:
             pool, self._pool = self._pool, None
             await pool.close()
 
-    async def write(self, events: Sequence[Event]) -> int:
+    async def identity(self) -> str:
+        found = await self._call(lambda con: con.fetchval("SELECT value FROM store_meta WHERE name = 'id'"))
+        if found is None:
+            raise StoreError(f"postgres {safe_url(self.url)}: the store has no id (store_meta was emptied)")
+        return str(found)
+
+    async def write(self, events: Sequence[Event], holders: Mapping[str, str | None] | None = None) -> int:
         if not events:
             return 0
-        return await self._call(lambda con: self._write(con, events))
+        return await self._call(lambda con: self._write(con, events, holders or {}))
 
-    async def _write(self, con: asyncpg.Connection, events: Sequence[Event]) -> int:
+    async def _write(
+        self, con: asyncpg.Connection, events: Sequence[Event], holders: Mapping[str, str | None]
+    ) -> int:
         async with con.transaction():
             by_label = rows.group_by_label(events)
             # Rows are created and locked in one global order so concurrent writers never deadlock.
@@ -303,9 +319,9 @@ class PostgresStore:
                 "UPDATE labels SET state = $1, exit_code = $2, state_epoch = $3, "
                 "state_seq = $4, state_ts = $5, is_primary = $6, start_epoch = $7, "
                 "start_seq = $8, start_data = $9, epoch = $10, last_seq = $11, "
-                "first_ts = $12, last_ts = $13, dropped = $14, seen_at = $15, "
-                "metric_events = metric_events + $16, log_events = log_events + $17, "
-                "system_events = system_events + $18 WHERE id = $19",
+                "first_ts = $12, last_ts = $13, dropped = $14, primary_refused_ts = $15, seen_at = $16, "
+                "metric_events = metric_events + $17, log_events = log_events + $18, "
+                "system_events = system_events + $19 WHERE id = $20",
                 updates,
             )
             tables = rows.value_rows((ids[key], mine) for key, mine in fresh.items())
@@ -314,7 +330,7 @@ class PostgresStore:
             for (table, columns), found in zip((_METRICS, _SYSTEM, _LOGS), tables, strict=True):
                 if found:
                     await con.copy_records_to_table(table, records=found, columns=columns)
-            await self._update_runs(con, runs)
+            await self._update_runs(con, runs, by_label, holders)
             return sum(map(len, fresh.values()))
 
     async def _take_new(
@@ -347,22 +363,50 @@ class PostgresStore:
             )
         return changes.fresh
 
-    async def _update_runs(self, con: asyncpg.Connection, runs: list[str]) -> None:
+    async def _update_runs(
+        self,
+        con: asyncpg.Connection,
+        runs: list[str],
+        by_label: dict[tuple[str, str], list[Event]] | None = None,
+        holders: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """Derive the runs' states; with a batch (`by_label`, its runs' live claim `holders`),
+        decide their primaries first, under the run lock, so concurrent writers decide once."""
         # Every writer updates its labels before it takes the run lock, so whoever takes it last
         # reads (in a fresh READ COMMITTED snapshot) every label as committed by the others.
-        await con.execute(
-            "SELECT run_id FROM runs WHERE run_id = ANY($1::text[]) ORDER BY run_id FOR UPDATE",
+        locked = await con.fetch(
+            "SELECT run_id, primary_label FROM runs WHERE run_id = ANY($1::text[]) "
+            "ORDER BY run_id FOR UPDATE",
             runs,
         )
-        by_run: dict[str, list[LabelState]] = {run: [] for run in runs}
+        primaries: dict[str, str | None] = {row["run_id"]: row["primary_label"] for row in locked}
+        labels: dict[tuple[str, str], LabelState] = {}
         for row in await con.fetch(
             f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
         ):
-            by_run[row["run_id"]].append(_label_state(row))
+            labels[row["run_id"], row["label"]] = _label_state(row)
+        if by_label is not None:
+            before = dict(labels)
+            primaries = rows.settle_primaries(by_label, labels, primaries, holders or {})
+            refused = [
+                (label.primary_refused_ts, run, name)
+                for (run, name), label in labels.items()
+                if label.primary_refused_ts != before[run, name].primary_refused_ts
+            ]
+            if refused:  # the batch's own labels, locked by this transaction
+                await con.executemany(
+                    "UPDATE labels SET primary_refused_ts = $1 WHERE run_id = $2 AND label = $3", refused
+                )
+        by_run: dict[str, list[LabelState]] = {run: [] for run in runs}
+        for (run, _), label in labels.items():
+            by_run[run].append(label)
         await con.executemany(
             "UPDATE runs SET state = $1, primary_label = $2, exit_code = $3, ended_ts = $4, "
             "started_ts = $5, last_ts = $6, config = $7 WHERE run_id = $8",
-            [(*rows.run_columns(run_state(labels), labels), run) for run, labels in by_run.items()],
+            [
+                (*rows.run_columns(run_state(mine, primaries.get(run)), mine), run)
+                for run, mine in by_run.items()
+            ],
         )
 
     async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
@@ -380,9 +424,10 @@ class PostgresStore:
             )
             if not silent:
                 return []
+            crashed = [(crash(_label_state(row)), row["id"]) for row in silent]
             await con.executemany(
-                "UPDATE labels SET state = $1 WHERE id = $2",
-                [(crash(_label_state(row)).state, row["id"]) for row in silent],
+                "UPDATE labels SET state = $1, state_epoch = $2, state_seq = $3, state_ts = $4 WHERE id = $5",
+                [(label.state, *label.state_pos, label.state_ts, id_) for label, id_ in crashed],
             )
             await self._update_runs(con, sorted({row["run_id"] for row in silent}))
         return [(row["run_id"], row["label"]) for row in silent]
@@ -415,7 +460,7 @@ class PostgresStore:
         for label_row in label_rows:
             mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
             gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            labels.append(rows.label_summary(_label_state(label_row), mine, gaps))
+            labels.append(rows.label_summary(_label_state(label_row), mine, gaps, row["primary_label"]))
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def metric_keys(self, run_id: str) -> list[str]:

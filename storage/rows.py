@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
@@ -16,9 +16,12 @@ from runbus.storage.rules import (
     LabelState,
     RunState,
     by_epoch,
+    decide_primary,
     explain_gaps,
     missing_count,
-    primary_label,
+    primary_claims,
+    refuse,
+    refused_claims,
     take_new,
 )
 from runbus.wire import Event, level_number
@@ -133,6 +136,28 @@ def seen_changes(batch: Sequence[Span], near: dict[tuple[int, int], list[tuple[i
     return changes
 
 
+def settle_primaries(
+    by_label: dict[tuple[str, str], list[Event]],
+    labels: dict[tuple[str, str], LabelState],
+    stored: Mapping[str, str | None],
+    holders: Mapping[str, str | None],
+) -> dict[str, str | None]:
+    """Each batch run's primary (rules.decide_primary from the `stored` one, the batch's primary
+    claims and the live claim's `holders`, per run); a refused claim is noted on its label in
+    `labels` (replaced in place)."""
+    claims: dict[str, list[Event]] = {}
+    for (run, _), group in by_label.items():
+        if "start" in map(_KIND, group):
+            claims.setdefault(run, []).extend(primary_claims(group))
+    primaries = {}
+    for run in {run for run, _ in by_label}:
+        mine = claims.get(run, [])
+        primary = primaries[run] = decide_primary(stored.get(run), mine, holders.get(run))
+        for label, ts in refused_claims(primary, mine).items():
+            labels[run, label] = refuse(labels[run, label], ts)
+    return primaries
+
+
 def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     """How many metric, log and system events there are among `fresh`."""
     counts = Counter(map(_KIND, fresh))
@@ -184,6 +209,7 @@ def label_columns(label: LabelState) -> tuple:
         label.first_ts,
         label.last_ts,
         dropped_json(label.dropped),
+        label.primary_refused_ts,
     )
 
 
@@ -198,11 +224,12 @@ def dropped_from_json(text: str | bytes | None) -> dict[int, tuple[tuple[int, in
 
 
 def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
-    """(state, primary, exit_code, ended_ts, started_ts, last_ts, config JSON) of a run."""
+    """(state, primary, exit_code, ended_ts, started_ts, last_ts, config JSON) of a run; its
+    config is its primary's latest start's."""
     labels = list(labels)
     firsts = [lab.first_ts for lab in labels if lab.first_ts is not None]
     lasts = [lab.last_ts for lab in labels if lab.last_ts is not None]
-    primary = primary_label(labels)
+    primary = next((lab for lab in labels if lab.label == derived.primary), None)
     config = None
     if primary is not None and primary.start_data is not None:
         config = orjson.dumps(primary.start_data.get("config") or {}).decode()
@@ -233,13 +260,14 @@ def label_summary(
     label: LabelState,
     epochs: Iterable[tuple[int, int, int]],
     missing: Iterable[tuple[int, int, int]] = (),
+    run_primary: str | None = None,
 ) -> LabelSummary:
-    """A label's summary from its rule record, (epoch, max seq, distinct seqs) per epoch, and its
-    missing (epoch, first, last) seq ranges."""
+    """A label's summary from its rule record, (epoch, max seq, distinct seqs) per epoch, its
+    missing (epoch, first, last) seq ranges, and its run's primary."""
     epochs = list(epochs)
     return LabelSummary(
         label=label.label,
-        primary=label.primary,
+        primary=label.label == run_primary,
         state=label.state,
         exit_code=label.exit_code,
         epoch=label.epoch,
@@ -250,6 +278,7 @@ def label_summary(
         last_ts=label.last_ts,
         start=label.start_data,
         gaps=explain_gaps(missing, label.dropped),
+        primary_refused_ts=label.primary_refused_ts,
     )
 
 

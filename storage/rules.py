@@ -1,7 +1,11 @@
-"""The ordering and finish rules: pure functions over plain records, shared by every backend.
+"""The ordering, finish and primary rules: pure functions over plain records, shared by every
+backend.
 
-A label's state follows its events in (epoch, seq) order, whatever order they arrive in; the run's
-state is its primary label's state, so only the primary's finish ends the run.
+A label's state follows its events in (epoch, seq) order, whatever order they arrive in. Its
+finish ends its life: later events of that epoch do not revive it, only the start of a newer
+epoch (a restarted process) begins a new one. The run's primary is decided once, by the first
+primary claim the ingester can check, and the run's state is that label's state; with no primary
+known, the run follows its labels (run_state).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from runbus.wire import Event
 
 RUNNING, FINISHED, FAILED, CRASHED = "running", "finished", "failed", "crashed"
 STATES = (RUNNING, FINISHED, FAILED, CRASHED)
+ENDED = frozenset({FINISHED, FAILED})  # set by a finish event; crashed is set by silence
 ORIGIN = (0, 0)
 
 
@@ -26,10 +31,12 @@ class LabelState:
     label: str
     state: str = RUNNING
     exit_code: int | None = None
-    state_pos: tuple[int, int] = ORIGIN  # (epoch, seq) of the event that set `state`
-    state_ts: float | None = None  # when that event was produced
-    primary: bool = False
-    start_pos: tuple[int, int] = ORIGIN  # (epoch, seq) of the start that set `primary`
+    # Finished or failed: (epoch, seq) and ts of the finish that ended the label. Crashed: its
+    # highest position and last ts when it was marked (a later event revives it). Running: none.
+    state_pos: tuple[int, int] = ORIGIN
+    state_ts: float | None = None
+    primary: bool = False  # whether its latest start claims the primary role (granted or not)
+    start_pos: tuple[int, int] = ORIGIN  # (epoch, seq) of its latest start
     start_data: dict | None = None
     epoch: int = 0  # highest epoch seen
     last_seq: int = 0  # highest seq seen in that epoch
@@ -37,6 +44,9 @@ class LabelState:
     last_ts: float | None = None
     # seq ranges the producer reports it dropped (buffer full), per epoch: {epoch: ((a, b), ...)}
     dropped: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # When it last claimed the primary role and was refused (another label holds it): the ts
+    # of that start event; None if it never was.
+    primary_refused_ts: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +62,7 @@ class Gap:
 
 @dataclass(frozen=True, slots=True)
 class RunState:
-    """The run's state as derived from its labels."""
+    """The run's state as derived from its labels and its primary."""
 
     state: str
     primary: str | None
@@ -99,7 +109,13 @@ def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
 
 
 def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
-    """apply_events for any kinds, one event at a time."""
+    """apply_events for any kinds, one event at a time.
+
+    Whatever the order, the result is that of folding in (epoch, seq) order: the latest finish
+    ends the label unless a start of a newer epoch follows it (a new life); a finish of an older
+    epoch than the latest start does not end the new life. A label marked crashed is revived
+    by any event beyond the position it had reached when it was marked.
+    """
     top = (label.epoch, label.last_seq)
     first_ts, last_ts = label.first_ts, label.last_ts
     state, exit_code, state_pos, state_ts = label.state, label.exit_code, label.state_pos, label.state_ts
@@ -121,13 +137,15 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
             primary, start_pos, start_data = event.data["primary"], pos, redact(event.data)
         elif kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
             dropped = merge_dropped(dropped, event.epoch, event.data["dropped_ranges"])
-        if pos > state_pos:
-            if kind == "finish":
+        if kind == "finish":
+            if (pos > state_pos) if state in ENDED else (event.epoch >= start_pos[0]):
                 exit_code = event.data["exit_code"]
                 state, state_pos, state_ts = (FINISHED if exit_code == 0 else FAILED), pos, ts
-            elif kind in ("start", "heartbeat") or state == CRASHED:
-                # Any later sign of life revives a label that was marked crashed.
-                state, exit_code, state_pos, state_ts = RUNNING, None, pos, ts
+        elif state in ENDED:
+            if kind == "start" and event.epoch > state_pos[0]:  # a restarted process: a new life
+                state, exit_code, state_pos, state_ts = RUNNING, None, ORIGIN, None
+        elif state == CRASHED and pos > state_pos:
+            state, exit_code, state_pos, state_ts = RUNNING, None, ORIGIN, None
     return replace(
         label,
         epoch=top[0],
@@ -146,8 +164,11 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
 
 
 def crash(label: LabelState) -> LabelState:
-    """A running label whose heartbeats stopped: crashed, until a later event says otherwise."""
-    return replace(label, state=CRASHED) if label.state == RUNNING else label
+    """A running label whose heartbeats stopped: crashed at the position and time it reached,
+    until an event beyond them says otherwise."""
+    if label.state != RUNNING:
+        return label
+    return replace(label, state=CRASHED, state_pos=(label.epoch, label.last_seq), state_ts=label.last_ts)
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -220,11 +241,18 @@ def by_epoch(events: Sequence[Event]) -> dict[int, list[Event]]:
 def merge_dropped(
     dropped: dict[int, tuple[tuple[int, int], ...]], epoch: int, ranges: Iterable
 ) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free."""
+    """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free.
+    Anything but [first, last] pairs of seqs is ignored (the report is the producer's, unchecked
+    by the wire)."""
+    if not isinstance(ranges, list | tuple):
+        return dropped
     valid = [
-        (int(r[0]), int(r[1]))
+        (r[0], r[1])
         for r in ranges
-        if isinstance(r, list | tuple) and len(r) == 2 and all(type(x) is int for x in r) and r[0] <= r[1]
+        if isinstance(r, list | tuple)
+        and len(r) == 2
+        and all(type(x) is int and 0 < x < 2**63 for x in r)
+        and r[0] <= r[1]
     ]
     return {**dropped, epoch: merge_ranges([*dropped.get(epoch, ()), *valid])}
 
@@ -240,19 +268,70 @@ def explain_gaps(
     return gaps
 
 
-def primary_label(labels: Iterable[LabelState]) -> LabelState | None:
-    """The run's primary: the label whose latest start says so (the smallest name if several)."""
-    primaries = sorted((lab for lab in labels if lab.primary), key=lambda lab: lab.label)
-    return primaries[0] if primaries else None
+def primary_claims(events: Iterable[Event]) -> list[Event]:
+    """The start events among `events` that claim the primary role."""
+    return [e for e in events if e.kind == "start" and e.data.get("primary") is True]
 
 
-def run_state(labels: Iterable[LabelState]) -> RunState:
-    """The run follows its primary label; with no primary known yet it is running."""
-    primary = primary_label(labels)
-    if primary is None:
-        return RunState(RUNNING, None, None)
-    ended = None if primary.state == RUNNING else primary.state_ts
-    return RunState(primary.state, primary.label, primary.exit_code, ended)
+def decide_primary(decided: str | None, claims: Iterable[Event], holder: str | None = None) -> str | None:
+    """The run's primary once `claims` (primary starts of the run) are seen.
+
+    Decided once: a primary decided before stays. Otherwise, once a claim is seen, the label
+    holding the producers' live claim (`holder`, read from Redis when the run's first claim was
+    seen) is the primary, whether or not its own start has arrived; with no live claim (a run
+    written by hand, or one whose claim lapsed before it was read) the earliest claim (by ts,
+    then label) wins.
+    """
+    if decided is not None:
+        return decided
+    claims = list(claims)
+    if not claims:
+        return None
+    if holder is not None:
+        return holder
+    return min(claims, key=lambda e: (e.ts, e.label)).label
+
+
+def refused_claims(primary: str | None, claims: Iterable[Event]) -> dict[str, float]:
+    """Per label, the latest ts of its claims to a primary role that `primary` holds."""
+    refused: dict[str, float] = {}
+    for claim in claims:
+        if claim.label != primary:
+            refused[claim.label] = max(refused.get(claim.label, claim.ts), claim.ts)
+    return refused
+
+
+def refuse(label: LabelState, ts: float) -> LabelState:
+    """`label` with a refused primary claim at `ts` on record (the latest one is kept)."""
+    if label.primary_refused_ts is not None and label.primary_refused_ts >= ts:
+        return label
+    return replace(label, primary_refused_ts=ts)
+
+
+def run_state(labels: Iterable[LabelState], primary: str | None) -> RunState:
+    """The run's state: its primary label's, once the primary is known and has been heard from.
+
+    Without one (no primary claim seen, or none of the primary's events yet), the run follows
+    its labels, leaving out any whose primary claim was refused: running while any of them runs
+    (or none is known); once every one has ended, failed if any failed (with the exit code of
+    the earliest failure), else crashed if any crashed, else finished.
+    """
+    labels = list(labels)
+    lead = next((lab for lab in labels if lab.label == primary), None)
+    if lead is not None:
+        ended = None if lead.state == RUNNING else lead.state_ts
+        return RunState(lead.state, primary, lead.exit_code, ended)
+    labels = [lab for lab in labels if lab.primary_refused_ts is None]
+    if not labels or any(lab.state == RUNNING for lab in labels):
+        return RunState(RUNNING, primary, None)
+    ended = max((lab.state_ts for lab in labels if lab.state_ts is not None), default=None)
+    failures = [lab for lab in labels if lab.state == FAILED]
+    if failures:
+        first = min(failures, key=lambda lab: (lab.state_ts is None, lab.state_ts or 0.0, lab.label))
+        return RunState(FAILED, primary, first.exit_code, ended)
+    if any(lab.state == CRASHED for lab in labels):
+        return RunState(CRASHED, primary, None, ended)
+    return RunState(FINISHED, primary, 0, ended)
 
 
 def missing_count(max_seq_by_epoch: dict[int, int], seen_by_epoch: dict[int, int]) -> int:

@@ -8,7 +8,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
@@ -120,11 +120,17 @@ MIGRATIONS: list[str] = [
     ) WITHOUT ROWID;
     """
     + rows.SEEN_MIGRATION,
+    # Refused primary claims per label; the store's own id, which names its consumer group.
+    """
+    ALTER TABLE labels ADD COLUMN primary_refused_ts REAL;
+    CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    INSERT INTO store_meta (name, value) VALUES ('id', lower(hex(randomblob(8))))
+    """,
 ]
 
 _LABEL_COLUMNS = (
     "id, label, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
-    "start_seq, start_data, epoch, last_seq, first_ts, last_ts, dropped"
+    "start_seq, start_data, epoch, last_seq, first_ts, last_ts, dropped, primary_refused_ts"
 )
 
 
@@ -132,7 +138,7 @@ _LABEL_COLUMNS = (
 # sizes that stay in the connection's statement cache. 4096 rows of 8 columns stay inside
 # SQLite's default limit of 32,766 bound parameters.
 MAX_ROWS_PER_INSERT = 4096
-# Label rows per statement when a batch's labels are read or updated together: 1024 of 19 columns.
+# Label rows per statement when a batch's labels are read or updated together: 1024 of 20 columns.
 MAX_LABELS_PER_STATEMENT = 1024
 
 
@@ -188,14 +194,14 @@ def _update_labels_sql(count: int) -> str:
     return _given_rows(
         "v",
         "id, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, start_seq, "
-        "start_data, epoch, last_seq, first_ts, last_ts, dropped, seen_at, metric_events, log_events, "
-        "system_events",
+        "start_data, epoch, last_seq, first_ts, last_ts, dropped, primary_refused_ts, seen_at, "
+        "metric_events, log_events, system_events",
         count,
         "UPDATE labels SET state = v.state, exit_code = v.exit_code, state_epoch = v.state_epoch, "
         "state_seq = v.state_seq, state_ts = v.state_ts, is_primary = v.is_primary, "
         "start_epoch = v.start_epoch, start_seq = v.start_seq, start_data = v.start_data, "
         "epoch = v.epoch, last_seq = v.last_seq, first_ts = v.first_ts, last_ts = v.last_ts, "
-        "dropped = v.dropped, seen_at = v.seen_at, "
+        "dropped = v.dropped, primary_refused_ts = v.primary_refused_ts, seen_at = v.seen_at, "
         "metric_events = labels.metric_events + v.metric_events, "
         "log_events = labels.log_events + v.log_events, "
         "system_events = labels.system_events + v.system_events "
@@ -253,6 +259,7 @@ def _label_state(run: str, row: sqlite3.Row) -> LabelState:
         first_ts=row["first_ts"],
         last_ts=row["last_ts"],
         dropped=rows.dropped_from_json(row["dropped"]),
+        primary_refused_ts=row["primary_refused_ts"],
     )
 
 
@@ -398,12 +405,23 @@ class SQLiteStore:
             self._con = None
         self._thread.shutdown(wait=True)
 
-    async def write(self, events: Sequence[Event]) -> int:
+    async def identity(self) -> str:
+        return await self._call(self._identity)
+
+    def _identity(self) -> str:
+        row = self._db().execute("SELECT value FROM store_meta WHERE name = 'id'").fetchone()
+        if row is None:
+            raise StoreError(f"sqlite {self.path}: the store has no id (store_meta was emptied)")
+        return str(row[0])
+
+    async def write(self, events: Sequence[Event], holders: Mapping[str, str | None] | None = None) -> int:
         if not events:
             return 0
-        return await self._call(self._in_transaction, self._write_in_transaction, events)
+        return await self._call(self._in_transaction, self._write_in_transaction, events, holders or {})
 
-    def _write_in_transaction(self, con: sqlite3.Connection, events: Sequence[Event]) -> int:
+    def _write_in_transaction(
+        self, con: sqlite3.Connection, events: Sequence[Event], holders: Mapping[str, str | None]
+    ) -> int:
         # A statement for all the batch's labels at each step rather than a few per label: every
         # statement takes the GIL back once per row it returns (see _insert).
         by_label = rows.group_by_label(events)
@@ -424,9 +442,11 @@ class SQLiteStore:
         fresh = self._take_new(con, rows.spans(by_label, {key: stored[key]["id"] for key in by_label}))
         seen_at = time.time()
         labels = {key: _label_state(key[0], row) for key, row in stored.items()}
-        updates = []
         for key, group in by_label.items():
             labels[key] = apply_events(labels[key], group)
+        primaries = rows.settle_primaries(by_label, labels, self._primaries(con, runs), holders)
+        updates = []
+        for key in by_label:
             updates.append(
                 (stored[key]["id"], *rows.label_columns(labels[key]), seen_at, *rows.kind_counts(fresh[key]))
             )
@@ -439,8 +459,21 @@ class SQLiteStore:
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
         for run in runs:
-            self._update_run(con, run, [label for (owner, _), label in labels.items() if owner == run])
+            mine = [label for (owner, _), label in labels.items() if owner == run]
+            self._update_run(con, run, mine, primaries[run])
         return sum(map(len, fresh.values()))
+
+    @staticmethod
+    def _primaries(con: sqlite3.Connection, runs: list[str]) -> dict[str, str | None]:
+        """The primary decided for each of `runs` (None where none is yet)."""
+        return {
+            row[0]: row[1]
+            for chunk in _chunks(runs, MAX_LABELS_PER_STATEMENT)
+            for row in con.execute(
+                f"SELECT run_id, primary_label FROM runs WHERE run_id IN (VALUES {_rows_sql(1, len(chunk))})",
+                chunk,
+            )
+        }
 
     @staticmethod
     def _take_new(con: sqlite3.Connection, batch: list[rows.Span]) -> dict[tuple[str, str], list[Event]]:
@@ -457,14 +490,21 @@ class SQLiteStore:
         _insert(con, "seen (label_id, epoch, first_seq, last_seq)", 4, changes.ranges, verb="INSERT")
         return changes.fresh
 
-    def _update_run(self, con: sqlite3.Connection, run: str, labels: list[LabelState] | None = None) -> None:
-        """Derive a run's state from its labels (read here unless given: all of the run's)."""
+    def _update_run(
+        self,
+        con: sqlite3.Connection,
+        run: str,
+        labels: list[LabelState] | None = None,
+        primary: str | None = None,
+    ) -> None:
+        """Derive a run's state from its labels and primary (both read here unless given)."""
         if labels is None:
             labels = [
                 _label_state(run, row)
                 for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
             ]
-        derived = run_state(labels)
+            primary = self._primaries(con, [run]).get(run)
+        derived = run_state(labels, primary)
         con.execute(
             "UPDATE runs SET state = ?, primary_label = ?, exit_code = ?, ended_ts = ?, "
             "started_ts = ?, last_ts = ?, config = ? WHERE run_id = ?",
@@ -481,7 +521,10 @@ class SQLiteStore:
         ).fetchall()
         for row in silent:
             crashed = crash(_label_state(row["run_id"], row))
-            con.execute("UPDATE labels SET state = ? WHERE id = ?", (crashed.state, row["id"]))
+            con.execute(
+                "UPDATE labels SET state = ?, state_epoch = ?, state_seq = ?, state_ts = ? WHERE id = ?",
+                (crashed.state, *crashed.state_pos, crashed.state_ts, row["id"]),
+            )
         for run in {row["run_id"] for row in silent}:
             self._update_run(con, run)
         return [(row["run_id"], row["label"]) for row in silent]
@@ -521,7 +564,8 @@ class SQLiteStore:
         ):
             mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
             gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            labels.append(rows.label_summary(_label_state(run_id, label_row), mine, gaps))
+            label = _label_state(run_id, label_row)
+            labels.append(rows.label_summary(label, mine, gaps, row["primary_label"]))
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def metric_keys(self, run_id: str) -> list[str]:

@@ -20,8 +20,14 @@ from runbus.wire import finite_to_wire
 
 
 def when(ts: float | None) -> str:
-    """A timestamp as local time to the second; '-' for none."""
-    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    """A timestamp as local time to the second; '-' for none; as the number where no date can
+    show it (a ts stored before the wire refused such values)."""
+    if ts is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return repr(ts)
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -52,6 +58,12 @@ def show_text(run: RunSummary) -> str:
         f"started  {when(run.started_ts)}",
         f"ended    {when(run.ended_ts)}",
         f"events   {counts}",
+    ]
+    head += [
+        f"refused  {lab.label} claimed the primary role at {when(lab.primary_refused_ts)}; "
+        f"{run.primary or '-'} holds it"
+        for lab in run.labels
+        if lab.primary_refused_ts is not None
     ]
     rows = [
         (

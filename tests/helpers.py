@@ -23,6 +23,9 @@ def ingest(redis_url: str, store_url: str, **settings: Any):
     return asyncio.run(worker.async_run())
 
 
+T0 = 1_700_000_000.0  # a ts the wire accepts (2023); entries written by hand count from it
+
+
 def xadd_event(
     client: redis.Redis,
     run: str,
@@ -34,9 +37,9 @@ def xadd_event(
     step: int | None = None,
     ts: float | None = None,
 ) -> bytes:
-    """Write one well-formed entry by hand, as redis-cli would."""
+    """Write one well-formed entry by hand, as redis-cli would (ts: T0 + seq unless given)."""
     fields = wire.encode_fields(
-        kind, run, label, epoch, seq, ts if ts is not None else 1000.0 + seq, orjson.dumps(data or {}), step
+        kind, run, label, epoch, seq, ts if ts is not None else T0 + seq, orjson.dumps(data or {}), step
     )
     return client.xadd(wire.stream_key(run, label), fields)
 
@@ -53,6 +56,26 @@ def read_store(store_url: str, method: str, *args: Any, **kwargs: Any):
             await store.close()
 
     return asyncio.run(call())
+
+
+def store_group(store_url: str) -> str:
+    """The consumer group of this store's ingesters by default (creating the store if need be)."""
+    return wire.store_group(read_store(store_url, "identity"))
+
+
+async def store_group_async(store_url: str) -> str:
+    """store_group, inside an event loop."""
+    store = storage.open_store(store_url)
+    await store.connect()
+    try:
+        return wire.store_group(await store.identity())
+    finally:
+        await store.close()
+
+
+def pending_count(client: redis.Redis, key: str) -> int:
+    """Entries of `key` read and not acknowledged, in every consumer group."""
+    return sum(group["pending"] for group in client.xinfo_groups(key))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True, cwd: str | None = None):

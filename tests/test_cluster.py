@@ -133,7 +133,7 @@ def test_runs_spread_over_shards_are_ingested_once(cluster_url, store_url):
 
 
 async def test_maintenance_on_a_shard(cluster_url):
-    key, group = wire.stream_key("maint", "rank0"), wire.DEFAULT_GROUP
+    key, group = wire.stream_key("maint", "rank0"), "maintained"
     client = async_client(cluster_url)
     try:
         entry = await client.xadd(key, {"v": "1"})

@@ -20,7 +20,15 @@ import redis
 import runbus
 from runbus import wire
 from runbus.ingester.worker import Worker, WorkerSettings
-from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
+from tests.helpers import (
+    ingest,
+    ingest_command,
+    pending_count,
+    read_store,
+    run_cli,
+    store_group,
+    xadd_event,
+)
 
 PRODUCER = textwrap.dedent(
     r"""
@@ -135,7 +143,7 @@ def ingester_behind_lock(
 
 
 def pending(client: redis.Redis, key: str) -> int:
-    return client.xpending(key, wire.DEFAULT_GROUP)["pending"]
+    return pending_count(client, key)
 
 
 def wait_pending(client: redis.Redis, key: str, count: int) -> None:
@@ -386,7 +394,7 @@ def test_poison_entries_are_dead_lettered_after_max_deliveries_and_can_be_replay
         key = wire.stream_key("poison", "rank0")
         xadd_event(client, "poison", "rank0", "metric", 1, 2, {"x": 1.0}, step=0)
         for _ in range(6):  # a consumer that keeps failing on it
-            client.xreadgroup(wire.DEFAULT_GROUP, "crashy", {key: "0" if _ else ">"})
+            client.xreadgroup(store_group(store_url), "crashy", {key: "0" if _ else ">"})
         stats = ingest(redis_url, store_url, claim_idle=0.0, max_deliveries=5)
         assert stats.dead_lettered == 1 and stats.poison == 1
         dead = json.loads(run_cli("dead", "--json", "--redis", redis_url).stdout)
@@ -410,7 +418,7 @@ def test_retention_trims_only_what_is_stored(redis_url, store_url):
         for seq in range(1001, 1301):
             xadd_event(client, "trim", "rank0", "metric", 1, seq, {"x": 1.0}, step=seq)
         # Someone else's reads stay pending: trimming must stop before them.
-        pending = client.xreadgroup(wire.DEFAULT_GROUP, "elsewhere", {key: ">"}, count=50)[0][1]
+        pending = client.xreadgroup(store_group(store_url), "elsewhere", {key: ">"}, count=50)[0][1]
         stats = ingest(redis_url, store_url, retain=0.0)
         assert stats.trimmed > 0
         first_left = client.xrange(key, count=1)[0][0]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from runbus import config, wire
 from runbus.ingester import decoding
-from tests.helpers import ingest, read_store
+from tests.helpers import ingest, pending_count, read_store
 
 RUN, LABEL = "fuzz", "rank0"
 junk = st.one_of(st.binary(max_size=20), st.text(max_size=20).map(str.encode))
@@ -107,7 +107,7 @@ def test_every_entry_is_stored_or_dead_lettered(redis_server_url, decoder, gener
         dead = client.xrange(wire.DEAD_LETTER_KEY)
         # Each dead letter says what the reference decoder says, in the stream's order.
         assert [f[b"reason"].decode() for _, f in dead] == [r for r in map(reason, generated) if r]
-        assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending_count(client, key) == 0
         if valid:
             run = read_store(store_url, "run", RUN)
             assert run.counts["metric"] == len({f[b"seq"] for f in valid})
@@ -154,13 +154,15 @@ KINDS_WRITTEN = [kind.encode() for kind in sorted(wire.KINDS)]
 BAD_INTEGERS = [b"9223372036854775808", b"9223372036854775807", b"-1", b"0", b"1" * 30, b"1e3", b"0x10"]
 BAD_INTEGERS += [b" 7 ", b"1_000", b"+5", b"07", b"1.0", b"", b"\xff", "\u0661".encode()]
 BAD_STAMPS = [b"inf", b"nan", b"1e400", b"-Infinity", b"Infinity", b"NaN", b"1e308", b"-0.0", b"5", b"1_0.5"]
-BAD_STAMPS += [b" 1.5", b"", b"\xff", b"0x1p3"]
+BAD_STAMPS += [b" 1.5", b"", b"\xff", b"0x1p3", b"1e300", b"-1e300", b"1700000000000", b"1_700_000_000"]
+# The ends of the accepted range (2000 to 2200), either side: all numbers, only some plausible.
+BAD_STAMPS += [b"946684800", b"946684799.999", b"7258118400", b"7258118399.5", b" 1700000000.5 "]
 # A metric name or value the contract refuses or converts.
 BAD_NAMES = ["", "k" * 257, "k" * 256, "\x00", "é" * 200]
 BAD_VALUES = [2**63, -(2**63) - 1, 2**63 - 1, -(2**63), 2**64, True, False, "NaN", "Infinity", "-Infinity"]
 BAD_VALUES += ["nan", "inf", None, [1], {}, "", "1.5", 1e308, -0.0]
 # A wrong value for a field of a log, start or finish event's data.
-WRONG = [None, 0, 1.5, "", "0", [], {}, True]
+WRONG = [None, 0, 1.5, "", "0", [], {}, True, 2**63, 2**63 - 1, -(2**63), -(2**63) - 1, 2**64]
 HUGE_DATA = b'{"x": 1.0, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'
 
 
@@ -266,7 +268,8 @@ def streams(draw) -> tuple[str, list[list[bytes] | None]]:
             flavour == "metrics at steps" or (flavour == "mixed" and draw(st.booleans()))
         ):
             step = draw(st.one_of(st.integers(0, 100), st.integers(0, 2**63 - 1)))
-        ts = draw(st.floats(min_value=0, max_value=4e9))
+        # Mostly within the accepted range (2000 to 2200), now and then beyond it either side.
+        ts = draw(st.floats(min_value=9e8, max_value=7.3e9))
         fields = wire.encode_fields(kind, RUN, LABEL, epoch, seq, ts, orjson.dumps(draw(data_of(kind))), step)
         flats.append(draw(broken(as_read(fields))) if seq - 1 in bad else as_read(fields))
     keys = [wire.stream_key(RUN, LABEL), wire.stream_key("other", LABEL), "runbus:{bad run}:rank0"]
@@ -341,6 +344,6 @@ def test_any_json_data_of_any_kind_is_decoded_or_refused_alike(kind, data, count
     way, and neither raises anything but InvalidEntry (a TypeError once stopped the worker)."""
     key = wire.stream_key(RUN, LABEL)
     step = 3 if kind == "metric" else None
-    flat = as_read(wire.encode_fields(kind, RUN, LABEL, 1, 1, 1.0, json.dumps(data).encode(), step))
+    flat = as_read(wire.encode_fields(kind, RUN, LABEL, 1, 1, 1.7e9, json.dumps(data).encode(), step))
     reference = outcomes(wire.decode_stream(key, [flat] * count))
     assert outcomes(decoding.decode_stream_fast(key, [flat] * count)) == reference

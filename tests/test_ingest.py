@@ -11,7 +11,7 @@ import redis
 
 from runbus import wire
 from runbus.config import DECODER_ENV
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import T0, ingest, pending_count, read_store, run_cli, xadd_event
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_shuffled_and_repeated_entries_with_finish_before_start(client, redis_ur
 
 
 def good_fields(**overrides):
-    fields = wire.encode_fields("metric", "bad", "rank0", 1, 1, 1.0, b'{"x": 1}', 3)
+    fields = wire.encode_fields("metric", "bad", "rank0", 1, 1, 1_700_000_000.0, b'{"x": 1}', 3)
     fields.update(overrides)
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -91,6 +91,13 @@ BAD_ENTRIES = {
     "must be a JSON object": good_fields(data=b"[1, 2]"),
     "only for metric events": {**good_fields(kind="log", data=b'{"stream":"stdout","text":"a"}'), "step": 1},
     "needs an integer 'exit_code'": good_fields(kind="finish", data=b'{"exit_code": "0"}', step=None),
+    # Values no store can hold or show: refused at the wire, not by the store (or its readers).
+    "exit_code 9223372036854775808 does not fit in 64 bits": good_fields(
+        kind="finish", data=b'{"exit_code": 9223372036854775808}', step=None
+    ),
+    "from year 2000 to 2200, got 1e300": good_fields(ts="1e300"),
+    "from year 2000 to 2200, got 1700000000000": good_fields(ts="1700000000000"),  # milliseconds
+    "from year 2000 to 2200, got 12.5": good_fields(ts="12.5"),  # a monotonic clock
     "over the limit": good_fields(data=b'{"x": 1, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'),
     "not UTF-8": good_fields(kind=b"\xff\xfe"),
     # Unhashable where the contract looks a name up: once a TypeError that stopped the worker.
@@ -119,7 +126,7 @@ def test_each_kind_of_bad_entry_is_dead_lettered_with_a_reason(client, redis_url
     # The original fields travel with the dead letter, so it can be read and replayed.
     assert by_source[key, ids["unknown kind"]][b"kind"] == b"banana"
     # Everything was acknowledged: nothing stays pending.
-    assert client.xpending(key, wire.DEFAULT_GROUP)["pending"] == 0
+    assert pending_count(client, key) == 0
     assert [p.value for p in read_store(store_url, "metrics", "bad", key="ok")] == [2.0]
 
 
@@ -131,13 +138,14 @@ def any_store(request) -> str:
 def test_entries_no_store_can_hold_are_dead_lettered_and_the_rest_of_their_batch_stored(
     client, redis_url, any_store
 ):
-    # Two runs read in one batch, each with one entry the wire accepts (JSON and stream fields
-    # have no 64-bit limit) and the store's 64-bit integers cannot hold, written as redis-cli would.
+    # Two runs read in one batch, each with one entry the store's 64-bit integers cannot hold,
+    # written as redis-cli would: a seq the wire accepts (its neighbour overflows in the store),
+    # and an exit code beyond 64 bits, which the wire refuses before the store sees it.
     for run in ("far", "big"):
         xadd_event(client, run, "rank0", "start", 1, 1, {"primary": True})
         for seq in range(2, 42):
             xadd_event(client, run, "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
-    far = xadd_event(client, "far", "rank0", "metric", 1, 2**63 - 1, {"x": 1.0}, step=99)
+    far = xadd_event(client, "far", "rank0", "metric", 1, 2**63 - 1, {"x": 1.0}, step=99, ts=T0)
     xadd_event(client, "far", "rank0", "finish", 1, 42, {"exit_code": 0})
     big = xadd_event(client, "big", "rank0", "finish", 1, 42, {"exit_code": 2**63})
     xadd_event(client, "big", "rank1", "start", 1, 1, {"primary": False})
@@ -149,17 +157,20 @@ def test_entries_no_store_can_hold_are_dead_lettered_and_the_rest_of_their_batch
         for _, fields in client.xrange(wire.DEAD_LETTER_KEY)
     }
     assert set(dead) == {(wire.stream_key("far", "rank0"), far), (wire.stream_key("big", "rank0"), big)}
-    for reason in dead.values():
-        assert "rejected the data" in reason, reason
-        assert "int64" in reason or "too large" in reason, reason
-    assert result.stderr.count("the store rejected") == 2, result.stderr
+    reason = dead[wire.stream_key("far", "rank0"), far]
+    assert "rejected the data" in reason and ("int64" in reason or "too large" in reason), reason
+    assert (
+        dead[wire.stream_key("big", "rank0"), big]
+        == "finish exit_code 9223372036854775808 does not fit in 64 bits"
+    )
+    assert result.stderr.count("the store rejected") == 1, result.stderr
     assert "retrying" not in result.stderr, result.stderr
     # Everything else of the batch is stored, in both runs.
     far_run, big_run = read_store(any_store, "run", "far"), read_store(any_store, "run", "big")
     assert (far_run.state, far_run.exit_code, far_run.counts["metric"]) == ("finished", 0, 40)
     assert (big_run.state, big_run.label_count, big_run.counts["metric"]) == ("running", 2, 40)
     for run in ("far", "big"):
-        assert client.xpending(wire.stream_key(run, "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending_count(client, wire.stream_key(run, "rank0")) == 0
 
 
 def test_non_finite_values_round_trip(client, redis_url, store_url, decoder):
@@ -249,7 +260,7 @@ def test_a_stream_written_by_redis_cli_is_found_without_a_registry(client, redis
         "seq",
         "1",
         "ts",
-        "12.5",
+        "1700000000.5",
         "step",
         "0",
         "data",

@@ -30,7 +30,7 @@ from runbus.ingester.localredis import free_port
 from runbus.ingester.process import GC_THRESHOLDS
 from runbus.ingester.stats import WorkerStats
 from runbus.ingester.worker import Worker, WorkerSettings
-from tests.helpers import ingest_command, read_store, run_cli, xadd_event
+from tests.helpers import ingest_command, pending_count, read_store, run_cli, store_group_async, xadd_event
 from tests.test_supervisor import free_ports
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
@@ -169,8 +169,9 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
         other = wire.stream_key("ops", "rank1")
         for seq in range(1, 4):
             xadd_event(client, "ops", "rank1", "metric", 1, seq, {"loss": 2.0}, step=seq)
-        client.xgroup_create(other, wire.DEFAULT_GROUP, id="0")
-        client.xreadgroup(wire.DEFAULT_GROUP, "elsewhere", {other: ">"})
+        group = await store_group_async(store_url)
+        client.xgroup_create(other, group, id="0")
+        client.xreadgroup(group, "elsewhere", {other: ">"})
 
     worker = Worker(
         WorkerSettings(
@@ -204,7 +205,7 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
             final_text = await response.text()
             final = parse_metrics(final_text)
 
-    assert samples['runbus_ingester_info{consumer="ops-test",group="runbus"}'] == 1
+    assert samples[f'runbus_ingester_info{{consumer="ops-test",group="{group}"}}'] == 1
     assert samples['runbus_ingested_events_total{kind="start"}'] == 1
     assert samples['runbus_ingested_events_total{kind="metric"}'] == 11
     assert samples["runbus_stored_events_total"] == 12
@@ -330,7 +331,7 @@ def test_the_cli_serves_them_set_up_and_drains_on_sigterm(redis_url, store_url):
     assert "stopping: finishing the batches in flight" in err
     assert f"worker {consumer} stopped after" in err and ", 500 entries, 500 stored," in err
     with redis.Redis.from_url(redis_url) as client:
-        assert client.xpending(wire.stream_key("served", "rank0"), wire.DEFAULT_GROUP)["pending"] == 0
+        assert pending_count(client, wire.stream_key("served", "rank0")) == 0
     assert read_store(store_url, "run", "served").counts["metric"] == 499
 
 

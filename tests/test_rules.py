@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import given
@@ -13,11 +14,17 @@ from runbus.storage.rules import (
     FINISHED,
     RUNNING,
     LabelState,
+    RunState,
     _fold_each,
     apply_events,
     by_epoch,
+    crash,
+    decide_primary,
     merge_ranges,
     missing_count,
+    primary_claims,
+    refuse,
+    refused_claims,
     run_state,
     take_new,
 )
@@ -36,7 +43,7 @@ def test_finish_before_start_still_finishes():
     events = [ev("rank0", "finish", 1, 3, exit_code=0), ev("rank0", "start", 1, 1, primary=True)]
     state = fold("rank0", events)
     assert (state.state, state.exit_code, state.primary) == (FINISHED, 0, True)
-    assert run_state([state]).state == FINISHED
+    assert run_state([state], "rank0").state == FINISHED
 
 
 def test_only_the_primary_finishes_the_run():
@@ -48,12 +55,12 @@ def test_only_the_primary_finishes_the_run():
         "rank2", [ev("rank2", "start", 1, 1, primary=False), ev("rank2", "finish", 1, 2, exit_code=3)]
     )
     assert (worker_ok.state, worker_bad.state, worker_bad.exit_code) == (FINISHED, FAILED, 3)
-    assert run_state([primary, worker_ok, worker_bad]).state == RUNNING
+    assert run_state([primary, worker_ok, worker_bad], "rank0").state == RUNNING
     done = apply_events(primary, [ev("rank0", "finish", 1, 9, exit_code=0)])
-    derived = run_state([done, worker_ok, worker_bad])
+    derived = run_state([done, worker_ok, worker_bad], "rank0")
     assert (derived.state, derived.primary, derived.exit_code) == (FINISHED, "rank0", 0)
     failed = apply_events(primary, [ev("rank0", "finish", 1, 9, exit_code=2)])
-    assert run_state([failed, worker_ok]).state == FAILED
+    assert run_state([failed, worker_ok], "rank0").state == FAILED
 
 
 def test_a_new_epoch_runs_again_and_an_old_finish_does_not_end_it():
@@ -95,6 +102,162 @@ def test_state_does_not_depend_on_arrival_order_or_duplicates(raw, rnd: random.R
     shuffled = events + rnd.sample(events, k=min(5, len(events)))
     rnd.shuffle(shuffled)
     assert fold("rank0", shuffled) == expected
+
+
+def lives(events: list[Event]) -> tuple[str, int | None]:
+    """The rule as its definition reads, for the property below: events in (epoch, seq) order;
+    a finish ends the label, and only a start of a newer epoch than that finish begins a new life."""
+    ended: Event | None = None
+    for event in sorted(events, key=lambda e: e.position):
+        if event.kind == "finish":
+            ended = event
+        elif event.kind == "start" and ended is not None and event.epoch > ended.epoch:
+            ended = None
+    if ended is None:
+        return RUNNING, None
+    code = ended.data["exit_code"]
+    return (FINISHED if code == 0 else FAILED), code
+
+
+every_kind = st.lists(
+    st.tuples(
+        st.integers(1, 3),
+        st.integers(1, 30),
+        st.sampled_from(["metric", "log", "system", "heartbeat", "finish", "start"]),
+        st.integers(0, 2),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(every_kind, st.randoms(use_true_random=False), st.integers(1, 6))
+def test_state_is_the_finish_rule_folded_in_position_order(raw, rnd: random.Random, batches):
+    """Any arrival order, duplicates and batch cuts give the state the rule defines."""
+    by_position = {}
+    for epoch, seq, kind, code in raw:
+        data = {"exit_code": code} if kind == "finish" else {"primary": True} if kind == "start" else {}
+        by_position[epoch, seq] = ev("rank0", kind, epoch, seq, **data)
+    events = list(by_position.values())
+    mixed = events + rnd.sample(events, k=min(5, len(events)))
+    rnd.shuffle(mixed)
+    label = LabelState("r", "rank0")
+    for n in range(batches):
+        label = apply_events(label, mixed[n * len(mixed) // batches : (n + 1) * len(mixed) // batches])
+    assert (label.state, label.exit_code) == lives(events)
+
+
+def test_a_finished_label_is_not_revived_by_later_events_of_its_epoch():
+    done = fold("rank0", [ev("rank0", "start", 1, 1, primary=True), ev("rank0", "finish", 1, 5, exit_code=0)])
+    for kind in ("heartbeat", "metric", "log", "system", "start"):
+        later = apply_events(done, [ev("rank0", kind, 1, 6, primary=True)])
+        assert (later.state, later.exit_code, later.state_pos) == (FINISHED, 0, (1, 5)), kind
+    # Nor by a newer epoch's heartbeat or metrics: only its start is a new life.
+    assert apply_events(done, [ev("rank0", "heartbeat", 2, 3), ev("rank0", "metric", 2, 4)]).state == FINISHED
+    failed = apply_events(done, [ev("rank0", "finish", 1, 9, exit_code=3)])
+    assert (failed.state, failed.exit_code) == (FAILED, 3)  # a later finish of the same life
+    again = apply_events(failed, [ev("rank0", "heartbeat", 2, 2), ev("rank0", "start", 2, 1, primary=True)])
+    assert (again.state, again.exit_code) == (RUNNING, None)
+    # The old life's late finish does not end the new one; the new life's does.
+    assert apply_events(again, [ev("rank0", "finish", 1, 12, exit_code=0)]).state == RUNNING
+    assert apply_events(again, [ev("rank0", "finish", 2, 7, exit_code=0)]).state == FINISHED
+
+
+def test_crash_detection_applies_to_running_labels_only():
+    running = fold("rank0", [ev("rank0", "start", 1, 1, primary=True), ev("rank0", "heartbeat", 1, 4)])
+    crashed = crash(running)
+    assert (crashed.state, crashed.state_pos, crashed.state_ts) == (CRASHED, (1, 4), running.last_ts)
+    done = apply_events(running, [ev("rank0", "finish", 1, 5, exit_code=0)])
+    assert crash(done) == done
+    # A late event from before the crash mark does not revive it; anything beyond it does.
+    assert apply_events(crashed, [ev("rank0", "metric", 1, 3)]).state == CRASHED
+    assert apply_events(crashed, [ev("rank0", "log", 1, 5)]).state == RUNNING
+    # Its finish, arriving late, ends it as it ended.
+    late = apply_events(crashed, [ev("rank0", "finish", 1, 2, exit_code=7)])
+    assert (late.state, late.exit_code) == (FAILED, 7)
+
+
+def test_the_first_primary_claim_wins_and_later_ones_are_refused():
+    stray = ev("stray", "start", 1, 1, primary=True)
+    real = ev("rank0", "start", 1, 1, primary=True)
+    worker = ev("rank1", "start", 1, 1, primary=False)
+    assert primary_claims([stray, worker, ev("rank1", "heartbeat", 1, 2)]) == [stray]
+    assert decide_primary(None, []) is None
+    assert decide_primary(None, [worker][:0], "rank0") is None  # no claim seen yet: nothing decided
+    # No live claim (a run written by hand): the earliest claim wins, by ts then label.
+    assert decide_primary(None, [real, stray]) == "rank0"
+    assert decide_primary(None, [stray._replace(ts=real.ts - 1), real]) == "stray"
+    # The live claim decides, even when the holder's own start has not arrived.
+    assert decide_primary(None, [stray], holder="rank0") == "rank0"
+    # Decided once: nothing changes it.
+    assert decide_primary("rank0", [stray], holder="stray") == "rank0"
+    refused = refused_claims("rank0", [stray, real, stray._replace(seq=9, ts=5000.0)])
+    assert refused == {"stray": 5000.0}
+    label = refuse(LabelState("r", "stray"), 5000.0)
+    assert refuse(label, 10.0) == label and refuse(label, 6000.0).primary_refused_ts == 6000.0
+
+
+@given(
+    st.lists(
+        st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 5)), max_size=4),
+        max_size=6,
+    ),
+    st.sampled_from([None, "a", "z"]),
+)
+def test_a_run_s_primary_is_decided_once_and_every_other_claim_refused(batches, holder):
+    """Claims arriving in any batches: the first batch with a claim decides (its live claim's
+    holder, else its earliest claim), nothing changes it after, and every other claimant is
+    refused at its latest claim."""
+    decided, refused, first = None, {}, None
+    for batch in batches:
+        claims = [ev(label, "start", 1, 1, primary=True)._replace(ts=float(ts)) for label, ts in batch]
+        before = decided
+        decided = decide_primary(decided, claims, holder)
+        if claims and first is None:
+            first = holder or min(claims, key=lambda e: (e.ts, e.label)).label
+        assert before is None or decided == before
+        for label, ts in refused_claims(decided, claims).items():
+            refused[label] = max(refused.get(label, ts), ts)
+    claimants = {label for batch in batches for label, _ in batch}
+    assert decided == first
+    assert set(refused) == claimants - {decided}
+    for label, ts in refused.items():
+        assert ts == max(t for batch in batches for name, t in batch if name == label)
+
+
+def test_the_run_follows_its_primary_whatever_other_labels_claim():
+    rank0 = fold(
+        "rank0", [ev("rank0", "start", 1, 1, primary=True), ev("rank0", "finish", 1, 9, exit_code=3)]
+    )
+    stray = fold(
+        "stray", [ev("stray", "start", 1, 1, primary=True), ev("stray", "finish", 1, 2, exit_code=0)]
+    )
+    derived = run_state([stray, rank0], "rank0")
+    assert (derived.state, derived.primary, derived.exit_code, derived.ended_ts) == (
+        FAILED,
+        "rank0",
+        3,
+        1009.0,
+    )
+
+
+def label_in(state: str, name: str, code: int | None = None, ts: float | None = None) -> LabelState:
+    return LabelState("r", name, state=state, exit_code=code, state_ts=ts)
+
+
+def test_without_a_known_primary_the_run_follows_its_labels():
+    assert run_state([], None).state == run_state([], "rank0").state == RUNNING
+    ok, bad, lost = label_in(FINISHED, "a", 0, 10.0), label_in(FAILED, "b", 3, 20.0), label_in(CRASHED, "c")
+    late_bad = label_in(FAILED, "d", 4, 30.0)
+    assert run_state([ok, label_in(RUNNING, "x")], None).state == RUNNING
+    assert (run_state([ok], None).state, run_state([ok], None).exit_code) == (FINISHED, 0)
+    assert run_state([ok, lost], None).state == CRASHED
+    derived = run_state([late_bad, lost, ok, bad], None)
+    assert (derived.state, derived.exit_code, derived.ended_ts) == (FAILED, 3, 30.0)
+    # A primary named by its live claim but not heard from: the labels decide, the name stays,
+    # and a label refused the primary role is not one of them.
+    assert run_state([ok], "rank0") == dataclasses.replace(run_state([ok], None), primary="rank0")
+    assert run_state([refuse(ok, 5.0)], "rank0") == RunState(RUNNING, "rank0", None)
 
 
 seq_sets = st.sets(st.integers(1, 60), max_size=40)

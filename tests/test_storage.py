@@ -240,7 +240,7 @@ async def test_finish_arriving_before_start_still_finishes(store: Store) -> None
     assert await store.write([done]) == 1
     run = await store.run(RUN)
     assert run is not None
-    assert (run.state, run.primary) == ("running", None)  # no primary known yet
+    assert (run.state, run.primary) == ("finished", None)  # no primary known: it follows its labels
     assert labels_of(run) == {"rank0": ("finished", 0, 1, 9)}
 
     assert await store.write([start(1, primary=True, ts=T0 + 1), heartbeat(5, ts=T0 + 5)]) == 2
@@ -388,6 +388,84 @@ async def test_silent_running_labels_are_marked_crashed(store: Store) -> None:
     assert (run.state, run.ended_ts) == ("running", None)
     assert labels_of(run)["rank0"] == ("running", None, 1, 2)
     assert labels_of(run)["rank1"] == ("crashed", None, 1, 1)
+
+
+async def test_a_finished_label_stays_finished_until_a_new_epoch_starts(store: Store) -> None:
+    await store.write([start(1, primary=True), finish(4, 0, ts=T0 + 4)])
+    # The producer's last heartbeat, metrics and logs after its finish (higher seqs, same epoch).
+    late = [heartbeat(5), metric(6, {"loss": 1.0}), log(7, "bye"), system(8, {"cpu": 1.0})]
+    assert await store.write(late) == 4
+    assert await store.mark_crashed(time.time() + 1) == []  # not running: not crashed either
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.ended_ts) == ("finished", 0, T0 + 4)
+    assert labels_of(run) == {"rank0": ("finished", 0, 1, 8)}
+    await store.write([heartbeat(1, epoch=2)])  # a new epoch's heartbeat alone is no new life
+    assert (await store.run(RUN) or run).state == "finished"
+    await store.write([start(2, primary=True, epoch=2)])  # its start is
+    assert (await store.run(RUN) or run).state == "running"
+
+
+async def test_a_stray_primary_claim_is_refused_and_changes_nothing(store: Store) -> None:
+    # rank0 holds the live claim; a stray script's bare start says primary too, then finishes 0.
+    stray = [start(1, primary=True, label="stray", ts=T0 + 1), finish(2, 0, label="stray", ts=T0 + 2)]
+    assert await store.write(stray, holders={RUN: "rank0"}) == 2
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary) == ("running", "rank0")  # decided by the live claim
+    assert [(lab.label, lab.primary, lab.primary_refused_ts) for lab in run.labels] == [
+        ("stray", False, T0 + 1)
+    ]
+    await store.write([start(1, primary=True, label="rank0"), start(1, label="rank1")])
+    await store.write([start(3, primary=True, label="stray", epoch=1, ts=T0 + 30)], holders={RUN: "stray"})
+    await store.write([finish(9, 3, label="rank0", ts=T0 + 50)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code, run.ended_ts) == ("failed", "rank0", 3, T0 + 50)
+    refused = {lab.label: (lab.primary, lab.primary_refused_ts) for lab in run.labels}
+    assert refused == {"rank0": (True, None), "rank1": (False, None), "stray": (False, T0 + 30)}
+    assert [(r.run_id, r.state, r.primary) for r in await store.runs()] == [(RUN, "failed", "rank0")]
+
+
+async def test_without_a_live_claim_the_first_primary_start_is_the_run_s(store: Store) -> None:
+    # Written by hand: no claim key. The first claim seen wins; one in the same batch by ts.
+    await store.write(
+        [start(1, primary=True, label="b", ts=T0 + 2), start(1, primary=True, label="a", ts=T0 + 3)]
+    )
+    await store.write([start(1, primary=True, label="c", ts=T0)])  # earlier, but seen later
+    run = await store.run(RUN)
+    assert run is not None
+    assert run.primary == "b"
+    assert {lab.label: lab.primary_refused_ts for lab in run.labels} == {"a": T0 + 3, "b": None, "c": T0}
+    assert run.config == {}
+
+
+async def test_concurrent_writers_decide_one_primary(open_stores: OpenStore) -> None:
+    writers = [await open_stores() for _ in range(6)]
+    claims = [start(1, primary=True, label=f"rank{n}", ts=T0 + n) for n in range(len(writers))]
+    await asyncio.gather(*(w.write([claim]) for w, claim in zip(writers, claims, strict=True)))
+    run = await writers[0].run(RUN)
+    assert run is not None
+    winners = [lab.label for lab in run.labels if lab.primary]
+    assert winners == [run.primary]
+    refused = [lab.label for lab in run.labels if lab.primary_refused_ts is not None]
+    assert sorted(refused + winners) == [f"rank{n}" for n in range(len(writers))]
+
+
+async def test_a_run_whose_starts_were_lost_still_ends(store: Store) -> None:
+    await store.write([heartbeat(1, label="rank0"), heartbeat(1, label="rank1"), metric(2, {"x": 1.0})])
+    run = await store.run(RUN)
+    assert run is not None and (run.state, run.primary) == ("running", None)
+    await store.write([finish(3, 0, label="rank0", ts=T0 + 3)])
+    assert (await store.run(RUN) or run).state == "running"  # rank1 still runs
+    assert await store.mark_crashed(time.time() + 1) == [(RUN, "rank1")]
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.primary) == ("crashed", None, None)
+    await store.write([finish(2, 4, label="rank1", ts=T0 + 9)])  # its finish, late
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.exit_code, run.ended_ts) == ("failed", 4, T0 + 9)
 
 
 # -- values and reads ----------------------------------------------------------------------------
@@ -687,6 +765,90 @@ async def test_version_2_events_become_seen_ranges_and_counts(
     assert run.counts["metric"] == 5
     assert (run.labels[0].events, run.labels[0].missing) == (8, 1)
     assert [p.value for p in await store.metrics(RUN, key="loss")] == [0.5, 1 / 3, 0.25, 0.2, 0.25]
+
+
+async def make_version_3_store(url: str) -> None:
+    """A store at schema version 3 (before primaries were decided once and stores had ids): run
+    RUN with primary rank0 running and rank1 finished, as that runbus left them."""
+    runs = [(RUN, "running", "rank0", T0 + 1, T0 + 5)]
+    labels = [
+        (1, RUN, "rank0", "running", None, 1, 1, True, 1, 1, 1, 5),
+        (2, RUN, "rank1", "finished", 0, 1, 2, False, 1, 1, 1, 2),
+    ]
+    run_sql = "INSERT INTO runs (run_id, state, primary_label, started_ts, last_ts) VALUES ({})"
+    label_sql = (
+        "INSERT INTO labels (id, run_id, label, state, exit_code, state_epoch, state_seq, is_primary, "
+        "start_epoch, start_seq, epoch, last_seq) VALUES ({})"
+    )
+    seen = [(1, 1, 1, 5), (2, 1, 1, 2)]
+    seen_sql = "INSERT INTO seen (label_id, epoch, first_seq, last_seq) VALUES ({})"
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        for script in sqlite_backend.MIGRATIONS[:3]:
+            for statement in script.split(";"):
+                if statement.strip():
+                    con.execute(statement)
+        for sql, values in ((run_sql, runs), (label_sql, labels), (seen_sql, seen)):
+            con.executemany(sql.format(", ".join("?" * len(values[0]))), values)
+        con.execute("PRAGMA user_version = 3")
+        con.close()
+        return
+    pg = await asyncpg.connect(url)
+    try:
+        await pg.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ)")
+        for number, script in enumerate(postgres_backend.MIGRATIONS[:3], start=1):
+            await pg.execute(script)
+            await pg.execute("INSERT INTO schema_version (version) VALUES ($1)", number)
+        for sql, values in ((run_sql, runs), (label_sql, labels), (seen_sql, seen)):
+            marks = ", ".join(f"${n}" for n in range(1, len(values[0]) + 1))
+            await pg.executemany(sql.format(marks), values)
+        await pg.execute("SELECT setval(pg_get_serial_sequence('labels', 'id'), 2)")
+    finally:
+        await pg.close()
+
+
+async def test_a_version_3_store_keeps_its_primary_and_gets_an_id(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    await make_version_3_store(any_store_url)
+    store = await open_stores()
+    assert await schema_version(any_store_url) == 4
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary) == ("running", "rank0")
+    assert [(lab.label, lab.primary, lab.primary_refused_ts) for lab in run.labels] == [
+        ("rank0", True, None),
+        ("rank1", False, None),
+    ]
+    identity = await store.identity()
+    assert len(identity) == 16 and int(identity, 16) >= 0
+    # The decision the old store holds stays: a new claim is refused, rank0's finish ends the run.
+    await store.write([start(1, primary=True, label="rank2", ts=T0 + 6)], holders={RUN: "rank2"})
+    await store.write([heartbeat(6), finish(7, 0, label="rank0", ts=T0 + 7)])
+    run = await store.run(RUN)
+    assert run is not None
+    assert (run.state, run.primary, run.exit_code) == ("finished", "rank0", 0)
+    assert {lab.label: lab.primary_refused_ts for lab in run.labels}["rank2"] == T0 + 6
+    assert (run.labels[0].events, run.labels[0].missing) == (7, 0)
+
+
+async def test_a_store_s_id_is_its_own_through_any_url(open_stores: OpenStore, any_store_url: str) -> None:
+    first = await open_stores()
+    identity = await first.identity()
+    again = await open_stores()
+    assert await again.identity() == identity
+    reader = open_store(any_store_url, create=False)
+    await reader.connect()
+    try:
+        assert await reader.identity() == identity
+    finally:
+        await reader.close()
+    if any_store_url.startswith("sqlite"):  # another spelling of the same file
+        path = any_store_url.removeprefix("sqlite:///")
+        same = await open_stores("sqlite:///" + os.path.relpath(path))  # noqa: ASYNC240
+        assert await same.identity() == identity
+        other = await open_stores(any_store_url.replace("runbus.db", "other.db"))
+        assert await other.identity() != identity
 
 
 async def test_stores_starting_together_migrate_once(open_stores: OpenStore) -> None:

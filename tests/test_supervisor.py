@@ -69,8 +69,9 @@ def holding_entries(redis_url: str, consumer: str, timeout: float) -> bool:
         keys = [key.decode() for key in client.smembers(wire.REGISTRY_KEY)]
         while time.monotonic() < deadline:
             for key in keys:
-                for entry in client.xpending(key, wire.DEFAULT_GROUP)["consumers"]:
-                    if entry["name"].decode() == consumer and entry["pending"]:
+                for group in client.xinfo_groups(key):
+                    consumers = client.xpending(key, group["name"])["consumers"]
+                    if any(c["name"].decode() == consumer and c["pending"] for c in consumers):
                         return True
             time.sleep(0.002)
     return False

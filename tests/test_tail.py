@@ -16,7 +16,7 @@ import redis
 
 from runbus import wire
 from runbus.dashboard.tail import Tail, TailSettings, format_line
-from tests.helpers import ingest, read_store, xadd_event
+from tests.helpers import T0, ingest, read_store, xadd_event
 
 RUN = "tail-run"
 
@@ -136,9 +136,9 @@ def test_tail_from_start_prints_the_history_of_one_label(redis_url, tail_process
         xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
         xadd_event(client, RUN, "rank1", "start", 1, 1, {"primary": False})
         for seq in range(2, 6):
-            log(client, "rank0", seq, f"rank0 line {seq}", ts=100.0 + seq)
+            log(client, "rank0", seq, f"rank0 line {seq}", ts=T0 + 100.0 + seq)
             level = "ERROR" if seq == 5 else "INFO"
-            log(client, "rank1", seq, f"rank1 line {seq}", level=level, ts=100.5 + seq)
+            log(client, "rank1", seq, f"rank1 line {seq}", level=level, ts=T0 + 100.5 + seq)
         xadd_event(client, RUN, "rank0", "finish", 1, 6, {"exit_code": 1})
     tail = tail_process(RUN, "--from-start", "--label", "rank1")
     assert tail.wait() == 0
@@ -184,8 +184,8 @@ def test_labels_get_their_own_colour_on_a_terminal(redis_url):
     with redis.Redis.from_url(redis_url) as client:
         xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
         xadd_event(client, RUN, "rank10", "start", 1, 1, {"primary": False})
-        log(client, "rank0", 2, "zero", ts=10.0)
-        xadd_event(client, RUN, "rank10", "log", 1, 2, {"stream": "stderr", "text": "ten"}, ts=11.0)
+        log(client, "rank0", 2, "zero", ts=T0 + 10.0)
+        xadd_event(client, RUN, "rank10", "log", 1, 2, {"stream": "stderr", "text": "ten"}, ts=T0 + 11.0)
         xadd_event(client, RUN, "rank0", "finish", 1, 3, {"exit_code": 0})
     out, err = io.StringIO(), io.StringIO()
     settings = TailSettings(redis_url=redis_url, run_id=RUN, from_start=True, color=True, finish_grace=0.2)

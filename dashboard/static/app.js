@@ -678,6 +678,8 @@
       ['Gaps', run.gaps ? count(run.gaps) + ' missing' : 'none', run.gaps ? 'warn' : ''],
       ['Dead letters', deadText, dead.run ? 'warn' : ''],
     ];
+    const refused = run.primary_refused || [];
+    if (refused.length) facts.push(['Refused primary', refused.map((r) => r.label + ' at ' + dateTime(r.ts)).join(', '), 'warn']);
     header.replaceChildren(
       el('div', { class: 'run-title' }, el('h1', { class: 'mono' }, run.run_id), stateBadge(run.state)),
       el('dl', { class: 'facts' }, facts.map(([name, text, kind]) =>
