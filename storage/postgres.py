@@ -12,7 +12,15 @@ import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows, safe_url
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
+from runbus.storage.base import (
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunSummary,
+    missing_store,
+    point_table,
+)
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -466,6 +474,61 @@ class PostgresStore:
             "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
             f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
             f"ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ${len(args) - 1} OFFSET ${len(args)}"
+        )
+        found = await self._call(lambda con: con.fetch(query, *args))
+        return [LogLine(*row) for row in found]
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        keys: Sequence[str] | None = None,
+    ) -> list[Point]:
+        table = point_table(table)
+        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
+        if after is not None:
+            args += [rows.storable_text(after[0]), after[1], after[2]]
+            where.append(f"(m.key, m.epoch, m.seq) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})")
+        if keys is not None:
+            args.append([rows.storable_text(key) for key in keys])
+            where.append(f"m.key = ANY(${len(args)}::text[])")
+        args.append(limit)
+        step = "m.step" if table == "metrics" else "NULL::bigint"
+        query = (
+            f"SELECT l.label, m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
+            f"ORDER BY m.key, m.epoch, m.seq LIMIT ${len(args)}"
+        )
+        found = await self._call(lambda con: con.fetch(query, *args))
+        return [Point(*row) for row in found]
+
+    async def log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> list[LogLine]:
+        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
+        if after is not None:
+            args += [after[0], after[1]]
+            where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
+        if level is not None:
+            args.append(level_number(level))
+            where.append(f"g.levelno >= ${len(args)}")
+        if grep is not None:
+            args.append(rows.storable_text(grep))
+            where.append(f"strpos(g.text, ${len(args)}) > 0")
+        args.append(limit)
+        query = (
+            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
+            f"ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
         )
         found = await self._call(lambda con: con.fetch(query, *args))
         return [LogLine(*row) for row in found]

@@ -19,7 +19,15 @@ import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
+from runbus.storage.base import (
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunSummary,
+    missing_store,
+    point_table,
+)
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -597,3 +605,80 @@ class SQLiteStore:
         )
         args += [-1 if limit is None else limit, offset]
         return [LogLine(*row) for row in self._db().execute(query, args)]
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        keys: Sequence[str] | None = None,
+    ) -> list[Point]:
+        return await self._call(self._point_page, point_table(table), run_id, label, after, limit, keys)
+
+    def _point_page(
+        self,
+        table: str,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        keys: Sequence[str] | None,
+    ) -> list[Point]:
+        where: list[str] = ["l.run_id = ?", "l.label = ?"]
+        args: list[str | int] = [run_id, label]
+        if after is not None:
+            where.append("(m.key, m.epoch, m.seq) > (?, ?, ?)")
+            args += [rows.storable_text(after[0]), after[1], after[2]]
+        if keys is not None:
+            where.append(f"m.key IN ({', '.join('?' * len(keys))})")
+            args += [rows.storable_text(key) for key in keys]
+        step = "m.step" if table == "metrics" else "NULL"
+        query = (
+            f"SELECT l.label, m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
+            "ORDER BY m.key, m.epoch, m.seq LIMIT ?"
+        )
+        return [
+            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6]))
+            for r in self._db().execute(query, [*args, limit])
+        ]
+
+    async def log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> list[LogLine]:
+        return await self._call(self._log_page, run_id, label, after, limit, level, grep)
+
+    def _log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None,
+        grep: str | None,
+    ) -> list[LogLine]:
+        where: list[str] = ["l.run_id = ?", "l.label = ?"]
+        args: list[str | int] = [run_id, label]
+        if after is not None:
+            where.append("(g.epoch, g.seq) > (?, ?)")
+            args += [after[0], after[1]]
+        if level is not None:
+            where.append("g.levelno >= ?")
+            args.append(level_number(level))
+        if grep is not None:
+            where.append("instr(g.text, ?) > 0")
+            args.append(rows.storable_text(grep))
+        query = (
+            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
+            "ORDER BY g.epoch, g.seq LIMIT ?"
+        )
+        return [LogLine(*row) for row in self._db().execute(query, [*args, limit])]
