@@ -95,6 +95,9 @@ class Api:
         self.page_rows = page_rows
         self._reader = StoreThread(self.url)
         self._closer = weakref.finalize(self, self._reader.close)
+        # Not at interpreter exit: by then the SQLite store's executor takes no more work, and the
+        # process ending closes every connection anyway.
+        self._closer.atexit = False
 
     def __repr__(self) -> str:
         return f"runbus.Api({safe_url(self.url)!r})"
