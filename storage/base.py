@@ -149,11 +149,11 @@ class Store(Protocol):
         label: str,
         after: tuple[str, int, int] | None,
         limit: int,
-        keys: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> list[Point]:
-        """Up to `limit` of one label's values in `table`, in (key, epoch, seq) order, from just
-        after the (key, epoch, seq) `after` (from the first if None), only `keys` if given: a
-        whole run read a page at a time, each page found through the table's primary key."""
+        """Up to `limit` of one label's values in `table` (of one `key` if given), in (key, epoch,
+        seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
+        run read a page at a time, each page a range of the table's primary key."""
 
     async def log_page(
         self,

@@ -233,14 +233,20 @@ async def _read_points(
 ) -> _PointColumns:
     page_rows = page_size(page_rows)
     points = _PointColumns()
+    # Key by key where keys are chosen: each page is then one range of the table's primary key.
+    # In the order the store sorts them: by code point, as stored.
+    chosen: list[str | None] = [None]
+    if keys is not None:
+        chosen = [*sorted({rows.storable_text(key) for key in keys})]
     for label in labels:
-        after: tuple[str, int, int] | None = None
-        while True:
-            page = await store.point_page(table, run.run_id, label, after, page_rows, keys)
-            points.add(page)
-            if len(page) < page_rows:
-                break
-            after = (page[-1].key, page[-1].epoch, page[-1].seq)
+        for key in chosen:
+            after: tuple[str, int, int] | None = None
+            while True:
+                page = await store.point_page(table, run.run_id, label, after, page_rows, key)
+                points.add(page)
+                if len(page) < page_rows:
+                    break
+                after = (page[-1].key, page[-1].epoch, page[-1].seq)
     return points
 
 

@@ -485,25 +485,25 @@ class PostgresStore:
         label: str,
         after: tuple[str, int, int] | None,
         limit: int,
-        keys: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> list[Point]:
         table = point_table(table)
-        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
+        where = [_ONE_LABEL.format(column="m.label_id")]
+        args: list[Any] = [run_id, label]
         if after is not None:
             args += [rows.storable_text(after[0]), after[1], after[2]]
             where.append(f"(m.key, m.epoch, m.seq) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})")
-        if keys is not None:
-            args.append([rows.storable_text(key) for key in keys])
-            where.append(f"m.key = ANY(${len(args)}::text[])")
+        if key is not None:
+            args.append(rows.storable_text(key))
+            where.append(f"m.key = ${len(args)}")
         args.append(limit)
         step = "m.step" if table == "metrics" else "NULL::bigint"
         query = (
-            f"SELECT l.label, m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
-            f"JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY m.key, m.epoch, m.seq LIMIT ${len(args)}"
+            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ${len(args)}"
         )
         found = await self._call(lambda con: con.fetch(query, *args))
-        return [Point(*row) for row in found]
+        return [Point(label, *row) for row in found]
 
     async def log_page(
         self,
@@ -514,7 +514,8 @@ class PostgresStore:
         level: str | None = None,
         grep: str | None = None,
     ) -> list[LogLine]:
-        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
+        where = [_ONE_LABEL.format(column="g.label_id")]
+        args: list[Any] = [run_id, label]
         if after is not None:
             args += [after[0], after[1]]
             where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
@@ -526,12 +527,16 @@ class PostgresStore:
             where.append(f"strpos(g.text, ${len(args)}) > 0")
         args.append(limit)
         query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
+            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
         )
         found = await self._call(lambda con: con.fetch(query, *args))
-        return [LogLine(*row) for row in found]
+        return [LogLine(label, *row) for row in found]
+
+
+# A page read's label, as a value the planner knows before it plans (not a join): the table's
+# primary key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
+_ONE_LABEL = "{column} = (SELECT id FROM labels WHERE run_id = $1 AND label = $2)"
 
 
 def _filters(

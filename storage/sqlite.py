@@ -613,9 +613,9 @@ class SQLiteStore:
         label: str,
         after: tuple[str, int, int] | None,
         limit: int,
-        keys: Sequence[str] | None = None,
+        key: str | None = None,
     ) -> list[Point]:
-        return await self._call(self._point_page, point_table(table), run_id, label, after, limit, keys)
+        return await self._call(self._point_page, point_table(table), run_id, label, after, limit, key)
 
     def _point_page(
         self,
@@ -624,24 +624,23 @@ class SQLiteStore:
         label: str,
         after: tuple[str, int, int] | None,
         limit: int,
-        keys: Sequence[str] | None,
+        key: str | None,
     ) -> list[Point]:
-        where: list[str] = ["l.run_id = ?", "l.label = ?"]
+        where: list[str] = ["m.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
         args: list[str | int] = [run_id, label]
         if after is not None:
             where.append("(m.key, m.epoch, m.seq) > (?, ?, ?)")
             args += [rows.storable_text(after[0]), after[1], after[2]]
-        if keys is not None:
-            where.append(f"m.key IN ({', '.join('?' * len(keys))})")
-            args += [rows.storable_text(key) for key in keys]
+        if key is not None:
+            where.append("m.key = ?")
+            args.append(rows.storable_text(key))
         step = "m.step" if table == "metrics" else "NULL"
         query = (
-            f"SELECT l.label, m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
-            f"JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
-            "ORDER BY m.key, m.epoch, m.seq LIMIT ?"
+            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ?"
         )
         return [
-            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6]))
+            Point(label, r[0], r[1], r[2], r[3], r[4], _unreal(r[5]))
             for r in self._db().execute(query, [*args, limit])
         ]
 
@@ -665,7 +664,7 @@ class SQLiteStore:
         level: str | None,
         grep: str | None,
     ) -> list[LogLine]:
-        where: list[str] = ["l.run_id = ?", "l.label = ?"]
+        where: list[str] = ["g.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
         args: list[str | int] = [run_id, label]
         if after is not None:
             where.append("(g.epoch, g.seq) > (?, ?)")
@@ -677,8 +676,7 @@ class SQLiteStore:
             where.append("instr(g.text, ?) > 0")
             args.append(rows.storable_text(grep))
         query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            "ORDER BY g.epoch, g.seq LIMIT ?"
+            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
         )
-        return [LogLine(*row) for row in self._db().execute(query, [*args, limit])]
+        return [LogLine(label, *row) for row in self._db().execute(query, [*args, limit])]
