@@ -35,11 +35,12 @@ from tests.test_cli import fails, missing, pipe_to_head, without
 
 RUN = "nb-run"
 T0 = 1_700_000_000.0
+TEXT = str(pd.Series(["text"], dtype="str").dtype)  # pandas' text dtype: 'str' from pandas 3, else 'object'
 HISTORY = ["label", "key", "step", "epoch", "seq", "ts", "value"]
-HISTORY_TYPES = ["str", "str", "Int64", "int64", "int64", "datetime64[us, UTC]", "float64"]
+HISTORY_TYPES = [TEXT, TEXT, "Int64", "int64", "int64", "datetime64[us, UTC]", "float64"]
 SYSTEM = ["label", "key", "epoch", "seq", "ts", "value"]
 LOGS = ["label", "epoch", "seq", "ts", "stream", "level", "text"]
-LOG_TYPES = ["str", "int64", "int64", "datetime64[us, UTC]", "str", "str", "str"]
+LOG_TYPES = [TEXT, "int64", "int64", "datetime64[us, UTC]", TEXT, TEXT, TEXT]
 RUNS = [
     "run_id",
     "state",
@@ -248,7 +249,7 @@ def test_wide_history_is_a_row_per_logged_event_and_a_column_per_key(api):
         "loss",
         "metric:step",
     ]
-    assert types(wide) == ["str", "int64", "int64", "Int64", "datetime64[us, UTC]"] + ["float64"] * 5
+    assert types(wide) == [TEXT, "int64", "int64", "Int64", "datetime64[us, UTC]"] + ["float64"] * 5
     assert len(wide) == 40 + 20 + 31  # every metric event, once
     events = list(zip(wide.label, wide.epoch, wide.seq, strict=True))
     assert events == sorted(events) and len(set(events)) == len(events)
@@ -274,9 +275,9 @@ def test_runs_are_a_row_each_with_what_runbus_show_says(api, seeded):
     runs = api.runs()
     assert list(runs.columns) == RUNS  # RunSummary has no name, tags or summary yet: no such columns
     assert types(runs) == [
-        "str",
-        "str",
-        "str",
+        TEXT,
+        TEXT,
+        TEXT,
         "Int64",
         "int64",
         "datetime64[us, UTC]",
@@ -351,7 +352,7 @@ def test_logs_are_every_line_by_time_as_runbus_logs_lists_them(api, seeded):
 def test_system_is_every_sample_in_label_key_order(api, seeded):
     system = api.run(RUN).system()
     assert list(system.columns) == SYSTEM
-    assert types(system) == ["str", "str", "int64", "int64", "datetime64[us, UTC]", "float64"]
+    assert types(system) == [TEXT, TEXT, "int64", "int64", "datetime64[us, UTC]", "float64"]
     stored = read_store(seeded, "system", RUN)
     assert len(system) == len(stored) == 13
     rows = list(
@@ -432,16 +433,27 @@ def test_a_missing_store_or_an_unknown_run_is_a_clear_error(tmp_path, postgres_u
 
 
 def test_a_run_without_values_has_empty_tables_of_the_same_columns(store_url):
-    write(store_url, [Event("quiet", "rank0", "start", 1, 1, T0, {"primary": True})])
+    write(
+        store_url,
+        [
+            Event("quiet", "rank0", "start", 1, 1, T0, {"primary": True}),
+            Event("headless", "rank3", "start", 1, 1, T0 + 1, {"primary": False}),
+        ],
+    )
     with runbus.Api(store_url) as api:
         run = api.run("quiet")
         history, wide = run.history(), run.history(wide=True)
         assert (len(history), list(history.columns), types(history)) == (0, HISTORY, HISTORY_TYPES)
         assert (len(wide), list(wide.columns)) == (0, ["label", "epoch", "seq", "step", "ts"])
-        assert types(wide) == ["str", "int64", "int64", "Int64", "datetime64[us, UTC]"]
+        assert types(wide) == [TEXT, "int64", "int64", "Int64", "datetime64[us, UTC]"]
         assert (len(run.logs()), types(run.logs())) == (0, LOG_TYPES)
         assert len(run.system()) == 0
-        assert types(api.runs())[:4] == ["str", "str", "str", "Int64"]
+        runs = api.runs()
+        assert types(runs)[:4] == [TEXT, TEXT, TEXT, "Int64"]
+        assert list(runs.run_id) == ["headless", "quiet"]  # newest first
+        assert runs.primary.isna().tolist() == [True, False]  # no primary heard from
+        assert runs.exit_code.isna().all() and runs.ended.isna().all()
+        assert runs.config.tolist() == [None, {}]  # a run's config is its primary's
 
 
 def test_without_pandas_the_tables_name_the_extra_to_install(seeded, tmp_path):
