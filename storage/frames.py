@@ -12,9 +12,10 @@ Columns and order (times are pandas timestamps in UTC, to the microsecond):
   config; newest first.
 - history (metrics): label, key, step (Int64, <NA> where none was given), epoch, seq, ts, value
   (float64, NaN and ±inf as logged); by label, key, epoch, seq.
-- history, wide: one row per metric event, i.e. per log() call of a label: label, epoch, seq, step,
-  ts, then a float64 column per key (sorted), NaN where that event did not log the key; by label,
-  epoch, seq. A key named like one of those five columns gets the column `metric:KEY`.
+- history, wide: one row per metric event, i.e. per log() call of a label, (label, epoch, seq):
+  label, epoch, seq, step, ts, then a float64 column per key in key order, NaN where that event
+  did not log the key; by label, epoch, seq. A key named like one of those five columns gets the
+  column `metric:KEY` (`metric:` again in front while that is a key's name too).
 - system: label, key, epoch, seq, ts, value; by label, key, epoch, seq.
 - logs: label, epoch, seq, ts, stream, level, text; by time (then label, epoch, seq), as
   `runbus logs` prints them.
@@ -266,12 +267,12 @@ class _PointColumns:
         self.ts, self.value = array("d"), array("d")
 
     def add(self, page: Sequence[Point]) -> None:
-        for names_, same in groupby(page, _LABEL_AND_KEY):
+        for pair, same in groupby(page, _LABEL_AND_KEY):
             count = sum(1 for _ in same)
-            if self.names and self.names[-1] == names_:
+            if self.names and self.names[-1] == pair:
                 self.lengths[-1] += count
             else:
-                self.names.append(names_)
+                self.names.append(pair)
                 self.lengths.append(count)
         self.step.extend([0 if p.step is None else p.step for p in page])
         self.no_step.extend([p.step is None for p in page])
