@@ -5,6 +5,8 @@
     run.log({"loss": 0.25}, step=10)         # never blocks, never does I/O
     run.finish()                             # or `with runbus.init() as run:`
 
+    runbus.Api().run(run.run_id).history()   # later, in a notebook: every value, as a DataFrame
+
 Importing runbus is cheap: the names below are loaded on first use, and redis, asyncio, torch,
 NVML and psutil are imported only by what needs them.
 """
@@ -20,6 +22,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "init": "runbus.producer",
     "Run": "runbus.producer.run",
+    "Api": "runbus.storage.notebook",
     "RunbusError": "runbus.errors",
     "InvalidName": "runbus.errors",
     "InvalidEntry": "runbus.errors",
@@ -42,6 +45,7 @@ _LAZY = {
 
 __all__ = [
     "AccessDenied",
+    "Api",
     "CannotListen",
     "CommandError",
     "InvalidEntry",
@@ -87,6 +91,7 @@ if TYPE_CHECKING:
     )
     from runbus.producer import init
     from runbus.producer.run import Run
+    from runbus.storage.notebook import Api
 
 
 def __getattr__(name: str) -> Any:

@@ -47,6 +47,7 @@ ROUTES: dict[str, Route] = {
     "show": Route("one run: state, labels, counts", "runbus.storage.cli:add_show"),
     "metrics": Route("a run's metric values", "runbus.storage.cli:add_metrics"),
     "logs": Route("a run's log lines, every label", "runbus.storage.cli:add_logs"),
+    "export": Route("a run's metrics, logs or system samples as files", "runbus.storage.export:add_export"),
     "demo": Route("a small multi-rank job logged into one run", "runbus.ingester.cli:add_demo", "INFO"),
     "serve": Route("the web dashboard and its JSON API", "runbus.dashboard.cli:add_serve"),
     "tail": Route("follow every rank's log lines live, from the streams", "runbus.dashboard.cli:add_tail"),

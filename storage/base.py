@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
@@ -47,6 +47,19 @@ class RunSummary:
     counts: dict[str, int] = field(default_factory=dict)
     labels: list[LabelSummary] = field(default_factory=list)
     config: dict[str, Any] | None = None
+
+
+# The two tables of numbers a run keeps: its metrics and its system samples.
+PointTable = Literal["metrics", "system"]
+
+
+def point_table(name: str) -> PointTable:
+    """`name` checked to be a PointTable, as a backend must before it writes it into a query."""
+    if name == "metrics":
+        return "metrics"
+    if name == "system":
+        return "system"
+    raise ValueError(f"no table of values named {name!r}: use 'metrics' or 'system'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,3 +149,28 @@ class Store(Protocol):
         offset: int = 0,
     ) -> list[LogLine]:
         """Log lines ordered by ts (then label, epoch, seq), filtered and paged."""
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None = None,
+    ) -> list[Point]:
+        """Up to `limit` of one label's values in `table` (of one `key` if given), in (key, epoch,
+        seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
+        run read a page at a time, each page a range of the table's primary key."""
+
+    async def log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> list[LogLine]:
+        """Up to `limit` of one label's log lines, in (epoch, seq) order, from just after the
+        (epoch, seq) `after` (from the first if None), filtered as `logs` filters them."""

@@ -13,7 +13,15 @@ import orjson
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
 from runbus.storage import rows, safe_url
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
+from runbus.storage.base import (
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunSummary,
+    missing_store,
+    point_table,
+)
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -516,6 +524,66 @@ class PostgresStore:
         )
         found = await self._call(lambda con: con.fetch(query, *args))
         return [LogLine(*row) for row in found]
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None = None,
+    ) -> list[Point]:
+        table = point_table(table)
+        where = [_ONE_LABEL.format(column="m.label_id")]
+        args: list[Any] = [run_id, label]
+        if after is not None:
+            args += [rows.storable_text(after[0]), after[1], after[2]]
+            where.append(f"(m.key, m.epoch, m.seq) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})")
+        if key is not None:
+            args.append(rows.storable_text(key))
+            where.append(f"m.key = ${len(args)}")
+        args.append(limit)
+        step = "m.step" if table == "metrics" else "NULL::bigint"
+        query = (
+            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ${len(args)}"
+        )
+        found = await self._call(lambda con: con.fetch(query, *args))
+        return [Point(label, *row) for row in found]
+
+    async def log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> list[LogLine]:
+        where = [_ONE_LABEL.format(column="g.label_id")]
+        args: list[Any] = [run_id, label]
+        if after is not None:
+            args += [after[0], after[1]]
+            where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
+        if level is not None:
+            args.append(level_number(level))
+            where.append(f"g.levelno >= ${len(args)}")
+        if grep is not None:
+            args.append(rows.storable_text(grep))
+            where.append(f"strpos(g.text, ${len(args)}) > 0")
+        args.append(limit)
+        query = (
+            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
+        )
+        found = await self._call(lambda con: con.fetch(query, *args))
+        return [LogLine(label, *row) for row in found]
+
+
+# A page read's label, as a value the planner knows before it plans (not a join): the table's
+# primary key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
+_ONE_LABEL = "{column} = (SELECT id FROM labels WHERE run_id = $1 AND label = $2)"
 
 
 def _filters(

@@ -19,7 +19,15 @@ import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import rows
-from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary, missing_store
+from runbus.storage.base import (
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunSummary,
+    missing_store,
+    point_table,
+)
 from runbus.storage.rules import LabelState, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
@@ -641,3 +649,78 @@ class SQLiteStore:
         )
         args += [-1 if limit is None else limit, offset]
         return [LogLine(*row) for row in self._db().execute(query, args)]
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None = None,
+    ) -> list[Point]:
+        return await self._call(self._point_page, point_table(table), run_id, label, after, limit, key)
+
+    def _point_page(
+        self,
+        table: str,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None,
+    ) -> list[Point]:
+        where: list[str] = ["m.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
+        args: list[str | int] = [run_id, label]
+        if after is not None:
+            where.append("(m.key, m.epoch, m.seq) > (?, ?, ?)")
+            args += [rows.storable_text(after[0]), after[1], after[2]]
+        if key is not None:
+            where.append("m.key = ?")
+            args.append(rows.storable_text(key))
+        step = "m.step" if table == "metrics" else "NULL"
+        query = (
+            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
+            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ?"
+        )
+        return [
+            Point(label, r[0], r[1], r[2], r[3], r[4], _unreal(r[5]))
+            for r in self._db().execute(query, [*args, limit])
+        ]
+
+    async def log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> list[LogLine]:
+        return await self._call(self._log_page, run_id, label, after, limit, level, grep)
+
+    def _log_page(
+        self,
+        run_id: str,
+        label: str,
+        after: tuple[int, int] | None,
+        limit: int,
+        level: str | None,
+        grep: str | None,
+    ) -> list[LogLine]:
+        where: list[str] = ["g.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
+        args: list[str | int] = [run_id, label]
+        if after is not None:
+            where.append("(g.epoch, g.seq) > (?, ?)")
+            args += [after[0], after[1]]
+        if level is not None:
+            where.append("g.levelno >= ?")
+            args.append(level_number(level))
+        if grep is not None:
+            where.append("instr(g.text, ?) > 0")
+            args.append(rows.storable_text(grep))
+        query = (
+            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
+        )
+        return [LogLine(label, *row) for row in self._db().execute(query, [*args, limit])]

@@ -156,7 +156,13 @@ def test_a_running_worker_picks_up_a_new_producer_stream(redis_url, store_url):
 
 # -- helpers for the tests below ----------------------------------------------------------------
 
-READERS = (["runs"], ["show", "some-run"], ["metrics", "some-run"], ["logs", "some-run"])
+READERS = (
+    ["runs"],
+    ["show", "some-run"],
+    ["metrics", "some-run"],
+    ["logs", "some-run"],
+    ["export", "some-run"],
+)
 
 
 def fails(result: subprocess.CompletedProcess, code: int = 1) -> str:
@@ -275,6 +281,7 @@ FOUR = ("runbus.producer", "runbus.ingester", "runbus.storage", "runbus.dashboar
         (["show", "r"], "runbus.storage"),
         (["metrics", "r", "--key", "loss"], "runbus.storage"),
         (["logs", "r", "--level", "error"], "runbus.storage"),
+        (["export", "r", "--format", "parquet"], "runbus.storage"),
         (["ingest", "--burst"], "runbus.ingester"),
         (["dead", "--json"], "runbus.ingester"),
         (["demo"], "runbus.ingester"),

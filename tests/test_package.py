@@ -28,7 +28,7 @@ from tests.layout import ROOT, package_dirs
 # The top-level names runbus's subpackages had; nothing may import or provide them now.
 OLD_NAMES = ("producer", "ingester", "storage", "dashboard")
 # What `import runbus` must not pull in: a training script pays for every import.
-HEAVY = ("redis", "asyncio", "torch", "pynvml", "psutil")
+HEAVY = ("redis", "asyncio", "torch", "pynvml", "psutil", "pandas", "numpy")
 DIST_INFO = f"runbus-{runbus.__version__}.dist-info"
 SOME_MODULES = (
     "runbus.producer.run",

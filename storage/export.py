@@ -1,0 +1,140 @@
+"""`runbus export`: a run's metrics, logs or system samples as CSV, JSON lines or Parquet.
+
+The tables are the notebook API's (storage/frames.py), complete, with the same columns and order.
+CSV and JSON lines go to stdout unless --out names a file; Parquet needs --out. A file is written
+beside its final name and moved there once complete, so a failed export leaves none half-written.
+In JSON lines, ts is ISO 8601 with its UTC offset and a non-finite value is "NaN", "Infinity" or
+"-Infinity", as `runbus metrics --json` writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import orjson
+
+from runbus.cli import add_store_option
+from runbus.errors import CommandError, MissingDependency
+from runbus.storage import Store, frames
+from runbus.storage.cli import read
+from runbus.storage.documents import json_value
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+FORMATS = ("csv", "jsonl", "parquet")
+# What a file's name says of its format, where --format is not given.
+SUFFIXES = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+TABLES: dict[str, Callable[[Store, str], Any]] = {
+    "metrics": frames.history_table,
+    "logs": frames.logs_table,
+    "system": frames.system_table,
+}
+JSON_ROWS = 10_000  # rows turned into JSON lines at a time
+
+
+def add_export(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run")
+    add_store_option(parser)
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="csv, jsonl or parquet (default: from --out's suffix, else csv)",
+    )
+    parser.add_argument(
+        "--what", choices=tuple(TABLES), default="metrics", help="which table (default metrics)"
+    )
+    parser.add_argument(
+        "--out", metavar="PATH", help="write to this file (default stdout; parquet needs one)"
+    )
+    parser.set_defaults(handler=cmd_export)
+
+
+def export_format(given: str | None, out: str | None) -> str:
+    """The format to write: the one given, else the one --out's suffix names, else csv."""
+    if given is not None:
+        return given
+    if out is None or out == "-":
+        return "csv"
+    return SUFFIXES.get(Path(out).suffix.lower(), "csv")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    form = export_format(args.format, args.out)
+    to_stdout = args.out is None or args.out == "-"
+    if form == "parquet":
+        if to_stdout:
+            raise CommandError("parquet is written to a file: name one with --out PATH")
+        require_pyarrow()
+    frames.require_pandas()
+    build = TABLES[args.what]
+    table: pd.DataFrame = read(args.store, lambda store: build(store, args.run))
+    if to_stdout:
+        write(table, form, sys.stdout.buffer)
+        return 0
+    with written(Path(args.out)) as out:
+        write(table, form, out)
+    return 0
+
+
+def require_pyarrow() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "pyarrow":
+            raise
+        raise MissingDependency(
+            "parquet files need pyarrow, which is not installed: pip install 'runbus[parquet]'"
+        ) from exc
+
+
+def write(table: pd.DataFrame, form: str, out: IO[bytes]) -> None:
+    """`table` written to the binary stream `out` as `form`."""
+    if form == "csv":
+        table.to_csv(out, index=False, encoding="utf-8")
+    elif form == "jsonl":
+        write_jsonl(table, out)
+    else:
+        table.to_parquet(out, engine="pyarrow", index=False)
+
+
+def write_jsonl(table: pd.DataFrame, out: IO[bytes]) -> None:
+    """One JSON object per row, with the table's column names (see the module for ts and NaN)."""
+    for start in range(0, len(table), JSON_ROWS):
+        chunk = table.iloc[start : start + JSON_ROWS]
+        columns = [_json_column(chunk[name]) for name in chunk.columns]
+        names = [str(name) for name in chunk.columns]
+        rows = (orjson.dumps(dict(zip(names, row, strict=True))) for row in zip(*columns, strict=True))
+        out.write(b"\n".join(rows) + b"\n")
+
+
+def _json_column(column: pd.Series) -> list[Any]:
+    import pandas as pd
+
+    if isinstance(column.dtype, pd.DatetimeTZDtype):
+        return [None if pd.isna(t) else t.isoformat() for t in column]
+    if column.dtype.kind == "f":
+        return [json_value(v) for v in column.tolist()]
+    return column.astype(object).where(column.notna(), None).tolist()
+
+
+@contextlib.contextmanager
+def written(path: Path) -> Iterator[IO[bytes]]:
+    """A file to write `path`'s content into: it becomes `path` once the block ends without error."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "xb") as out:
+            yield out
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

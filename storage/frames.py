@@ -1,0 +1,377 @@
+"""A store's tables as pandas DataFrames, each built one way for the notebook API and `runbus export`.
+
+pandas is optional (`pip install 'runbus[pandas]'`): it is imported when a table is built, so this
+module imports without it. The tables are complete: every stored value, never sampled, read a page
+at a time through each label's primary key (Store.point_page, Store.log_page) rather than in one
+query. A run that is being written is read as it stands while its pages are read: a value stored
+meanwhile may or may not be in the table, none is in it twice.
+
+Columns and order (times are pandas timestamps in UTC, to the microsecond):
+- runs: run_id, (name, tags, summary where the store keeps them), state, primary, exit_code,
+  labels (how many), started, ended, last_event, metric_events, log_events, system_events,
+  config; newest first.
+- history (metrics): label, key, step (Int64, <NA> where none was given), epoch, seq, ts, value
+  (float64, NaN and ±inf as logged); by label, key, epoch, seq.
+- history, wide: one row per metric event, i.e. per log() call of a label, (label, epoch, seq):
+  label, epoch, seq, step, ts, then a float64 column per key in key order, NaN where that event
+  did not log the key; by label, epoch, seq. A key named like one of those five columns gets the
+  column `metric:KEY` (`metric:` again in front while that is a key's name too).
+- system: label, key, epoch, seq, ts, value; by label, key, epoch, seq.
+- logs: label, epoch, seq, ts, stream, level, text; by time (then label, epoch, seq), as
+  `runbus logs` prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Iterable, Sequence
+from itertools import groupby
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+from runbus import wire
+from runbus.errors import CommandError, MissingDependency
+from runbus.storage import rows
+from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
+from runbus.storage.cli import known_run
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+PAGE_ROWS = 50_000  # values (or log lines) per query
+WIDE_COLUMNS = ("label", "epoch", "seq", "step", "ts")
+WIDE_RENAMED = "metric:"  # what a key named like one of WIDE_COLUMNS gets in front in a wide table
+# Fields a run may have in stores to come; a column each where RunSummary has them.
+OPTIONAL_RUN_FIELDS = ("name", "tags", "summary")
+LISTED_NAMES = 20  # labels or keys an unknown one's error names
+# Within the span of datetime64[us] (2**63 microseconds): a ts beyond it is NaT.
+MAX_MICROSECONDS = 9.2e18
+
+
+def require_pandas() -> None:
+    """Raise MissingDependency, naming the extra to install, where pandas is not installed."""
+    try:
+        import pandas  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("pandas", "numpy"):
+            raise
+        raise MissingDependency(
+            f"runbus's tables need {exc.name}, which is not installed: pip install 'runbus[pandas]'"
+        ) from exc
+
+
+def names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
+    """A `keys=` or `labels=` argument as a list: one name, several, or None for all."""
+    if value is None:
+        return None
+    found = [value] if isinstance(value, str) else list(value)
+    for name in found:
+        if not isinstance(name, str):
+            raise TypeError(f"{what} must be a string or strings, not {type(name).__name__}: {name!r}")
+    return found
+
+
+# -- the tables ----------------------------------------------------------------------------------
+
+
+async def runs_table(store: Store) -> pd.DataFrame:
+    """Every run of the store, newest first, with its labels and event counts."""
+    require_pandas()
+    import pandas as pd
+
+    runs = [await store.run(r.run_id) or r for r in await store.runs()]
+    fields = {field.name for field in dataclasses.fields(RunSummary)}
+    optional = {name: [getattr(r, name) for r in runs] for name in OPTIONAL_RUN_FIELDS if name in fields}
+    return pd.DataFrame(
+        {
+            "run_id": _text([r.run_id for r in runs]),
+            **optional,
+            "state": _text([r.state for r in runs]),
+            "primary": _text([r.primary for r in runs]),
+            "exit_code": pd.array([r.exit_code for r in runs], dtype="Int64"),
+            "labels": _integers([r.label_count for r in runs]),
+            "started": _times([_seconds(r.started_ts) for r in runs]),
+            "ended": _times([_seconds(r.ended_ts) for r in runs]),
+            "last_event": _times([_seconds(r.last_ts) for r in runs]),
+            **{
+                f"{kind}_events": _integers([r.counts.get(kind, 0) for r in runs])
+                for kind in rows.KINDS_COUNTED
+            },
+            "config": pd.Series([r.config for r in runs], dtype=object),
+        }
+    )
+
+
+async def history_table(
+    store: Store,
+    run_id: str,
+    keys: str | Iterable[str] | None = None,
+    labels: str | Iterable[str] | None = None,
+    wide: bool = False,
+    page_rows: int | None = None,
+) -> pd.DataFrame:
+    """Every metric value of a run (of `labels`, of `keys`), long or wide (see the module)."""
+    require_pandas()
+    run = await known_run(store, run_id)
+    chosen_keys = names(keys, "keys")
+    if chosen_keys is not None:
+        await _check_keys(store, run, chosen_keys)
+    points = await _read_points(store, "metrics", run, _labels(run, labels), chosen_keys, page_rows)
+    history = points.table(with_step=True)
+    return wide_history(history) if wide else history
+
+
+async def system_table(
+    store: Store,
+    run_id: str,
+    keys: str | Iterable[str] | None = None,
+    labels: str | Iterable[str] | None = None,
+    page_rows: int | None = None,
+) -> pd.DataFrame:
+    """Every system sample of a run (of `labels`, of `keys`)."""
+    require_pandas()
+    run = await known_run(store, run_id)
+    points = await _read_points(store, "system", run, _labels(run, labels), names(keys, "keys"), page_rows)
+    return points.table(with_step=False)
+
+
+async def logs_table(
+    store: Store,
+    run_id: str,
+    labels: str | Iterable[str] | None = None,
+    level: str | None = None,
+    grep: str | None = None,
+    page_rows: int | None = None,
+) -> pd.DataFrame:
+    """Every log line of a run (of `labels`, at `level` or above, containing `grep`), by time."""
+    require_pandas()
+    if level is not None and (not isinstance(level, str) or level.upper() not in wire.LEVELS):
+        raise ValueError(f"unknown level {level!r}: use one of {', '.join(wire.LEVELS)}")
+    page_rows = page_size(page_rows)
+    run = await known_run(store, run_id)
+    lines = _LogColumns()
+    for label in _labels(run, labels):
+        after: tuple[int, int] | None = None
+        while True:
+            page = await store.log_page(run.run_id, label, after, page_rows, level and level.upper(), grep)
+            lines.add(page)
+            if len(page) < page_rows:
+                break
+            after = (page[-1].epoch, page[-1].seq)
+    return lines.table()
+
+
+def wide_history(history: pd.DataFrame) -> pd.DataFrame:
+    """A long history (as history_table returns it) as one row per metric event: see the module."""
+    index = ["label", "epoch", "seq"]
+    events = history.drop_duplicates(index)[list(WIDE_COLUMNS)]
+    events = events.sort_values(index, kind="stable", ignore_index=True)
+    values = history.pivot(index=index, columns="key", values="value")
+    values.columns = _wide_names([str(key) for key in values.columns])
+    return events.join(values, on=index)
+
+
+def _wide_names(keys: list[str]) -> list[str]:
+    taken = set(WIDE_COLUMNS) | set(keys)
+    renamed = []
+    for key in keys:
+        name = key
+        if key in WIDE_COLUMNS:
+            name = WIDE_RENAMED + key
+            while name in taken:
+                name = WIDE_RENAMED + name
+            taken.add(name)
+        renamed.append(name)
+    return renamed
+
+
+# -- reading a run page by page ------------------------------------------------------------------
+
+
+def _listing(found: Sequence[str]) -> str:
+    shown = ", ".join(found[:LISTED_NAMES])
+    return shown + (f", ... ({len(found)} in all)" if len(found) > LISTED_NAMES else "")
+
+
+def _labels(run: RunSummary, labels: str | Iterable[str] | None) -> list[str]:
+    """The run's labels to read, in order; an unknown one is an error naming the run's labels."""
+    known = [lab.label for lab in run.labels]
+    chosen = names(labels, "labels")
+    if chosen is None:
+        return sorted(known)
+    for label in chosen:
+        if label not in known:
+            raise CommandError(f"run {run.run_id!r} has no label {label!r}; its labels: {_listing(known)}")
+    return sorted(set(chosen))
+
+
+async def _check_keys(store: Store, run: RunSummary, keys: list[str]) -> None:
+    known = await store.metric_keys(run.run_id)
+    for key in keys:
+        if rows.storable_text(key) not in known:
+            listed = f"its metrics: {_listing(known)}" if known else "it has no metrics"
+            raise CommandError(f"run {run.run_id!r} has no metric {key!r}; {listed}")
+
+
+def page_size(page_rows: int | None) -> int:
+    """`page_rows` checked, PAGE_ROWS if None."""
+    if page_rows is None:
+        return PAGE_ROWS
+    if not isinstance(page_rows, int) or isinstance(page_rows, bool) or page_rows < 1:
+        raise ValueError(f"page_rows must be a whole number of at least 1, not {page_rows!r}")
+    return page_rows
+
+
+async def _read_points(
+    store: Store,
+    table: PointTable,
+    run: RunSummary,
+    labels: list[str],
+    keys: list[str] | None,
+    page_rows: int | None,
+) -> _PointColumns:
+    page_rows = page_size(page_rows)
+    points = _PointColumns()
+    # Key by key where keys are chosen: each page is then one range of the table's primary key.
+    # In the order the store sorts them: by code point, as stored.
+    chosen: list[str | None] = [None]
+    if keys is not None:
+        chosen = [*sorted({rows.storable_text(key) for key in keys})]
+    for label in labels:
+        for key in chosen:
+            after: tuple[str, int, int] | None = None
+            while True:
+                page = await store.point_page(table, run.run_id, label, after, page_rows, key)
+                points.add(page)
+                if len(page) < page_rows:
+                    break
+                after = (page[-1].key, page[-1].epoch, page[-1].seq)
+    return points
+
+
+_LABEL_AND_KEY = attrgetter("label", "key")
+
+
+class _PointColumns:
+    """Pages of values gathered column by column: the numbers in arrays, label and key as runs of
+    equal names (the pages come in label and key order), so a long history is held compactly,
+    and once, until it becomes a DataFrame."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[str, str]] = []  # (label, key) of each run of rows
+        self.lengths: list[int] = []
+        self.step, self.no_step = array("q"), array("b")
+        self.epoch, self.seq = array("q"), array("q")
+        self.ts, self.value = array("d"), array("d")
+
+    def add(self, page: Sequence[Point]) -> None:
+        for pair, same in groupby(page, _LABEL_AND_KEY):
+            count = sum(1 for _ in same)
+            if self.names and self.names[-1] == pair:
+                self.lengths[-1] += count
+            else:
+                self.names.append(pair)
+                self.lengths.append(count)
+        self.step.extend([0 if p.step is None else p.step for p in page])
+        self.no_step.extend([p.step is None for p in page])
+        self.epoch.extend([p.epoch for p in page])
+        self.seq.extend([p.seq for p in page])
+        self.ts.extend([p.ts for p in page])
+        self.value.extend([p.value for p in page])
+
+    def table(self, with_step: bool) -> pd.DataFrame:
+        import numpy as np
+        import pandas as pd
+
+        label = np.repeat(np.array([n[0] for n in self.names], dtype=object), self.lengths)
+        key = np.repeat(np.array([n[1] for n in self.names], dtype=object), self.lengths)
+        step = pd.arrays.IntegerArray(
+            np.frombuffer(self.step, dtype=np.int64), np.frombuffer(self.no_step, dtype=np.int8).astype(bool)
+        )
+        columns = {
+            "label": _text(label),
+            "key": _text(key),
+            **({"step": pd.Series(step)} if with_step else {}),
+            "epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
+            "seq": pd.Series(np.frombuffer(self.seq, dtype=np.int64)),
+            "ts": _times(np.frombuffer(self.ts, dtype=np.float64)),
+            "value": pd.Series(np.frombuffer(self.value, dtype=np.float64)),
+        }
+        return pd.DataFrame(columns)
+
+
+class _LogColumns:
+    """Pages of log lines gathered column by column."""
+
+    def __init__(self) -> None:
+        self.label: list[str] = []
+        self.epoch, self.seq, self.ts = array("q"), array("q"), array("d")
+        self.stream: list[str] = []
+        self.level: list[str] = []
+        self.text: list[str] = []
+
+    def add(self, page: Sequence[LogLine]) -> None:
+        self.label += [line.label for line in page]
+        self.epoch.extend([line.epoch for line in page])
+        self.seq.extend([line.seq for line in page])
+        self.ts.extend([line.ts for line in page])
+        self.stream += [line.stream for line in page]
+        self.level += [line.level for line in page]
+        self.text += [line.text for line in page]
+
+    def table(self) -> pd.DataFrame:
+        import numpy as np
+        import pandas as pd
+
+        epoch = np.frombuffer(self.epoch, dtype=np.int64)
+        seq = np.frombuffer(self.seq, dtype=np.int64)
+        ts = np.frombuffer(self.ts, dtype=np.float64)
+        # As `runbus logs` orders them: by ts, then label, epoch, seq, the order the pages came in.
+        order = np.argsort(ts, kind="stable")
+        return pd.DataFrame(
+            {
+                "label": _text(np.array(self.label, dtype=object)[order]),
+                "epoch": pd.Series(epoch[order]),
+                "seq": pd.Series(seq[order]),
+                "ts": _times(ts[order]),
+                "stream": _text(np.array(self.stream, dtype=object)[order]),
+                "level": _text(np.array(self.level, dtype=object)[order]),
+                "text": _text(np.array(self.text, dtype=object)[order]),
+            }
+        )
+
+
+# -- columns -------------------------------------------------------------------------------------
+
+
+def _text(values: Sequence[str | None] | np.ndarray) -> pd.Series:
+    """Text as pandas' own text dtype (`str`; missing values NaN)."""
+    import pandas as pd
+
+    return pd.Series(values, dtype="str")
+
+
+def _integers(values: Sequence[int]) -> pd.Series:
+    import pandas as pd
+
+    return pd.Series(values, dtype="int64")
+
+
+def _seconds(ts: float | None) -> float:
+    return float("nan") if ts is None else ts
+
+
+def _times(seconds: Sequence[float] | np.ndarray) -> pd.Series:
+    """Seconds since the epoch as UTC timestamps to the microsecond; NaN (and any value beyond
+    what a timestamp can hold) as NaT."""
+    import numpy as np
+    import pandas as pd
+
+    micros = np.rint(np.asarray(seconds, dtype=np.float64) * 1e6)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(micros) < MAX_MICROSECONDS)  # NaN compares False: bad too
+    whole = np.where(bad, 0, micros).astype(np.int64)
+    whole[bad] = np.iinfo(np.int64).min  # NaT
+    return pd.Series(whole.view("datetime64[us]")).dt.tz_localize("UTC")

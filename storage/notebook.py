@@ -1,0 +1,228 @@
+"""`runbus.Api`: a store's runs read back as pandas DataFrames, from a script or a notebook.
+
+    api = runbus.Api()                      # RUNBUS_STORE, else the CLI's default store
+    api.runs()                              # a row per run, newest first
+    run = api.run("my-run")
+    run.history()                           # every metric value: label, key, step, epoch, seq, ts, value
+    run.history(keys="loss", wide=True)     # a row per logged event, a column per key
+    run.logs(level="WARNING"), run.system()
+
+The calls block until their table is built. The store is read on a private event loop in a helper
+thread, so they work alike from a plain script and inside a running loop, as in Jupyter, where
+asyncio.run() would fail. The tables are storage/frames.py's, as `runbus export` writes them.
+Importing this module stays cheap (`runbus.Api` is read in training scripts' imports): asyncio,
+pandas and the tables are imported on first use.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from runbus.config import default_store_url, safe_url
+from runbus.errors import StoreUnavailable
+from runbus.storage import open_store
+from runbus.storage.base import RunSummary, Store
+
+if TYPE_CHECKING:
+    import asyncio
+
+    import pandas as pd
+
+T = TypeVar("T")
+
+
+class StoreThread:
+    """A store opened read-only and connected on its own event loop, in a daemon thread."""
+
+    def __init__(self, url: str) -> None:
+        import asyncio
+
+        self.url = url
+        self.store: Store = open_store(url, create=False)  # a bad URL or a missing driver: raised here
+        self._loop: asyncio.AbstractEventLoop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="runbus-api", daemon=True)
+        self._thread.start()
+        self._open = True
+        try:
+            self.call(self.store.connect)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, action: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Await `action()` on the store's loop and return its result (or raise its error)."""
+        import asyncio
+
+        if not self._open:
+            raise StoreUnavailable(f"this runbus.Api of {safe_url(self.url)} is closed")
+        future = asyncio.run_coroutine_threadsafe(action(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted (Ctrl-C in a notebook): the read stops too
+            raise
+
+    def close(self) -> None:
+        """Close the store, stop the loop and its thread; a second call does nothing."""
+        if not self._open:
+            return
+        try:
+            self.call(self.store.close)
+        finally:
+            self._open = False
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+class Api:
+    """The runs of one store (`store`: a URL; RUNBUS_STORE or the CLI's default if None).
+
+    The store is opened read-only: nothing is ever created, and where there is no runbus store
+    at the URL this raises StoreMissing. Close it with close() or a `with` block (it is closed
+    when garbage-collected, too). `page_rows`: how many values (or log lines) each query reads,
+    50,000 by default.
+    """
+
+    def __init__(self, store: str | None = None, *, page_rows: int | None = None) -> None:
+        if page_rows is not None and (type(page_rows) is not int or page_rows < 1):
+            raise ValueError(f"page_rows must be a whole number of at least 1, not {page_rows!r}")
+        self.url = store or default_store_url()
+        self.page_rows = page_rows
+        self._reader = StoreThread(self.url)
+        self._closer = weakref.finalize(self, self._reader.close)
+        # Not at interpreter exit: by then the SQLite store's executor takes no more work, and the
+        # process ending closes every connection anyway.
+        self._closer.atexit = False
+
+    def __repr__(self) -> str:
+        return f"runbus.Api({safe_url(self.url)!r})"
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the store's connections and the helper thread."""
+        self._closer()
+
+    def read(self, action: Callable[[Store], Awaitable[T]]) -> T:
+        """`await action(store)` on the store's loop: any read of the Store interface."""
+
+        async def reading() -> T:
+            return await action(self._reader.store)
+
+        return self._reader.call(reading)
+
+    def runs(self) -> pd.DataFrame:
+        """Every run, newest first: run_id, state, primary, exit_code, labels (how many), started,
+        ended, last_event (UTC timestamps), metric_events, log_events, system_events, config."""
+        from runbus.storage import frames
+
+        return self.read(frames.runs_table)
+
+    def run(self, run_id: str) -> StoredRun:
+        """One run; an unknown id is an error naming the store's most recent runs."""
+        from runbus.storage.cli import known_run
+
+        return StoredRun(self, self.read(lambda store: known_run(store, run_id)))
+
+
+class StoredRun:
+    """A run as the store has it: its summary as read by Api.run, and its tables read anew on each call."""
+
+    def __init__(self, api: Api, summary: RunSummary) -> None:
+        self.api = api
+        self.summary = summary
+
+    def __repr__(self) -> str:
+        return f"<runbus run {self.run_id!r}: {self.state}, {len(self.labels)} labels>"
+
+    @property
+    def run_id(self) -> str:
+        return self.summary.run_id
+
+    @property
+    def state(self) -> str:
+        return self.summary.state
+
+    @property
+    def primary(self) -> str | None:
+        return self.summary.primary
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.summary.exit_code
+
+    @property
+    def labels(self) -> list[str]:
+        return [label.label for label in self.summary.labels]
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        return self.summary.config
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Events stored, by kind: metric, log, system."""
+        return dict(self.summary.counts)
+
+    @property
+    def started(self) -> datetime | None:
+        return _when(self.summary.started_ts)
+
+    @property
+    def ended(self) -> datetime | None:
+        return _when(self.summary.ended_ts)
+
+    @property
+    def last_event(self) -> datetime | None:
+        return _when(self.summary.last_ts)
+
+    def history(
+        self,
+        keys: str | Iterable[str] | None = None,
+        labels: str | Iterable[str] | None = None,
+        wide: bool = False,
+    ) -> pd.DataFrame:
+        """Every metric value (of `keys`, of `labels`): label, key, step, epoch, seq, ts, value in
+        (label, key, epoch, seq) order; with `wide`, a row per logged event and a column per key."""
+        from runbus.storage import frames
+
+        return self.api.read(
+            lambda store: frames.history_table(store, self.run_id, keys, labels, wide, self.api.page_rows)
+        )
+
+    def system(
+        self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None
+    ) -> pd.DataFrame:
+        """Every system sample (of `keys`, of `labels`): label, key, epoch, seq, ts, value."""
+        from runbus.storage import frames
+
+        return self.api.read(
+            lambda store: frames.system_table(store, self.run_id, keys, labels, self.api.page_rows)
+        )
+
+    def logs(
+        self,
+        labels: str | Iterable[str] | None = None,
+        level: str | None = None,
+        grep: str | None = None,
+    ) -> pd.DataFrame:
+        """Every log line (of `labels`, at `level` or above, containing `grep`): label, epoch, seq,
+        ts, stream, level, text, by time."""
+        from runbus.storage import frames
+
+        return self.api.read(
+            lambda store: frames.logs_table(store, self.run_id, labels, level, grep, self.api.page_rows)
+        )
+
+
+def _when(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
