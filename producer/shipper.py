@@ -77,7 +77,8 @@ def _wire_number(value: Any) -> float | int | str:
     if type(value) is bool:  # what `.item()` gives for a bool tensor
         return int(value)
     if type(value) is int:
-        # JSON has no integer limit but orjson stops at 64 bits; larger ones travel as floats.
+        # log() refuses ints beyond 64 bits (orjson stops there), but a device tensor read here
+        # (unsigned 64-bit) may hold one: it travels as a float, as the ingester reads it.
         return value if -(2**63) <= value < 2**63 else float(value)
     # A 0-d tensor or numpy scalar: `.item()` happens here, off the training thread, so a CUDA
     # tensor synchronises the shipper, never the caller.
@@ -100,7 +101,9 @@ def encode_data(kind: str, data: Any) -> str:
             blob = b"null"
         if b"null" not in blob:
             return blob.decode()
-        data = {key: _wire_number(value) for key, value in data.items()}
+        # A str subclass as a name (a StrEnum member that log() took for a known name): orjson
+        # takes only str keys.
+        data = {str.__str__(key): _wire_number(value) for key, value in data.items()}
     return orjson.dumps(data).decode()
 
 
