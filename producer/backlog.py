@@ -40,26 +40,28 @@ class Record(NamedTuple):
 @dataclass
 class DropLog:
     """Seq ranges dropped because every buffer was full (or an event could not be encoded), to
-    explain gaps. Noted from the threads that log and from the shipper thread."""
+    explain gaps. Noted by the shipper thread, read by others."""
 
     count: int = 0
     ranges: list[list[int]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def note(self, seq: int) -> None:
+    def note(self, first: int, last: int | None = None) -> None:
+        """Seqs `first` to `last` (default: just `first`) were dropped."""
+        last = first if last is None else last
         with self._lock:
-            self.count += 1
+            self.count += last - first + 1
             ranges = self.ranges
-            if ranges and ranges[-1][1] == seq - 1:
-                ranges[-1][1] = seq
+            if ranges and ranges[-1][1] == first - 1:
+                ranges[-1][1] = last
             elif len(ranges) >= MAX_DROP_RANGES:
-                # Too many separate ranges to report: widen the last one to cover this seq (it
-                # may then cover seqs that did arrive, which only makes the explanation
+                # Too many separate ranges to report: widen the last one to cover these seqs
+                # (it may then cover seqs that did arrive, which only makes the explanation
                 # generous, never wrong by omission).
-                ranges[-1][0] = min(ranges[-1][0], seq)
-                ranges[-1][1] = max(ranges[-1][1], seq)
+                ranges[-1][0] = min(ranges[-1][0], first)
+                ranges[-1][1] = max(ranges[-1][1], last)
             else:
-                ranges.append([seq, seq])
+                ranges.append([first, last])
 
     def report(self) -> dict:
         with self._lock:

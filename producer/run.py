@@ -268,7 +268,7 @@ class Run:
     def dropped(self) -> int:
         """Events dropped (their seqs show as explained gaps): every buffer was full while Redis
         was away, or a device tensor's value could not be read."""
-        return self._outbox.drops.count
+        return self._outbox.drops.count + self._outbox.unnumbered_drops
 
     @property
     def buffered(self) -> int:

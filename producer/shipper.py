@@ -127,7 +127,6 @@ class Shipper(threading.Thread):
             spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
         self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
         self._held_start: Pending | None = None
-        self._held_finish: Pending | None = None  # shipped once every earlier seq is
         self._orphans_checked = False
         self._client: SyncClient | None = None
         self._xadd_many: Script | None = None
@@ -149,12 +148,7 @@ class Shipper(threading.Thread):
     @property
     def unshipped(self) -> int:
         """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
-        return (
-            len(self.outbox)
-            + len(self.backlog)
-            + (self._held_start is not None)
-            + (self._held_finish is not None)
-        )
+        return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
 
     def answering(self) -> bool:
         """Whether a put that finds the outbox full should wait for room: Redis answers and
@@ -310,7 +304,6 @@ class Shipper(threading.Thread):
     def _give_up(self) -> None:
         """Out of time at finish: keep what is left in the spool (if any) for the next init()."""
         self._encode_outbox()
-        self._encode_held_finish(force=True)
         self._encode_held_start(force=True)
         spooled = self.backlog.persist()
         left = self.unshipped
@@ -371,7 +364,7 @@ class Shipper(threading.Thread):
         """Put a heartbeat when one is due (none once the finish is put: nothing follows it);
         whether the primary claim is due a refresh too."""
         now = time.monotonic()
-        if now < self._next_heartbeat or self.outbox.finish_seq is not None:
+        if now < self._next_heartbeat or self.outbox.closed:
             return False
         self._next_heartbeat = now + self.options.heartbeat_interval
         self.outbox.put(
@@ -390,28 +383,15 @@ class Shipper(threading.Thread):
         while True:
             taken = self.outbox.take(self.options.batch_size)
             for pending in taken:
-                kind = pending[0]
-                if kind == "start" and self.epoch is None:
+                if pending[0] == "start" and self.epoch is None:
                     # Its primary flag is only settled by the handshake.
                     self._held_start = pending
-                elif kind == "finish":
-                    self._held_finish = pending
-                else:
-                    record = self._record(pending)
-                    if record is not None:
-                        self.backlog.add(record, keep=one_batch)
+                    continue
+                record = self._record(pending)
+                if record is not None:
+                    self.backlog.add(record, keep=one_batch)
             if one_batch or not taken:
-                break
-        self._encode_held_finish()
-
-    def _encode_held_finish(self, force: bool = False) -> None:
-        """The finish goes last: once every event numbered before it is encoded (or dropped), so
-        its drop report is complete and no earlier event follows it in the stream."""
-        if self._held_finish is not None and (force or self.outbox.settled()):
-            record = self._record(self._held_finish)
-            self._held_finish = None
-            if record is not None:
-                self.backlog.add(record)
+                return
 
     def _encode_held_start(self, force: bool = False) -> None:
         if self._held_start is not None and (self.epoch is not None or force):
@@ -476,6 +456,8 @@ class Shipper(threading.Thread):
             self._send(client, records, epoch)
             backlog.shipped(records)
             self.shipped += len(records)
+            if self._outage_since is not None:
+                self._note_recovery()  # at once: a full outbox makes log() wait again, not drop
             now = self._progress_at = time.monotonic()
             if now > until or (self._stopping.is_set() and self._time_left() <= 0):
                 return True
