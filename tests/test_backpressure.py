@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,66 @@ def test_a_tight_loop_that_outruns_the_shipper_loses_nothing(redis_url, store_ur
         (f"rank{r}", "finished", 0) for r in range(ranks)
     ]
     assert stored.counts["metric"] == ranks * calls
+
+
+ENDLESS_LOOP = textwrap.dedent(
+    """
+    import sys, runbus
+    run = runbus.init(
+        system_interval=None, hardware=False, console="off", max_buffer_events=100, batch_size=50,
+        max_backoff=0.2,
+    )
+    print("ready", flush=True)
+    step = 0
+    while True:
+        run.log({"loss": 1.0}, step=step)
+        step += 1
+    """
+)
+
+
+def start_endless_loop(redis_url: str, run_id: str) -> subprocess.Popen:
+    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id}
+    proc = subprocess.Popen([sys.executable, "-c", ENDLESS_LOOP], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_sigterm_during_back_pressure_finishes_the_label_without_a_gap(redis_url, store_url):
+    # torchrun stops a rank with SIGTERM, most likely while log() waits for room: the handler
+    # finishes the label at once (the interrupted call never took a seq), then the rank dies.
+    proc = start_endless_loop(redis_url, "stopped")
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM
+    proc.stdout.close()
+    client = redis.Redis.from_url(redis_url)
+    last = client.xrevrange(wire.stream_key("stopped", "rank0"), count=1)[0][1]
+    client.close()
+    assert last[b"kind"] == b"finish"
+    ingest(redis_url, store_url)
+    stored = read_store(store_url, "run", "stopped")
+    label = stored.labels[0]
+    assert (label.state, label.exit_code, label.missing) == ("failed", 143, 0)
+    assert stored.counts["metric"] > 0
+
+
+def test_log_stops_waiting_when_redis_goes_away(local_redis, store_url):
+    # Back-pressure while Redis answers; once it is gone, log() drops (counted) instead of
+    # waiting: the loop keeps running, and the label keeps every gap explained.
+    proc = start_endless_loop(local_redis.url, "vanished")
+    time.sleep(1.0)
+    local_redis.kill()
+    time.sleep(1.5)
+    local_redis.start()
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM
+    proc.stdout.close()
+    ingest(local_redis.url, store_url)
+    label = read_store(store_url, "run", "vanished").labels[0]
+    assert (label.state, label.exit_code) == ("failed", 143)
+    assert label.missing > 0 and sum(gap.dropped for gap in label.gaps) == label.missing
 
 
 def test_start_and_finish_are_kept_when_the_buffers_are_full_and_redis_is_down(local_redis, store_url):
