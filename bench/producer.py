@@ -111,17 +111,20 @@ def bench_mlflow(calls: int, synchronous: bool) -> dict | None:
         return result
 
 
-# One process of the burst: every call timed alone (for the longest), peak RSS from the kernel.
+# One process of the burst: every call timed alone (for the longest), peak RSS from the kernel
+# (VmHWM: getrusage's ru_maxrss would include the parent's RSS at fork).
 BURST_CHILD = textwrap.dedent(
     """
-    import json, os, resource, sys, time, runbus
+    import json, os, sys, time, runbus
     rank, calls, max_events = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     run = runbus.init(
         run_id=os.environ["BURST_RUN"], label=f"rank{rank}", primary=rank == 0,
         redis_url=os.environ["BURST_REDIS"], system_interval=None, hardware=False, console="off",
         max_buffer_events=max_events,
     )
-    rss_mb = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    def rss_mb(field="VmRSS"):
+        line = next(line for line in open("/proc/self/status") if line.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
     print("ready", flush=True)
     sys.stdin.readline()
     rss_before = rss_mb()
@@ -139,7 +142,7 @@ BURST_CHILD = textwrap.dedent(
     print(json.dumps({
         "label": run.label, "finish": finished, "dropped": run.dropped, "waits": run._outbox.waits,
         "longest_log_ms": longest / 1e6, "log_s": log_s, "finish_s": time.perf_counter() - t0,
-        "rss_before_mb": rss_before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_before_mb": rss_before, "peak_rss_mb": rss_mb("VmHWM"),
     }), flush=True)
     """
 )
