@@ -139,10 +139,10 @@ class Shipper(threading.Thread):
         # Jittered, so that the ranks of a job that lost Redis together do not reconnect in step.
         self._retry = config.backoff(options.max_backoff)
         # When the loop last went round or shipped a batch. A put waits for room only while it
-        # is recent: longer than any one Redis call may take (then an outage is noted) means the
-        # shipper is stuck, for instance on a logging lock the waiting thread holds.
+        # is recent: longer than a few Redis calls may take (one that times out is an outage)
+        # means the shipper is stuck, for instance on a logging lock the waiting thread holds.
         self._progress_at = time.monotonic()
-        self._stall_after = options.connect_timeout + 2 * options.socket_timeout + 1.0
+        self._stall_after = options.connect_timeout + 3 * options.socket_timeout + 1.0
         outbox.may_wait = self.answering
 
     @property
