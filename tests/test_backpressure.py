@@ -211,12 +211,14 @@ def test_no_event_takes_a_seq_after_the_finish_from_racing_threads(redis_url):
 
     def chatter() -> None:
         while not stop.is_set():
-            run._put("log", None, {"stream": "stdout", "level": "INFO", "text": "tick"})
+            for _ in range(100):
+                run._put("log", None, {"stream": "stdout", "level": "INFO", "text": "tick"})
+            time.sleep(0.0005)
 
     threads = [threading.Thread(target=chatter) for _ in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(0.2)
+    time.sleep(0.05)
     assert run.finish() is True
     stop.set()
     for thread in threads:
