@@ -2,7 +2,7 @@
 
     import runbus
     run = runbus.init(config={"lr": 3e-4})   # zero-config under torchrun
-    run.log({"loss": 0.25}, step=10)           # never blocks, never does I/O
+    run.log({"loss": 0.25}, step=10)           # never does I/O; never waits for an absent Redis
     run.finish()                               # or `with runbus.init() as run:`
 
 Importing this package is cheap: redis, NVML and torch are imported lazily, off the hot path.
@@ -117,10 +117,14 @@ def init(
     (restart count 0) does not continue a finished run; "allow" continues it under new epochs;
     "must" requires the run to exist. torchrun's elastic restarts always continue their run.
 
-    Buffering while Redis is away: max_buffer_events (50,000 queued before encoding),
-    max_buffer_bytes (128 MiB encoded in memory), spool_dir (None: then to an append-only file
-    there, up to max_spool_bytes, 4 GiB, shipped on reconnect or by the next init() of this run
-    and label). Past those bounds events are dropped, counted, and reported as explained gaps.
+    Buffering: max_buffer_events (50,000 events queued before encoding). While Redis answers
+    nothing is dropped: a log() call that finds the queue full waits until the shipper has taken
+    some (back-pressure, only when the loop logs faster than events can be shipped). While
+    Redis is away, log() never waits: events are encoded into max_buffer_bytes (128 MiB in
+    memory), then spool_dir (None: then an append-only file there, up to max_spool_bytes, 4 GiB,
+    shipped on reconnect or by the next init() of this run and label); what finds the queue or
+    those bounds full is dropped, counted, and reported as explained gaps (start and finish
+    never are). finish() returns False when anything was dropped or left unshipped.
 
     Options: system_interval (15 s; None turns sampling off),
     finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),

@@ -12,6 +12,7 @@ import fcntl
 import glob
 import logging
 import os
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import BinaryIO, NamedTuple
@@ -38,24 +39,33 @@ class Record(NamedTuple):
 
 @dataclass
 class DropLog:
-    """Seq ranges dropped because every buffer was full, to explain gaps."""
+    """Seq ranges dropped because every buffer was full (or an event could not be encoded), to
+    explain gaps. Noted by the shipper thread, read by others."""
 
     count: int = 0
     ranges: list[list[int]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def note(self, seq: int) -> None:
-        self.count += 1
-        if self.ranges and self.ranges[-1][1] == seq - 1:
-            self.ranges[-1][1] = seq
-        elif len(self.ranges) >= MAX_DROP_RANGES:
-            # Too many separate ranges to report: widen the last one (it may then cover seqs
-            # that did arrive, which only makes the explanation generous, never wrong by omission).
-            self.ranges[-1][1] = seq
-        else:
-            self.ranges.append([seq, seq])
+    def note(self, first: int, last: int | None = None) -> None:
+        """Seqs `first` to `last` (default: just `first`) were dropped."""
+        last = first if last is None else last
+        with self._lock:
+            self.count += last - first + 1
+            ranges = self.ranges
+            if ranges and ranges[-1][1] == first - 1:
+                ranges[-1][1] = last
+            elif len(ranges) >= MAX_DROP_RANGES:
+                # Too many separate ranges to report: widen the last one to cover these seqs
+                # (it may then cover seqs that did arrive, which only makes the explanation
+                # generous, never wrong by omission).
+                ranges[-1][0] = min(ranges[-1][0], first)
+                ranges[-1][1] = max(ranges[-1][1], last)
+            else:
+                ranges.append([first, last])
 
     def report(self) -> dict:
-        return {"dropped": self.count, "dropped_ranges": [list(r) for r in self.ranges]}
+        with self._lock:
+            return {"dropped": self.count, "dropped_ranges": [list(r) for r in self.ranges]}
 
 
 def spool_path(spool_dir: str, run: str, label: str, pid: int) -> str:
@@ -177,23 +187,47 @@ class Backlog:
         self._spooling = False
         self._peeked_offset: int | None = None
 
-    def add(self, record: Record) -> None:
+    def add(self, record: Record, keep: bool = False) -> None:
+        """Hold a record in order: in memory, else in the spool, else drop it (counted).
+
+        `keep` (Redis answers: the shipper takes only what there is room for) and the vital
+        kinds pass the bounds instead of being dropped.
+        """
         size = len(record.data) + RECORD_OVERHEAD
         # start and finish are never dropped: without them a label's state would be wrong,
         # and they are a few hundred bytes once per process.
-        vital = record.kind in VITAL_KINDS
-        if vital or (not self._spooling and self.bytes + size <= self.max_bytes):
-            self.memory.append(record)
-            self.bytes += size
-        elif self.spool is not None and self.spool.size + size <= self.max_spool_bytes:
+        keep = keep or record.kind in VITAL_KINDS
+        if not self._spooling and (keep or self.bytes + size <= self.max_bytes):
+            self._hold(record, size)
+        elif self.spool is not None and (keep or self.spool.size + size <= self.max_spool_bytes):
+            # Once spooling, records go to the spool until it is read back: memory is shipped
+            # first, so a record held there now would overtake the spooled ones.
             if not self._spooling:
                 log.warning(
                     "runbus: memory buffer full (%d bytes); spooling to %s", self.bytes, self.spool.path
                 )
+            try:
+                self.spool.append(record)
+            except OSError as exc:  # disk full, or the directory went away
+                log.error("runbus: cannot write the spool %s: %s", self.spool.path, exc)
+                if keep:
+                    self._hold(record, size)
+                else:
+                    self.drops.note(record.seq)
+                return
             self._spooling = True
-            self.spool.append(record)
         else:
             self.drops.note(record.seq)
+
+    def _hold(self, record: Record, size: int) -> None:
+        self.memory.append(record)
+        self.bytes += size
+
+    def has_room(self) -> bool:
+        """Whether a record added now would find room within the bounds (memory or spool)."""
+        if self._spooling and self.spool is not None:
+            return self.spool.size < self.max_spool_bytes
+        return self.bytes < self.max_bytes
 
     def add_first(self, record: Record) -> None:
         """Put a record ahead of all others (the start event, held until the handshake)."""

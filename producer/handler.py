@@ -21,9 +21,14 @@ class RunHandler(logging.Handler):
         super().__init__(level)
         self.run = run
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Filtered before logging takes this handler's lock: a thread waiting in log_text() for
+        # room (back-pressure) holds it, and the shipper must never wait for that lock.
         if record.name.startswith(_OWN_LOGGERS) or threading.current_thread().name.startswith("runbus-"):
-            return
+            return False
+        return super().handle(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
         if self.run.finished:
             return
         try:

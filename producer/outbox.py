@@ -1,13 +1,20 @@
-"""The bounded in-memory queue between the training thread and the shipper thread.
+"""The bounded in-memory queue between the threads that log and the shipper thread.
 
-`put` is the hot path: a sequence number, a clock read and an append, never a lock or I/O.
+`put` is the hot path: a clock read and an append, never a lock or I/O. Only a full (or closed)
+box takes the slow path: wait for room while Redis answers, else drop (counted).
+
+Events are numbered (seq 1, 2, 3 …) when the shipper takes them, in the order they were
+appended, so a number is never taken by an event that is not in the box: a put interrupted
+half-way (by a signal handler that finishes the run) leaves no hole, and nothing appended after
+the finish can be numbered after it.
 """
 
 from __future__ import annotations
 
-import itertools
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from runbus.producer.backlog import DropLog
@@ -15,40 +22,151 @@ from runbus.producer.backlog import DropLog
 # (kind, seq, ts, step, data): data is the caller's values, serialised later off the hot path.
 Pending = tuple[str, int, float, "int | None", Any]
 
+# Kinds that neither wait nor drop when the box is full: start and finish are the label's state,
+# and heartbeats come from the shipper thread, which cannot wait for itself. One of each at a
+# time, at most, so the bound is passed by a few events.
+UNBOUNDED_KINDS = frozenset({"start", "finish", "heartbeat"})
+WAIT_SLICE = 0.05  # a waiting put looks again this often whether it still may wait
+
+
+def _never() -> bool:
+    return False
+
 
 class Outbox:
-    """Events numbered 1, 2, 3 … in the order `put` is called, held until the shipper takes them.
+    """Events held in the order `put` is called, until the shipper takes (and numbers) them.
 
-    When `max_events` are held, further events still take their seq (so storage shows the gap)
-    but are dropped and noted in `drops`. The shipper empties it continuously, so it only fills
-    when events come faster than they can be encoded.
+    When `max_events` are held, a put waits for the shipper to take some while `may_wait()` says
+    so (the shipper sets it: Redis answers and shipping progresses); otherwise the event is
+    dropped and counted, and the shipper gives it a seq of its own (so storage shows the gap)
+    and notes it in `drops`.
+
+    `close` appends the finish event, the label's last: whatever is put after it (a heartbeat,
+    a sample or a console line racing the finish) is discarded, never numbered.
     """
 
-    __slots__ = ("_events", "_next_seq", "drops", "max_events")
+    __slots__ = (
+        "_closed",
+        "_events",
+        "_finish_taken",
+        "_limit",
+        "_lock",
+        "_seq",
+        "_unnumbered_drops",
+        "demand",
+        "drops",
+        "finish_seq",
+        "max_events",
+        "may_wait",
+        "room",
+        "waits",
+    )
 
     def __init__(self, max_events: int, drops: DropLog) -> None:
         if max_events < 1:
             raise ValueError(f"max_buffer_events must be >= 1, got {max_events}")
         self.max_events = max_events
-        self._events: deque[Pending] = deque()
-        self._next_seq = itertools.count(1).__next__
+        # What `put` compares the length with: max_events, or -1 once closed (every put then
+        # takes the slow path, which discards it).
+        self._limit = max_events
+        self._events: deque[tuple[str, float, int | None, Any]] = deque()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finish_taken = False
+        self._seq = 0  # the last seq given (only the shipper thread numbers)
+        self._unnumbered_drops = 0  # dropped by put, not yet given their seqs
         self.drops = drops
+        self.may_wait: Callable[[], bool] = _never
+        self.room = threading.Event()  # set by `take`: a waiting put looks again
+        self.demand = threading.Event()  # set when a put finds the box full: wakes the shipper
+        self.finish_seq: int | None = None
+        self.waits = 0  # puts that had to wait for room
 
     def put(self, kind: str, step: int | None, data: Any) -> None:
-        """Number and keep one event (or count it dropped when full)."""
-        seq = self._next_seq()
-        if len(self._events) >= self.max_events:
-            self.drops.note(seq)
+        """Keep one event; when full, wait for room or drop it (counted)."""
+        if len(self._events) >= self._limit:
+            self._put_slow(kind, step, data)
             return
-        self._events.append((kind, seq, time.time(), step, data))
+        self._events.append((kind, time.time(), step, data))
+
+    def _put_slow(self, kind: str, step: int | None, data: Any) -> None:
+        event = (kind, time.time(), step, data)
+        if self._closed:
+            return  # after the finish: never sent
+        if kind not in UNBOUNDED_KINDS:
+            waited = False
+            while len(self._events) >= self.max_events:
+                if not self.may_wait():
+                    self._drop()
+                    return
+                if not waited:
+                    waited = True
+                    self.waits += 1
+                self.room.clear()
+                if len(self._events) < self.max_events:
+                    break  # taken between the look and the clear
+                self.demand.set()
+                self.room.wait(WAIT_SLICE)
+        self._events.append(event)
+
+    def _drop(self) -> None:
+        with self._lock:
+            if self._closed:
+                return  # racing the finish: discarded like any event put after it
+            self._unnumbered_drops += 1
+        self.demand.set()  # Redis is away: the shipper moves events into the bounded backlog
+
+    def close(self, data: Any) -> None:
+        """Append the finish event; every put after it is discarded. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._limit = -1
+            self._events.append(("finish", time.time(), None, data))
+        self.demand.set()
 
     def take(self, limit: int) -> list[Pending]:
-        """Up to `limit` events, oldest first, removed from the box."""
+        """Up to `limit` events, oldest first, removed from the box and numbered (the events
+        dropped since the last take are numbered first, and noted in `drops`). Nothing after
+        the finish."""
         events = self._events
-        taken = []
-        for _ in range(min(limit, len(events))):
-            taken.append(events.popleft())
+        if self._finish_taken:
+            events.clear()  # appended by a put that raced the finish
+            return []
+        raw = [events.popleft() for _ in range(min(limit, len(events)))]
+        with self._lock:  # drops counted before close() are in, so they come before the finish
+            dropped, self._unnumbered_drops = self._unnumbered_drops, 0
+        seq = self._seq
+        if dropped:
+            self.drops.note(seq + 1, seq + dropped)
+            seq += dropped
+        taken: list[Pending] = []
+        for kind, ts, step, data in raw:
+            seq += 1
+            taken.append((kind, seq, ts, step, data))
+            if kind == "finish":
+                self.finish_seq = seq
+                self._finish_taken = True
+                events.clear()
+                break
+        self._seq = seq
+        if raw:
+            self.room.set()
         return taken
 
+    @property
+    def unnumbered_drops(self) -> int:
+        """Events dropped by put that the shipper has not numbered yet."""
+        return self._unnumbered_drops
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wake_waiters(self) -> None:
+        """Make waiting puts look again now (the shipper lost Redis, or stopped)."""
+        self.room.set()
+
     def __len__(self) -> int:
-        return len(self._events)
+        return 0 if self._finish_taken else len(self._events)

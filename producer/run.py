@@ -1,7 +1,9 @@
 """A Run: one label of a run, as training code sees it. `log()` is the hot path.
 
-Everything `log()` does is check types and append to the outbox; serialising and network I/O
-happen on the shipper thread, so a slow or absent Redis never slows the training loop.
+Everything `log()` does is check values and append to the outbox; serialising and network I/O
+happen on the shipper thread, so an absent Redis never slows the training loop. Only when the
+training loop outruns shipping to a Redis that answers does `log()` wait, for room in the outbox.
+What `log()` accepts, the ingester accepts: what it would refuse raises at `log()` instead.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -20,7 +23,7 @@ from runbus.errors import RunFinished
 from runbus.producer.backlog import DropLog
 from runbus.producer.environment import Identity
 from runbus.producer.outbox import Outbox
-from runbus.producer.shipper import Shipper, ShipperOptions
+from runbus.producer.shipper import Shipper, ShipperOptions, encode_data
 
 if TYPE_CHECKING:
     from runbus.producer.child import ChildLabel
@@ -28,9 +31,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runbus.producer")
 
-_PLAIN_NUMBERS = frozenset({int, float})
 MAX_KEY_LENGTH = 256
 MIN_SYSTEM_INTERVAL = 0.5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+STEP_END = 2**63
+# Metric names checked once are remembered (per Run), so that log() checks a dict's names in one
+# C-level subset test; past this many distinct names, new ones are checked on every call.
+MAX_KNOWN_NAMES = 100_000
+# The most bytes one metric can take in an event's data: a name of MAX_KEY_LENGTH characters
+# each escaped as \u00XX, its quotes, a colon, a comma and the widest number
+# (-2.2250738585072014e-308). Up to this many metrics an event cannot reach wire.MAX_DATA_BYTES,
+# so only bigger dicts are measured.
+_WIDEST_NUMBER = -2.2250738585072014e-308
+_MAX_METRIC_BYTES = 6 * MAX_KEY_LENGTH + 4 + 24
+MAX_UNMEASURED_METRICS = (wire.MAX_DATA_BYTES - 2) // _MAX_METRIC_BYTES
 
 
 def _ignore(kind: str, step: int | None, data: Any) -> None:
@@ -48,60 +62,132 @@ class RunOptions:
     console: str = "primary"
 
 
+def _metric_int(key: str, value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(
+            f"metric {key!r}: an int of {value.bit_length()} bits does not fit in 64 bits "
+            "(log float(value) to store it as a float)"
+        )
+    return value
+
+
 def _metric_value(key: str, value: Any) -> Any:
-    """A loggable number from `value`, or TypeError; accelerator tensors are kept for the shipper."""
+    """A loggable number from `value`, or TypeError / ValueError; accelerator tensors are kept
+    for the shipper."""
     if type(value) is bool:
         return int(value)
-    if isinstance(value, (int, float)):  # subclasses: numpy.float64, IntEnum
-        return float(value) if isinstance(value, float) else int(value)
+    if isinstance(value, float):  # subclasses: numpy.float64
+        return float(value)
+    if isinstance(value, int):  # subclasses: IntEnum
+        return _metric_int(key, int(value))
     item = getattr(value, "item", None)
     if item is not None:
-        dim = getattr(value, "dim", None)
-        if dim is not None:  # a torch.Tensor: shape is metadata, reading it does not sync
-            if dim() != 0 and value.numel() != 1:
-                raise TypeError(f"metric {key!r}: tensor of shape {tuple(value.shape)} is not a scalar")
-            if value.is_complex():
-                raise TypeError(f"metric {key!r}: a complex tensor is not a number")
-            if value.device.type == "cpu":
-                return _metric_value(key, item())
-            # On an accelerator `.item()` would wait for the device: the shipper reads it. The
-            # copy (queued on the device, no wait) keeps the value an in-place update would change.
-            return value.detach().clone()
+        if getattr(value, "dim", None) is not None:  # a torch.Tensor
+            return _tensor_value(key, value)
         if getattr(value, "ndim", 0) == 0 or getattr(value, "size", 0) == 1:  # numpy scalar/array
-            return _metric_value(key, item())
+            return _metric_value(key, _read(key, item))
     raise TypeError(
         f"metric {key!r}: {type(value).__name__} is not a number "
         "(log ints, floats, bools, 0-d tensors or numpy scalars)"
     )
 
 
-def checked_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """`metrics` as a fresh dict of loggable values; TypeError / ValueError say what is wrong."""
+def _read(key: str, item: Any) -> Any:
+    try:
+        return item()
+    except Exception as exc:
+        raise TypeError(f"metric {key!r}: the value cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _tensor_value(key: str, value: Any) -> Any:
+    """A CPU tensor's number, or a device tensor's copy for the shipper to read (shape, dtype and
+    device are metadata: reading them does not wait for the device)."""
+    if value.dim() != 0 and value.numel() != 1:
+        raise TypeError(f"metric {key!r}: tensor of shape {tuple(value.shape)} is not a scalar")
+    if value.is_complex():
+        raise TypeError(f"metric {key!r}: a complex tensor is not a number")
+    device = value.device.type
+    if device == "meta" or _is_fake(value):
+        raise TypeError(f"metric {key!r}: a tensor on the {device!r} device has no value to log")
+    if device == "cpu":
+        return _metric_value(key, _read(key, value.item))
+    # On an accelerator `.item()` would wait for the device: the shipper reads it. The copy
+    # (queued on the device, no wait) keeps the value an in-place update would change.
+    return value.detach().clone()
+
+
+def _is_fake(value: Any) -> bool:
+    """A FakeTensor (torch.compile's tracing): it has a device but no data."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(value, fake.FakeTensor)
+
+
+def _metric_name(key: Any) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"metric names must be strings, not {type(key).__name__} {key!r}")
+    if not 0 < len(key) <= MAX_KEY_LENGTH:
+        raise ValueError(f"metric name {key[:40]!r} must have 1 to {MAX_KEY_LENGTH} characters")
+    if not key.isascii():
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"metric name {key[:40]!r} is not valid UTF-8 (a lone surrogate)") from None
+    # A str subclass (a StrEnum member) as a plain str: orjson takes only str keys.
+    return key if type(key) is str else str.__str__(key)
+
+
+def checked_metrics(metrics: Mapping[str, Any], known_names: set[str] | None = None) -> dict[str, Any]:
+    """`metrics` as a fresh dict of loggable values; TypeError / ValueError say what is wrong.
+    Names found valid are added to `known_names` (up to MAX_KNOWN_NAMES)."""
     if not isinstance(metrics, Mapping):
         raise TypeError(f"log() takes a dict of metrics, not {type(metrics).__name__}")
     if not metrics:
         raise ValueError("log() needs at least one metric")
+    known = set() if known_names is None else known_names
     checked = {}
     for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise TypeError(f"metric names must be strings, not {type(key).__name__} {key!r}")
-        if not 0 < len(key) <= MAX_KEY_LENGTH:
-            raise ValueError(f"metric name {key[:40]!r} must have 1 to {MAX_KEY_LENGTH} characters")
-        checked[key] = _metric_value(key, value)
+        name = key if type(key) is str and key in known else _metric_name(key)
+        checked[name] = _metric_value(name, value)
+        if len(known) < MAX_KNOWN_NAMES:
+            known.add(name)
+    if len(checked) > MAX_UNMEASURED_METRICS:
+        check_encoded_size(checked)
     return checked
 
 
+def check_encoded_size(metrics: dict[str, Any]) -> None:
+    """ValueError when `metrics` (checked values) would encode to more than wire.MAX_DATA_BYTES
+    (device tensors count as the widest number: their value is read later)."""
+    bound = 2 + 6 * sum(map(len, metrics)) + (4 + 24) * len(metrics)
+    if bound <= wire.MAX_DATA_BYTES:
+        return
+    plain = {k: v if type(v) is float or type(v) is int else _WIDEST_NUMBER for k, v in metrics.items()}
+    size = len(encode_data("metric", plain).encode())
+    if size > wire.MAX_DATA_BYTES:
+        raise ValueError(
+            f"{len(metrics)} metrics encode to {size} bytes, over the {wire.MAX_DATA_BYTES} bytes "
+            "one event may hold: log them in several calls"
+        )
+
+
 def checked_step(step: Any) -> int:
-    """`step` as a non-negative int, or TypeError / ValueError."""
+    """`step` as an int from 0 to 2**63 - 1, or TypeError / ValueError."""
     if isinstance(step, bool) or not isinstance(step, int):
         item = getattr(step, "item", None)
         if item is None or isinstance(step, bool):
             raise TypeError(f"step must be an int, not {type(step).__name__}")
-        step = item()
-        if not isinstance(step, int):
+        if getattr(step, "dim", None) is not None and (step.device.type == "meta" or _is_fake(step)):
+            raise TypeError(f"step: a tensor on the {step.device.type!r} device has no value")
+        try:
+            step = item()
+        except Exception as exc:
+            raise TypeError(f"step: the value cannot be read ({type(exc).__name__}: {exc})") from None
+        if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, not {type(step).__name__}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if step >= STEP_END:
+        raise ValueError(f"step must be < 2**63 (it is stored as a 64-bit int), got {step.bit_length()} bits")
     return int(step)
 
 
@@ -120,7 +206,9 @@ class Run:
         self.options = options
         self._outbox = Outbox(options.max_buffer_events, DropLog())
         self._put = self._outbox.put
+        self._known_names: set[str] = set()
         self._finished = False
+        self._complete = False
         self._forked = False
         self._finish_lock = threading.Lock()
         self._shipper = Shipper(identity, self._outbox, shipper_options)
@@ -179,8 +267,9 @@ class Run:
 
     @property
     def dropped(self) -> int:
-        """Events dropped because every buffer was full (their seqs show as explained gaps)."""
-        return self._outbox.drops.count
+        """Events dropped (their seqs show as explained gaps): every buffer was full while Redis
+        was away, or a device tensor's value could not be read."""
+        return self._outbox.drops.count + self._outbox.unnumbered_drops
 
     @property
     def buffered(self) -> int:
@@ -194,23 +283,28 @@ class Run:
     # -- the hot path ------------------------------------------------------------------------------
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        """Record numeric metrics, optionally at a training step. Never blocks, never does I/O."""
+        """Record numeric metrics, optionally at a training step. Never does I/O.
+
+        Raises TypeError / ValueError for what the ingester would refuse. Waits only when the
+        outbox is full and Redis answers (back-pressure: for as long as shipping needs); while
+        Redis is unreachable it never waits, and what finds the buffers full is dropped, counted.
+        """
         if self._finished:
             raise RunFinished(f"run {self.identity.run_id}/{self.identity.label} has finished")
-        if type(metrics) is not dict or not metrics:
-            metrics = checked_metrics(metrics)
-        else:
-            for key, value in metrics.items():
-                if (
-                    type(value) not in _PLAIN_NUMBERS
-                    or type(key) is not str
-                    or not 0 < len(key) <= MAX_KEY_LENGTH
+        if type(metrics) is dict and metrics and metrics.keys() <= self._known_names:
+            for value in metrics.values():
+                if type(value) is not float and (
+                    type(value) is not int or not INT64_MIN <= value <= INT64_MAX
                 ):
-                    metrics = checked_metrics(metrics)
+                    metrics = checked_metrics(metrics, self._known_names)
                     break
             else:
+                if len(metrics) > MAX_UNMEASURED_METRICS:
+                    check_encoded_size(metrics)
                 metrics = metrics.copy()
-        if step is not None and (type(step) is not int or step < 0):
+        else:
+            metrics = checked_metrics(metrics, self._known_names)
+        if step is not None and (type(step) is not int or not 0 <= step < STEP_END):
             step = checked_step(step)
         self._put("metric", step, metrics)
 
@@ -222,11 +316,17 @@ class Run:
             raise TypeError(f"log_text() takes a str, not {type(text).__name__}")
         if stream not in wire.LOG_STREAMS:
             raise ValueError(f"stream must be one of {sorted(wire.LOG_STREAMS)}, not {stream!r}")
-        if len(text) > wire.MAX_DATA_BYTES // 4 and len(text.encode()) > wire.MAX_DATA_BYTES - 1024:
-            raise ValueError(
-                f"log text of {len(text.encode())} bytes is over the {wire.MAX_DATA_BYTES} limit"
-            )
-        self._put("log", None, {"stream": stream, "level": str(level), "text": text})
+        data = {"stream": stream, "level": str(level), "text": str.__str__(text)}
+        if not (text.isascii() and data["level"].isascii()) or 6 * (len(text) + len(data["level"])) > (
+            wire.MAX_DATA_BYTES - 64
+        ):
+            try:
+                size = len(encode_data("log", data))
+            except TypeError:  # orjson refuses lone surrogates
+                raise ValueError("log text is not valid UTF-8 (a lone surrogate)") from None
+            if size > wire.MAX_DATA_BYTES:
+                raise ValueError(f"log text encodes to {size} bytes, over the {wire.MAX_DATA_BYTES} limit")
+        self._put("log", None, data)
 
     def child(self, label: str, **options: Any) -> ChildLabel:
         """A picklable handle for a child process to log into this run under its own `label`
@@ -246,15 +346,21 @@ class Run:
     def finish(self, exit_code: int = 0, timeout: float | None = None) -> bool:
         """End this label: ship what is buffered, at most `timeout` seconds (default 30).
 
-        Idempotent. Returns whether everything was shipped in time.
+        Idempotent. Returns True when every event of the label reached Redis; False when any
+        was dropped (`dropped`: buffers full while Redis was away, a device tensor that could
+        not be read) or is left unshipped at the timeout (in the spool, if any, for the next
+        init() of this run and label). The finish event is the label's last: nothing (no
+        heartbeat, sample or console line) takes a later seq.
         """
         if isinstance(exit_code, bool) or not isinstance(exit_code, int):
             raise TypeError(f"exit_code must be an int, not {type(exit_code).__name__}")
+        if not INT64_MIN <= exit_code <= INT64_MAX:
+            raise ValueError("exit_code must fit in 64 bits")
         if self._forked:
             return False
         with self._finish_lock:
             if self._finished:
-                return not self._shipper.is_alive()
+                return self._complete  # False while another thread's finish() is under way
             self._finished = True
         timeout = self.options.finish_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -262,21 +368,22 @@ class Run:
             self._sampler.stop()
         if self._console is not None:
             self._console.stop()  # its last partial lines go before the finish event
-        self._put("finish", None, {"exit_code": exit_code})
+        self._outbox.close({"exit_code": exit_code})
         self._shipper.stop(deadline)
         if self._shipper.is_alive():
             # A little past the deadline: the shipper spools what is left when it passes it.
             self._shipper.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        complete = not self._shipper.is_alive() and not self._shipper.unshipped
-        complete = complete and self._shipper.refused is None
-        if complete:
+        shipped_all = not self._shipper.is_alive() and not self._shipper.unshipped
+        shipped_all = shipped_all and self._shipper.refused is None
+        if shipped_all:
             self._shipper.release(exit_code)
         if self.dropped:
-            log.warning("runbus: %d events were dropped (buffers full)", self.dropped)
+            log.warning("runbus: %d events were dropped (their seqs are reported as gaps)", self.dropped)
+        self._complete = shipped_all and not self.dropped
         from runbus.producer import exits
 
         exits.forget(self)
-        return complete
+        return self._complete
 
     def _disown(self) -> None:
         """In a forked child: this Run belongs to the parent, so every call becomes a no-op."""

@@ -6,6 +6,10 @@ reconnecting with capped, jittered backoff. Nothing here runs on the training th
 here raises into it: while Redis is away, or refuses the credentials, events are buffered and the
 problem is logged once. A handshake done late (Redis was away at init) that finds the label in
 use, or a run this job may not join, stops shipping instead, with one error.
+
+While Redis answers, the shipper takes from the outbox only what the backlog has room for, so
+nothing is dropped: a full outbox makes `log()` wait (back-pressure) instead. While Redis is away
+it encodes everything into the bounded backlog and spool, and what finds them full is dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ if TYPE_CHECKING:
     from runbus.redis import SyncClient
 
 log = logging.getLogger("runbus.producer")
+
+# How long the shipper ships without a break while there is work: then heartbeats and stop()
+# get their turn.
+PUMP_SLICE = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +87,8 @@ def _wire_number(value: Any) -> float | int | str:
     if type(value) is bool:  # what `.item()` gives for a bool tensor
         return int(value)
     if type(value) is int:
-        # JSON has no integer limit but orjson stops at 64 bits; larger ones travel as floats.
+        # log() refuses ints beyond 64 bits (orjson stops there), but a device tensor read here
+        # (unsigned 64-bit) may hold one: it travels as a float, as the ingester reads it.
         return value if -(2**63) <= value < 2**63 else float(value)
     # A 0-d tensor or numpy scalar: `.item()` happens here, off the training thread, so a CUDA
     # tensor synchronises the shipper, never the caller.
@@ -102,7 +111,9 @@ def encode_data(kind: str, data: Any) -> str:
             blob = b"null"
         if b"null" not in blob:
             return blob.decode()
-        data = {key: _wire_number(value) for key, value in data.items()}
+        # A str subclass as a name (a StrEnum member that log() took for a known name): orjson
+        # takes only str keys.
+        data = {str.__str__(key): _wire_number(value) for key, value in data.items()}
     return orjson.dumps(data).decode()
 
 
@@ -148,11 +159,28 @@ class Shipper(threading.Thread):
         self._denied_logged = False  # an AccessDenied logged in this outage
         # Jittered, so that the ranks of a job that lost Redis together do not reconnect in step.
         self._retry = config.backoff(options.max_backoff)
+        # When the loop last went round or shipped a batch. A put waits for room only while it
+        # is recent: longer than a few Redis calls may take (one that times out is an outage)
+        # means the shipper is stuck, for instance on a logging lock the waiting thread holds.
+        self._progress_at = time.monotonic()
+        self._stall_after = options.connect_timeout + 3 * options.socket_timeout + 1.0
+        outbox.may_wait = self.answering
 
     @property
     def unshipped(self) -> int:
         """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
         return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
+
+    def answering(self) -> bool:
+        """Whether a put that finds the outbox full should wait for room: Redis answers and
+        this thread is shipping (never on this thread itself, which would wait for itself)."""
+        return (
+            self.epoch is not None
+            and self._outage_since is None
+            and threading.current_thread() is not self
+            and self.is_alive()
+            and time.monotonic() - self._progress_at < self._stall_after
+        )
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -260,49 +288,48 @@ class Shipper(threading.Thread):
         """Ship what is queued, then end; past `deadline` (monotonic), spool the rest and end."""
         self._deadline = deadline
         self._stopping.set()
+        self.outbox.demand.set()
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.outbox.wake_waiters()  # puts waiting for room drop instead: nobody ships now
+
+    def _loop(self) -> None:
         import redis
 
-        delay, next_try = 0.0, 0.0
+        next_try, busy = 0.0, False
         while True:
-            if delay:
-                time.sleep(min(self.options.flush_interval, max(0.0, self._time_left())))
-            else:
-                self._stopping.wait(self.options.flush_interval)
-            self._maybe_heartbeat()
+            self._progress_at = time.monotonic()
+            if not busy:
+                self._rest()
+            busy = False
+            renew_claims = self._maybe_heartbeat()
             if self.refused is not None:
                 self._discard_until_stopped()
                 return
-            # Encoding goes on while Redis is away, so the queue feeding log() never fills up
-            # during a backoff: the bounded backlog (and spool) decide what is kept.
-            self._encode_outbox()
             if time.monotonic() < next_try and self._time_left() > 0:
-                continue
-            try:
-                if self.epoch is None and not self._handshake_later():
-                    continue  # refused: the loop stops shipping at its next turn
-                self._encode_held_start()
-                if not self._orphans_checked:
-                    self._ship_orphans()
-                self._flush()
-            except (redis.RedisError, OSError) as exc:
-                # Unreachable, or a refused command (OOM, READONLY replica, a wrong password):
-                # retried as an outage, logged once.
-                delay = self.note_outage(exc)
-                next_try = time.monotonic() + delay
+                # Redis is away: encoding goes on, so the queue feeding log() keeps room; the
+                # bounded backlog (and spool) decide what is kept.
+                self._encode_outbox()
             else:
-                if self._outage_since is not None:
-                    log.warning(
-                        "runbus: Redis at %s is back after %.1fs; %d events shipped so far",
-                        safe_url(self.identity.redis_url),
-                        time.monotonic() - self._outage_since,
-                        self.shipped,
-                    )
-                    self._outage_since = None
-                    self._outage_failures = 0
-                    self._denied_logged = False
-                delay = 0.0
+                try:
+                    if self.epoch is None and not self._handshake_later():
+                        continue  # refused: the loop stops shipping at its next turn
+                    if renew_claims:
+                        self._renew_claims(self._connection())
+                    self._encode_held_start()
+                    if not self._orphans_checked:
+                        self._ship_orphans()
+                    busy = self._pump()
+                except (redis.RedisError, OSError) as exc:
+                    # Unreachable, or a refused command (OOM, READONLY replica, a wrong
+                    # password): retried as an outage, logged once.
+                    next_try = time.monotonic() + self.note_outage(exc)
+                    self._encode_outbox()
+                else:
+                    self._note_recovery()
             if self._stopping.is_set():
                 if not self.unshipped:
                     self._close_spool(remove=True)
@@ -310,6 +337,24 @@ class Shipper(threading.Thread):
                 if self._time_left() <= 0:
                     self._give_up()
                     return
+
+    def _rest(self) -> None:
+        """Wait a flush interval, or less: until a put finds the outbox full, or stop()."""
+        wake = self.outbox.demand
+        wake.wait(max(0.0, min(self.options.flush_interval, self._time_left())))
+        wake.clear()
+
+    def _note_recovery(self) -> None:
+        if self._outage_since is not None:
+            log.warning(
+                "runbus: Redis at %s is back after %.1fs; %d events shipped so far",
+                safe_url(self.identity.redis_url),
+                time.monotonic() - self._outage_since,
+                self.shipped,
+            )
+            self._outage_since = None
+            self._outage_failures = 0
+            self._denied_logged = False
 
     def _time_left(self) -> float:
         return float("inf") if self._deadline is None else self._deadline - time.monotonic()
@@ -341,21 +386,25 @@ class Shipper(threading.Thread):
         from runbus.redis import access_denied
 
         denied = access_denied(exc, self.identity.redis_url)
+        # First, before anything is logged: a put waiting for room stops waiting (and drops),
+        # and so lets go of any logging lock it holds that the lines below may need.
+        outage_began = self._outage_since is None
+        if outage_began:
+            self._outage_since = time.monotonic()
+        self.outbox.wake_waiters()
         buffering = f"buffering up to {self.options.max_buffer_bytes >> 20} MiB in memory" + (
             f", then in {self.options.spool_dir}" if self.options.spool_dir else ""
         )
         if denied is not None and not self._denied_logged:
             self._denied_logged = True
             log.error("runbus: %s; nothing is shipped until it is fixed, %s", denied, buffering)
-        elif self._outage_since is None and denied is None:
+        elif outage_began and denied is None:
             log.warning(
                 "runbus: cannot ship to Redis at %s (%s); %s",
                 safe_url(self.identity.redis_url),
                 exc,
                 buffering,
             )
-        if self._outage_since is None:
-            self._outage_since = time.monotonic()
         self._drop_connection()
         delay = self._retry.compute(self._outage_failures)
         self._outage_failures += 1
@@ -369,25 +418,28 @@ class Shipper(threading.Thread):
             except Exception as exc:  # a broken socket may fail to close; it is gone either way
                 log.debug("runbus: closing a broken connection: %s", exc)
 
-    def _maybe_heartbeat(self) -> None:
+    def _maybe_heartbeat(self) -> bool:
+        """Put a heartbeat when one is due (none once the finish is put: nothing follows it);
+        whether the label's lease (and the primary claim) are due a renewal too."""
         now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
+        if now < self._next_heartbeat or self.outbox.closed:
+            return False
         self._next_heartbeat = now + self.options.heartbeat_interval
         self.outbox.put(
             "heartbeat",
             None,
             {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped},
         )
-        if self._client is not None and self._outage_since is None:
-            self._renew_claims(self._client)
+        return self._client is not None and self._outage_since is None
 
-    def _encode_outbox(self) -> None:
-        """Queued events → encoded records in the backlog (no network: also while Redis is away)."""
+    def _encode_outbox(self, one_batch: bool = False) -> None:
+        """Queued events → encoded records in the backlog (no network: also while Redis is away).
+
+        `one_batch` is for when Redis answers: a batch at a time, each added whatever the bound
+        (the caller takes one only when the backlog has room), so nothing is dropped.
+        """
         while True:
             taken = self.outbox.take(self.options.batch_size)
-            if not taken:
-                return
             for pending in taken:
                 if pending[0] == "start" and self.epoch is None:
                     # Its primary flag is only settled by the handshake.
@@ -395,7 +447,9 @@ class Shipper(threading.Thread):
                     continue
                 record = self._record(pending)
                 if record is not None:
-                    self.backlog.add(record)
+                    self.backlog.add(record, keep=one_batch)
+            if one_batch or not taken:
+                return
 
     def _encode_held_start(self, force: bool = False) -> None:
         if self._held_start is not None and (self.epoch is not None or force):
@@ -409,15 +463,19 @@ class Shipper(threading.Thread):
         if kind == "start":
             data = {**data, "primary": self.primary}
             if self.describe_hardware:
-                data["hardware"] = self._hardware()
+                try:
+                    data["hardware"] = self._hardware()
+                except Exception as exc:  # the start is never lost for want of a description
+                    log.warning("runbus: cannot describe the hardware: %s", exc)
         elif kind == "finish":
             data = {**data, **self.outbox.drops.report()}
         try:
             blob = encode_data(kind, data)
         except Exception as exc:
-            # Values were checked by log(); a tensor whose .item() fails (its device died) lands
-            # here. The seq stays unshipped, so storage shows it as missing.
+            # Values were checked by log(); a device tensor whose read fails (its device died)
+            # lands here. It counts as dropped, so its gap is explained and finish() says so.
             self.failed_encodes += 1
+            self.outbox.drops.note(seq)
             log.error("runbus: event seq %d (%s) could not be encoded: %s", seq, kind, exc)
             return None
         return Record(kind, self.epoch or 0, seq, ts, step, blob)
@@ -438,17 +496,29 @@ class Shipper(threading.Thread):
             keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
         )
 
-    def _flush(self) -> None:
+    def _pump(self) -> bool:
+        """Encode and ship, a batch at a time, while Redis answers: events are taken from the
+        outbox only while the backlog has room, so none is dropped (a full outbox makes the
+        caller of log() wait instead). True when work is left after a time slice."""
         epoch = self.epoch
         assert epoch is not None, "the handshake comes before any flush"
         client = self._connection()
+        backlog, batch_size = self.backlog, self.options.batch_size
+        until = time.monotonic() + PUMP_SLICE
         while True:
-            records = self.backlog.peek(self.options.batch_size)
+            if backlog.has_room():
+                self._encode_outbox(one_batch=True)
+            records = backlog.peek(batch_size)
             if not records:
-                return
+                return False
             self._send(client, records, epoch)
-            self.backlog.shipped(records)
+            backlog.shipped(records)
             self.shipped += len(records)
+            if self._outage_since is not None:
+                self._note_recovery()  # at once: a full outbox makes log() wait again, not drop
+            now = self._progress_at = time.monotonic()
+            if now > until or (self._stopping.is_set() and self._time_left() <= 0):
+                return True
 
     def _ship_orphans(self) -> None:
         """Ship spools that earlier processes of this run and label left behind when they died."""
@@ -471,5 +541,6 @@ class Shipper(threading.Thread):
                 self._send(client, records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)
+                self._progress_at = time.monotonic()
             log.warning("runbus: shipped %d events left in %s by an earlier process", shipped, spool.path)
             spool.close(remove=True)

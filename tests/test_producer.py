@@ -113,7 +113,15 @@ def test_log_checks_its_arguments(redis_url):
 def test_values_round_trip_through_the_pipeline(redis_url, store_url):
     with init(redis_url, "vals", "rank0") as run:
         run.log(
-            {"nan": float("nan"), "inf": float("inf"), "ninf": -float("inf"), "flag": True, "big": 2**70},
+            {
+                "nan": float("nan"),
+                "inf": float("inf"),
+                "ninf": -float("inf"),
+                "flag": True,
+                "big": 2**63 - 1,
+                "small": -(2**63),
+                "huge": float(2**70),
+            },
             step=1,
         )
         run.log_text("a warning", level="WARNING")
@@ -127,7 +135,8 @@ def test_values_round_trip_through_the_pipeline(redis_url, store_url):
     assert (
         values["nan"] != values["nan"] and values["inf"] == float("inf") and values["ninf"] == -float("inf")
     )
-    assert values["flag"] == 1 and values["big"] == float(2**70)
+    assert values["flag"] == 1 and values["huge"] == float(2**70)
+    assert (values["big"], values["small"]) == (float(2**63 - 1), float(-(2**63)))  # stored as floats
     out = run_cli("--store", store_url, "metrics", "vals", "--key", "nan", "--json").stdout
     assert '"value": "NaN"' in out
     logs = read_store(store_url, "logs", "vals")

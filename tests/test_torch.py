@@ -6,6 +6,7 @@ import collections
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -82,16 +83,64 @@ def test_tensors_and_numpy_scalars_are_logged(redis_url, store_url):
     assert weight.grad is None
 
 
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on a GPU and notes which thread reads its value."""
+
+    readers: list[str] = []
+    broken = False
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def item(self):
+        OnDevice.readers.append(threading.current_thread().name)
+        if OnDevice.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().item()
+
+
 def test_accelerator_tensors_are_read_off_the_training_thread(redis_url, store_url):
-    # A meta tensor has no value: reading one raises. log() accepting it shows that log() does
-    # not read device tensors; the shipper's failed read leaves a gap, never a wrong value.
+    OnDevice.readers.clear()
     with init(redis_url, "deferred") as run:
-        run.log({"on_device": torch.tensor(1.0, device="meta")}, step=0)
+        run.log({"on_device": torch.tensor(1.5).as_subclass(OnDevice)}, step=0)
+        assert OnDevice.readers == []  # log() did not read it
+    assert OnDevice.readers and all(name.startswith("runbus-shipper") for name in OnDevice.readers)
+    ingest(redis_url, store_url)
+    assert [(p.key, p.value) for p in read_store(store_url, "metrics", "deferred")] == [("on_device", 1.5)]
+
+
+def test_a_device_tensor_that_cannot_be_read_is_a_counted_drop(redis_url, store_url, monkeypatch):
+    # Its device failed after log() accepted it: the shipper's read fails, the event is counted
+    # as dropped (an explained gap), and finish() says the label is incomplete.
+    monkeypatch.setattr(OnDevice, "broken", True)
+    with init(redis_url, "deferred") as run:
+        run.log({"on_device": torch.tensor(1.0).as_subclass(OnDevice)}, step=0)
         run.log({"plain": 2.0}, step=1)
-    assert run._shipper.failed_encodes == 1
+    assert run._shipper.failed_encodes == 1 and run.dropped == 1
+    assert run.finish() is False
     ingest(redis_url, store_url)
     assert [(p.key, p.value) for p in read_store(store_url, "metrics", "deferred")] == [("plain", 2.0)]
-    assert read_store(store_url, "run", "deferred").labels[0].missing == 1
+    label = read_store(store_url, "run", "deferred").labels[0]
+    assert (label.state, label.missing, sum(gap.dropped for gap in label.gaps)) == ("finished", 1, 1)
+
+
+def test_tensors_without_a_value_are_refused_at_log(redis_url):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.tensor(2.0))
+    with init(redis_url, "valueless") as run:
+        with pytest.raises(TypeError, match="'meta' device has no value"):
+            run.log({"x": torch.tensor(1.0, device="meta")})
+        with pytest.raises(TypeError, match="has no value"):
+            run.log({"x": fake})
+        with pytest.raises(TypeError, match="step: a tensor on the 'meta' device"):
+            run.log({"x": 1.0}, step=torch.tensor(3, device="meta"))
+        with pytest.raises(ValueError, match="64 bits"):
+            run.log({"x": np.uint64(2**64 - 1)})
+        with pytest.raises(ValueError, match="step must be < 2\\*\\*63"):
+            run.log({"x": 1.0}, step=np.uint64(2**63))
+    assert run.finish() is True and run.dropped == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
