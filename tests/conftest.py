@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -88,12 +89,11 @@ def redis_url(redis_server_url: str) -> Iterator[str]:
     yield redis_server_url
 
 
-@pytest.fixture
-def local_redis() -> Iterator[LocalRedis]:
-    """A private redis-server this test may kill and restart (AOF on, fsync on every write, so
-    a SIGKILL loses nothing it acknowledged)."""
+def private_redis(**options: Any) -> Iterator[LocalRedis]:
+    """The body of a fixture giving a private redis-server (LocalRedis `options`), removed after
+    the test; a missing redis-server fails under CI=true, else skips."""
     try:
-        server = LocalRedis(appendonly=True, appendfsync="always").start()
+        server = LocalRedis(**options).start()
     except RedisServerNotFound:
         missing_server("redis-server")
         return
@@ -101,6 +101,13 @@ def local_redis() -> Iterator[LocalRedis]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def local_redis() -> Iterator[LocalRedis]:
+    """A private redis-server this test may kill and restart (AOF on, fsync on every write, so
+    a SIGKILL loses nothing it acknowledged)."""
+    yield from private_redis(appendonly=True, appendfsync="always")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import runbus
 from runbus.errors import AccessDenied
 from runbus.ingester.localredis import LocalRedis, RedisServerNotFound, free_port
 from runbus.ingester.worker import Worker, WorkerSettings
-from tests.conftest import missing_server
+from tests.conftest import missing_server, private_redis
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 from tests.pgserver import LocalPostgres
 
@@ -28,15 +28,7 @@ PASSWORD = "right horse"
 @pytest.fixture
 def guarded_redis() -> Iterator[LocalRedis]:
     """A private redis-server whose default user needs PASSWORD."""
-    try:
-        server = LocalRedis(extra_args=("--requirepass", PASSWORD)).start()
-    except RedisServerNotFound:
-        missing_server("redis-server")
-        return
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from private_redis(extra_args=("--requirepass", PASSWORD))
 
 
 def with_password(url: str, password: str, user: str = "") -> str:

@@ -21,10 +21,10 @@ import redis
 
 import runbus
 from runbus import wire
-from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
+from runbus.ingester.localredis import LocalRedis
 from runbus.producer import environment
 from runbus.producer.child import ChildLabel
-from tests.conftest import missing_server
+from tests.conftest import private_redis
 from tests.helpers import ingest, read_store, run_cli
 
 QUIET = {"system_interval": None, "hardware": False, "console": "off"}
@@ -453,15 +453,7 @@ def test_the_same_job_id_while_the_first_runs_is_label_in_use(redis_url, client)
 @pytest.fixture
 def empty_on_restart() -> Iterator[LocalRedis]:
     """A private redis-server without persistence: restarted, it is empty."""
-    try:
-        server = LocalRedis(appendonly=False).start()
-    except RedisServerNotFound:
-        missing_server("redis-server")
-        return
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from private_redis(appendonly=False)
 
 
 def test_redis_restarted_empty_never_repeats_an_epoch(empty_on_restart, store_url):

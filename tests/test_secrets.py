@@ -17,6 +17,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, quote_plus
 
@@ -28,9 +29,9 @@ from aiohttp.test_utils import TestClient, TestServer
 import runbus
 from runbus import wire
 from runbus.dashboard.api import create_app
-from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
+from runbus.ingester.localredis import LocalRedis
 from runbus.redact import MARKER
-from tests.conftest import missing_server
+from tests.conftest import private_redis
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 from tests.pgserver import LocalPostgres
 
@@ -300,16 +301,9 @@ WRONG = "wrong-sekrit&sekrit"
 
 
 @pytest.fixture
-def guarded_redis():
-    try:
-        server = LocalRedis(extra_args=("--requirepass", REDIS_PASSWORD)).start()
-    except RedisServerNotFound:
-        missing_server("redis-server")
-        return
-    try:
-        yield server
-    finally:
-        server.cleanup()
+def guarded_redis() -> Iterator[LocalRedis]:
+    """A private redis-server whose default user needs REDIS_PASSWORD."""
+    yield from private_redis(extra_args=("--requirepass", REDIS_PASSWORD))
 
 
 def query_password_url(server: LocalRedis, password: str) -> str:
