@@ -173,6 +173,16 @@ def _label_state(row: asyncpg.Record) -> LabelState:
     )
 
 
+def _log_filters(where: list[str], args: list[Any], level: str | None, grep: str | None) -> None:
+    """Add the log reads' level and text filters to `where`, their values to `args` ($n)."""
+    if level is not None:
+        args.append(level_number(level))
+        where.append(f"g.levelno >= ${len(args)}")
+    if grep is not None:
+        args.append(rows.storable_text(grep))
+        where.append(f"strpos(g.text, ${len(args)}) > 0")
+
+
 class PostgresStore:
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
@@ -509,12 +519,7 @@ class PostgresStore:
         offset: int = 0,
     ) -> list[LogLine]:
         where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
-        if level is not None:
-            args.append(level_number(level))
-            where.append(f"g.levelno >= ${len(args)}")
-        if grep is not None:
-            args.append(rows.storable_text(grep))
-            where.append(f"strpos(g.text, ${len(args)}) > 0")
+        _log_filters(where, args, level, grep)
         # As in SQLite: a negative limit means none, a negative offset counts as 0.
         args += [None if limit is None or limit < 0 else limit, max(offset, 0)]
         query = (
@@ -566,12 +571,7 @@ class PostgresStore:
         if after is not None:
             args += [after[0], after[1]]
             where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
-        if level is not None:
-            args.append(level_number(level))
-            where.append(f"g.levelno >= ${len(args)}")
-        if grep is not None:
-            args.append(rows.storable_text(grep))
-            where.append(f"strpos(g.text, ${len(args)}) > 0")
+        _log_filters(where, args, level, grep)
         args.append(limit)
         query = (
             "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "

@@ -276,6 +276,16 @@ def _unreal(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
+def _log_filters(where: list[str], args: list[str | int], level: str | None, grep: str | None) -> None:
+    """Add the log reads' level and text filters to `where`, their values to `args`."""
+    if level is not None:
+        where.append("g.levelno >= ?")
+        args.append(level_number(level))
+    if grep is not None:
+        where.append("instr(g.text, ?) > 0")
+        args.append(rows.storable_text(grep))
+
+
 class SQLiteStore:
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
 
@@ -636,12 +646,7 @@ class SQLiteStore:
         if label is not None:
             where.append("l.label = ?")
             args.append(label)
-        if level is not None:
-            where.append("g.levelno >= ?")
-            args.append(level_number(level))
-        if grep is not None:
-            where.append("instr(g.text, ?) > 0")
-            args.append(rows.storable_text(grep))
+        _log_filters(where, args, level, grep)
         query = (
             "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
             f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
@@ -713,12 +718,7 @@ class SQLiteStore:
         if after is not None:
             where.append("(g.epoch, g.seq) > (?, ?)")
             args += [after[0], after[1]]
-        if level is not None:
-            where.append("g.levelno >= ?")
-            args.append(level_number(level))
-        if grep is not None:
-            where.append("instr(g.text, ?) > 0")
-            args.append(rows.storable_text(grep))
+        _log_filters(where, args, level, grep)
         query = (
             "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
             f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"

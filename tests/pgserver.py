@@ -227,3 +227,15 @@ async def drop_database(dsn: str, url: str) -> None:
         await con.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await con.close()
+
+
+async def public_tables(url: str) -> list[str]:
+    """The tables in the public schema of the database at `url`, sorted."""
+    con = await asyncpg.connect(url)
+    try:
+        rows = await con.fetch(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        )
+    finally:
+        await con.close()
+    return sorted(row["table_name"] for row in rows)

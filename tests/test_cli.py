@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import asyncpg
 import pytest
 import redis
 
@@ -20,6 +19,7 @@ from runbus.cli import ROUTES
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
 from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.pgserver import public_tables
 
 
 def seed(redis_url: str, store_url: str) -> None:
@@ -476,17 +476,6 @@ def test_the_default_store_is_one_per_user_file_found_from_any_directory(redis_u
     listed = json.loads(run_cli("runs", "--json", env=env, cwd=str(there)).stdout)
     assert [run["run_id"] for run in listed] == ["anywhere"]
     assert (xdg / "runbus" / "runbus.db").is_file() and list(here.iterdir()) == list(there.iterdir()) == []
-
-
-async def public_tables(url: str) -> list[str]:
-    con = await asyncpg.connect(url)
-    try:
-        rows = await con.fetch(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
-        )
-    finally:
-        await con.close()
-    return sorted(row["table_name"] for row in rows)
 
 
 def test_a_postgresql_database_without_the_schema_is_no_store_and_stays_empty(redis_url, postgres_url):

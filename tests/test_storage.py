@@ -20,7 +20,7 @@ from runbus.storage import LogLine, RunSummary, Store, open_store
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.wire import Event
-from tests.pgserver import LocalPostgres, create_database
+from tests.pgserver import LocalPostgres, create_database, public_tables
 
 RUN = "run-1"
 T0 = 1_700_000_000.0
@@ -1016,17 +1016,6 @@ async def test_a_reader_leaves_an_older_schema_for_the_ingester_to_upgrade(any_s
         await reader.connect()
     await reader.close()
     assert await schema_version(any_store_url) == 2
-
-
-async def public_tables(url: str) -> list[str]:
-    con = await asyncpg.connect(url)
-    try:
-        rows = await con.fetch(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
-        )
-    finally:
-        await con.close()
-    return sorted(row["table_name"] for row in rows)
 
 
 # -- backend specifics ----------------------------------------------------------------------------
