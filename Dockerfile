@@ -14,6 +14,7 @@ COPY producer/ producer/
 COPY ingester/ ingester/
 COPY storage/ storage/
 COPY dashboard/ dashboard/
+COPY integrations/ integrations/
 # asyncpg for PostgreSQL; the source tree is not kept, only the installed package.
 RUN pip install ".[postgres]" && cd / && rm -rf /src
 

@@ -8,7 +8,7 @@ RUNBUS_BENCH_POSTGRES_DSN is set (or --postgres starts a throwaway cluster, as t
 --http each worker serves its ops endpoints (`runbus ingest --http`, as the Dockerfile runs it), on
 a port of its own.
 
-    python bench/ingest.py [--events 1000000] [--postgres] [--http]
+    python bench/ingest.py [--events 1000000] [--postgres [--no-sqlite]] [--http]
 """
 
 from __future__ import annotations
@@ -224,11 +224,12 @@ def main() -> None:
     parser.add_argument(
         "--http", action="store_true", help="workers serve their ops endpoints (ingest --http)"
     )
+    parser.add_argument("--no-sqlite", action="store_true", help="PostgreSQL only (with --postgres)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     results: dict = {}
     with private_redis() as url, tempfile.TemporaryDirectory() as tmp:
-        for workers in (1, 2):
+        for workers in () if args.no_sqlite else (1, 2):
             results[f"sqlite_{workers}w"] = measure(
                 url, f"sqlite:///{tmp}/bench-{workers}.db", args.events, workers, args.http
             )

@@ -5,6 +5,11 @@ fresh database, N workers started and ready (their /readyz answers), then one MU
 staged stream to its real key and registers it; the clock runs from there until every stream's
 group has nothing unread and nothing pending (all stored: workers acknowledge after the commit).
 
+Besides the rate: CPU per event of the workers, of PostgreSQL (its postmaster and the backends it
+reaped) and of redis-server, steadier than rates on a shared machine; and on PostgreSQL where the
+workers waited for each other: pg_stat_activity sampled every 20 ms while they run, the share of
+samples of a worker's statement waiting for a lock, by lock and statement (`lock_waits`).
+
     python bench/scale.py [--workers 1,2,4] [--runs 4] [--ranks 8] [--events 5000] [--store postgres|sqlite]
 
 PostgreSQL is RUNBUS_BENCH_POSTGRES_DSN, else a throwaway cluster in the temp dir on disk with
@@ -17,16 +22,20 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 
 import orjson
+import psutil
 import redis
 from common import emit, private_redis
 
@@ -116,11 +125,111 @@ def ready(port: int) -> bool:
         return False
 
 
-def measure(redis_url: str, store_url: str, workers: int, pairs: list[tuple[str, str]]) -> float:
+class LockWaits:
+    """pg_stat_activity sampled every 20 ms on its own connection while the workers run: how
+    often a statement of theirs was active, and waiting for a lock (by lock and statement)."""
+
+    def __init__(self, store_url: str) -> None:
+        self.store_url = store_url
+        self.samples = 0
+        self.active: int = 0
+        self.waiting: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._sample()), daemon=True)
+
+    async def _sample(self) -> None:
+        import asyncpg
+
+        con = await asyncpg.connect(self.store_url)
+        try:
+            while not self._stop.is_set():
+                rows = await con.fetch(
+                    "SELECT wait_event_type, wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 70) "
+                    "FROM pg_stat_activity WHERE datname = current_database() AND state = 'active' "
+                    "AND pid <> pg_backend_pid()"
+                )
+                self.samples += 1
+                self.active += len(rows)
+                for kind, event, query in rows:
+                    if kind == "Lock":
+                        self.waiting[f"{event}: {query}"] += 1
+                await asyncio.sleep(0.02)
+        finally:
+            await con.close()
+
+    def __enter__(self) -> LockWaits:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict:
+        """Of the samples of an active worker statement: the share waiting on a lock, and by what."""
+        active = max(1, self.active)
+        return {
+            "active_statement_samples": self.active,
+            "waiting_for_a_lock": round(sum(self.waiting.values()) / active, 3),
+            "by_lock_and_statement": {k: round(v / active, 3) for k, v in self.waiting.most_common(6)},
+        }
+
+
+def server_cpu(process: psutil.Process | None) -> float | None:
+    """CPU seconds of a server process and the children it reaped (PostgreSQL's backends)."""
+    if process is None:
+        return None
+    try:
+        times = process.cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def postmaster(store_url: str) -> psutil.Process | None:
+    """The PostgreSQL server process behind `store_url`, when it runs on this machine."""
+
+    async def find() -> psutil.Process | None:
+        import asyncpg
+
+        con = await asyncpg.connect(store_url)
+        try:  # looked up while the backend lives: it exits once the connection closes
+            return psutil.Process(await con.fetchval("SELECT pg_backend_pid()")).parent()
+        except psutil.Error:
+            return None
+        finally:
+            await con.close()
+
+    try:
+        return asyncio.run(find())
+    except OSError:
+        return None
+
+
+def redis_process(client: redis.Redis) -> psutil.Process | None:
+    try:
+        return psutil.Process(int(client.info("server")["process_id"]))
+    except (psutil.Error, KeyError, ValueError):
+        return None
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(redis_url: str, store_url: str, workers: int, pairs: list[tuple[str, str]]) -> dict:
+    """Seconds for `workers` to store every staged event; CPU seconds of the workers, PostgreSQL
+    and redis-server meanwhile; where the workers waited for locks (PostgreSQL)."""
     client = redis.Redis.from_url(redis_url)
     keys = [key for _, key in pairs]
     client.delete(*keys, wire.REGISTRY_KEY)
     base = free_port()
+    on_postgres = store_url.startswith("postgres")
+    pg = postmaster(store_url) if on_postgres else None
+    server = redis_process(client)
+    before = (children_cpu(), server_cpu(pg), server_cpu(server))
+    waits = LockWaits(store_url) if on_postgres else None
     with subprocess.Popen(
         [
             sys.executable,
@@ -145,16 +254,22 @@ def measure(redis_url: str, store_url: str, workers: int, pairs: list[tuple[str,
                 if time.monotonic() > deadline or supervisor.poll() is not None:
                     raise RuntimeError("the workers did not become ready")
                 time.sleep(0.1)
-            started = time.perf_counter()
-            release(client, pairs)
-            while not drained(client, keys):
-                time.sleep(0.02)
-            elapsed = time.perf_counter() - started
+            with waits or contextlib.nullcontext():
+                started = time.perf_counter()
+                release(client, pairs)
+                while not drained(client, keys):
+                    time.sleep(0.02)
+                elapsed = time.perf_counter() - started
         finally:
             supervisor.send_signal(signal.SIGTERM)
             supervisor.wait(timeout=60)
+    after = (children_cpu(), server_cpu(pg), server_cpu(server))
     client.close()
-    return elapsed
+    cpu = {
+        name: None if b is None or a is None else a - b
+        for name, a, b in zip(("workers", "postgres", "redis"), after, before, strict=True)
+    }
+    return {"seconds": elapsed, "cpu_s": cpu, "lock_waits": waits.report() if waits else None}
 
 
 def main() -> None:
@@ -182,12 +297,25 @@ def main() -> None:
             else:
                 store_url = f"sqlite:///{directory}/scale-{n}.db"
             try:
-                seconds = measure(redis_url, store_url, n, pairs)
+                found = measure(redis_url, store_url, n, pairs)
             finally:
                 if args.store == "postgres":
                     asyncio.run(drop_database(dsn, store_url))
+            seconds = found["seconds"]
             rate = round(total / seconds)
-            results.append({"workers": n, "seconds": round(seconds, 2), "events_per_s": rate})
+            results.append(
+                {
+                    "workers": n,
+                    "seconds": round(seconds, 2),
+                    "events_per_s": rate,
+                    # The workers' includes their start and stop (imports, connecting): a fixed cost.
+                    "cpu_us_per_event": {
+                        name: None if value is None else round(value / total * 1e6, 2)
+                        for name, value in found["cpu_s"].items()
+                    },
+                    "lock_waits": found["lock_waits"],
+                }
+            )
             print(
                 f"{n} workers: {total} events in {seconds:.2f}s, {total / seconds:,.0f} events/s",
                 file=sys.stderr,

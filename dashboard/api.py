@@ -5,15 +5,23 @@ each with `{"error": REASON}`. Non-finite numbers are written as the CLI writes 
 "Infinity", "-Infinity".
 
 - `/api/runs?limit=100&offset=0`: runs, newest first, with labels (state, primary) and counts
-- `/api/runs/RUN`: one run: labels with epochs and gaps (`missing`), counts, config, dead letters
+- `/api/runs/RUN`: one run: labels with epochs and gaps (`missing`) and what each set, counts,
+  name, tags, config and summary (merged, with `set_by`: the label of each value), dead letters
 - `/api/runs/RUN/metrics`: the metric keys
 - `/api/runs/RUN/metrics/series?key=K&label=L&points=2000`: one series per label (see downsample)
+- `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
+- `/api/runs/RUN/metrics/envelope?key=K&x=step&start=&end=&points=1500&outliers=3&lines=16`: the
+  key's band across labels and its outlying labels' lines, from the rollups (envelopes.py)
+- `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
+  step times per label and step bucket, the labels slowest first
+- `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware and command line
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
 - `/api/runs/RUN/logs?label=L&level=WARNING&grep=TEXT&limit=500&offset=0`: log lines, paged
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -23,10 +31,10 @@ import orjson
 from aiohttp import web
 
 from runbus import storage, wire
-from runbus.dashboard import downsample, security
+from runbus.dashboard import downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, InvalidName, StoreRejected
-from runbus.storage import documents
+from runbus.storage import base, documents
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
@@ -35,6 +43,13 @@ DEFAULT_LOG_LINES = 500
 MAX_LOG_LINES = 5000
 MAX_OFFSET = 1 << 40
 MAX_GREP = 1000
+DEFAULT_KEYS = 100
+MAX_KEYS = 1000
+MAX_SEARCH = 256
+MAX_KEY = 256  # the longest metric name the wire takes
+DEFAULT_LABELS = 1000
+MAX_LABELS = 100_000
+DEFAULT_STRAGGLERS = 2048
 
 STORE: web.AppKey[storage.Store] = web.AppKey("store", storage.Store)
 DEAD_LETTERS: web.AppKey[DeadLetters] = web.AppKey("dead_letters", DeadLetters)
@@ -123,6 +138,7 @@ def _label_document(label: storage.LabelSummary) -> dict[str, Any]:
         "rank": start.get("rank"),
         "world_size": start.get("world_size"),
         "restart_count": start.get("restart_count"),
+        **documents.label_metadata(label),
     }
 
 
@@ -173,7 +189,7 @@ async def run(request: web.Request) -> web.Response:
     document = documents.run_head(summary)
     document["labels"] = [_label_document(lab) for lab in summary.labels]
     document["gaps"] = sum(lab.missing for lab in summary.labels)
-    document["config"] = documents.config_document(summary.config)
+    document.update(documents.run_metadata(summary))
     document["primary_refused"] = documents.refused_primaries(summary)
     document["dead_letters"] = await request.app[DEAD_LETTERS].counts(summary.run_id)
     return _json(document)
@@ -252,6 +268,116 @@ async def logs(request: web.Request) -> web.Response:
     )
 
 
+def _text(request: web.Request, name: str, most: int = MAX_SEARCH) -> str | None:
+    text = request.query.get(name) or None
+    if text is not None and len(text) > most:
+        raise BadParameter(f"{name} must be at most {most} characters")
+    return text
+
+
+def _x_bound(request: web.Request, name: str) -> float | None:
+    text = request.query.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadParameter(f"{name} must be a number, got {text[:40]!r}") from None
+    if not math.isfinite(value) or abs(value) > 2.0**63:
+        raise BadParameter(f"{name} must be a finite number within 2**63, got {text[:40]!r}")
+    return value
+
+
+async def _unknown(request: web.Request, what: str) -> web.HTTPNotFound:
+    """404 for a run that does not exist, else for `what` the run does not have."""
+    run_id = _run_id(request)
+    if await request.app[STORE].run(run_id) is None:
+        return web.HTTPNotFound(reason=f"unknown run {run_id!r}")
+    return web.HTTPNotFound(reason=f"run {run_id!r} has no {what}")
+
+
+async def key_page(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    prefix, contains = _text(request, "prefix"), _text(request, "q")
+    limit = _integer(request, "limit", DEFAULT_KEYS, 1, MAX_KEYS)
+    offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
+    page = await request.app[STORE].key_page(run_id, prefix, contains, offset, limit)
+    if page.total == 0 and await request.app[STORE].run(run_id) is None:
+        raise web.HTTPNotFound(reason=f"unknown run {run_id!r}")
+    return _json(
+        {
+            "run_id": run_id,
+            "total": page.total,
+            "offset": offset,
+            "limit": limit,
+            "next_offset": offset + len(page.keys) if offset + len(page.keys) < page.total else None,
+            "keys": page.keys,
+        }
+    )
+
+
+async def envelope(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    key = _text(request, "key", MAX_KEY)
+    if not key:
+        raise BadParameter("key is required")
+    x = request.query.get("x") or None
+    if x not in (None, "step", "ts"):
+        raise BadParameter(f"x must be step or ts, got {x[:40]!r}")
+    start, end = _x_bound(request, "start"), _x_bound(request, "end")
+    if start is not None and end is not None and end < start:
+        raise BadParameter("end must not be before start")
+    points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
+    outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
+    lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    found = await request.app[STORE].envelope(
+        run_id,
+        key,
+        "step" if x == "step" else "ts" if x == "ts" else None,
+        start,
+        end,
+        points,
+        outliers,
+        lines,
+    )
+    if found is None:
+        raise await _unknown(request, f"metric {key!r}")
+    return _json(envelopes.envelope_document(found))
+
+
+async def stragglers(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    key, time_key = _text(request, "key", MAX_KEY), _text(request, "time_key", MAX_KEY)
+    if bool(key) == bool(time_key):
+        raise BadParameter("give key (step times from when it was logged) or time_key (a key of step times)")
+    start, end = _x_bound(request, "start"), _x_bound(request, "end")
+    buckets = _integer(request, "buckets", base.DEFAULT_HEAT_BUCKETS, 1, base.MAX_HEAT_BUCKETS)
+    limit = _integer(request, "limit", DEFAULT_STRAGGLERS, 1, MAX_LABELS)
+    offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
+    name = time_key or key or ""
+    found = await request.app[STORE].stragglers(
+        run_id,
+        name,
+        time_key=bool(time_key),
+        start=None if start is None else math.ceil(start),
+        end=None if end is None else math.floor(end),
+        buckets=buckets,
+    )
+    if found is None:
+        raise await _unknown(request, f"metric {name!r}")
+    return _json(envelopes.stragglers_document(found, offset, limit))
+
+
+async def labels(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    limit = _integer(request, "limit", DEFAULT_LABELS, 1, MAX_LABELS)
+    offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
+    starts = await request.app[STORE].label_starts(run_id)
+    if not starts and await request.app[STORE].run(run_id) is None:
+        raise web.HTTPNotFound(reason=f"unknown run {run_id!r}")
+    return _json(envelopes.labels_document(run_id, starts, offset, limit))
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
@@ -304,6 +430,10 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.router.add_get("/api/runs/{run}", run)
     app.router.add_get("/api/runs/{run}/metrics", metric_keys)
     app.router.add_get("/api/runs/{run}/metrics/series", metric_series)
+    app.router.add_get("/api/runs/{run}/metrics/keys", key_page)
+    app.router.add_get("/api/runs/{run}/metrics/envelope", envelope)
+    app.router.add_get("/api/runs/{run}/stragglers", stragglers)
+    app.router.add_get("/api/runs/{run}/labels", labels)
     app.router.add_get("/api/runs/{run}/system", system)
     app.router.add_get("/api/runs/{run}/logs", logs)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)

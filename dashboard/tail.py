@@ -5,6 +5,9 @@ Streams are found in the producers' registry and by SCAN, again every second, so
 appears later is followed from its first entry. By default only lines produced from now on are
 printed (`from_start` prints the history first). It returns once the run's primary has finished
 and the streams have been quiet for `finish_grace` (the other ranks' last lines still show).
+The primary is the one the ingesters decide (runbus.storage.rules.decide_primary): the store's
+decision where the store has the run, else the label holding the producers' live claim, else the
+earliest start claiming it. A stray start claiming the role from another label cannot end a tail.
 A run with no stream in Redis is looked up in the store: unknown there too, it is an error unless
 `wait` asks to wait for it to start. Log text is printed through `runbus.terminal.printable`:
 escape sequences in it are shown, not obeyed.
@@ -28,6 +31,7 @@ from runbus.errors import CommandError, InvalidEntry, StoreMissing
 from runbus.redact import redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
 from runbus.storage import RunSummary, open_store
+from runbus.storage.rules import decide_primary, primary_claims
 from runbus.terminal import printable
 
 if TYPE_CHECKING:
@@ -74,7 +78,9 @@ class Tail:
     err: TextIO = field(default_factory=lambda: sys.stderr)
     _ids: dict[str, str] = field(default_factory=dict, init=False)
     _labels: dict[str, str] = field(default_factory=dict, init=False)
-    _primary: dict[str, bool] = field(default_factory=dict, init=False)
+    _primary: str | None = field(default=None, init=False)  # once decided, as the store decides it
+    _claims: list[wire.Event] = field(default_factory=list, init=False)
+    _holder: str | None = field(default=None, init=False)
     _colors: dict[str, str] = field(default_factory=dict, init=False)
     _width: int = field(default=0, init=False)
     _finished: bool = field(default=False, init=False)
@@ -89,9 +95,11 @@ class Tail:
 
     def _follow(self, client: SyncClient) -> int:
         s = self.settings
+        stored = stored_run(s.store_url, s.run_id) if s.store_url else None
+        if stored is not None and stored.primary is not None:
+            self._primary = stored.primary
         self._discover(client, initial=True)
         if not self._ids and not s.wait:
-            stored = stored_run(s.store_url, s.run_id) if s.store_url else None
             if stored is None:
                 raise self._nowhere()
             if stored.state != "running":
@@ -160,11 +168,9 @@ class Tail:
         return streams
 
     def _discover(self, client: SyncClient, initial: bool) -> None:
-        if initial:
-            # The live primary's marker (gone once it finishes); start events confirm or correct it.
-            live = client.get(wire.primary_key(self.settings.run_id))
-            if live:
-                self._primary[reply_text(live)] = True
+        if self._primary is None and self._holder is None:
+            # The producers' live claim (gone once the primary finishes), read as the ingesters do.
+            self._holder = wire.claim_holder(client.get(wire.primary_key(self.settings.run_id)))
         for key, label in self._stream_keys(client).items():
             if key in self._ids:
                 continue
@@ -183,7 +189,7 @@ class Tail:
 
     def _finished_already(self, client: SyncClient) -> bool:
         for key in self._ids:
-            if self._primary.get(self._labels[key]):
+            if self._labels[key] == self._decided():
                 last = self._decode(key, stream_entries(client.xrevrange(key, count=1)))
                 if last and last[0].kind == "finish":
                     return True
@@ -209,10 +215,17 @@ class Tail:
                 continue  # the ingesters dead-letter it; a tail has nothing to show
         return events
 
+    def _decided(self) -> str | None:
+        """The run's primary as the ingesters decide it, from what this tail has seen so far; the
+        live claim's holder until a claim is seen."""
+        if self._primary is None and self._claims:
+            self._primary = decide_primary(None, self._claims, self._holder)
+        return self._primary if self._primary is not None else self._holder
+
     def _learn(self, event: wire.Event) -> None:
         if event.kind == "start":
-            self._primary[event.label] = bool(event.data.get("primary"))
-        elif event.kind == "finish" and self._primary.get(event.label):
+            self._claims += primary_claims([event])
+        elif event.kind == "finish" and event.label == self._decided():
             self._finished = True
 
     def _shown(self, label: str) -> bool:

@@ -9,9 +9,10 @@ A 2-layer MLP learns a noisy linear map from synthetic data. Every rank logs its
 on a GPU it is read off the training thread), throughput and learning rate, prints a line every
 few steps and logs through `logging`: all of it lands in one run, while the terminal shows the
 primary's console only (and any rank's errors). Nothing is passed to runbus.init(): the run
-id, label and primary come from torchrun's environment, so every rank must learn the same run id
-there: from --rdzv-id, from --standalone's random one, or from RUNBUS_RUN_ID. (Plain
-`torchrun --nproc-per-node 4` names no run, and runbus.init() refuses to guess one per rank.)
+id, label and primary come from torchrun's environment: the run id from --rdzv-id, --standalone's
+random one or RUNBUS_RUN_ID; plain `torchrun --nproc-per-node 4` names none, and then runbus names
+the run after torchrun's agent (one node), or the ranks agree on one through the process group
+this script makes before runbus.init() (several nodes). See examples/launchers/ for other launchers.
 
 `--fail-rank R --fail-step S` makes rank R fail at step S on its first attempt only, to watch
 `torchrun --max-restarts 1` restart the job into the same run (a new epoch of every label).

@@ -192,7 +192,7 @@ def _decode_by_columns(
     the producers' field order.
 
     Metrics at a step go by columns, and so do metrics and system figures without one; logs,
-    start, heartbeat and finish events go one by one. None when an entry of the first two kinds
+    start, heartbeat, finish and meta events go one by one. None when an entry of the first two kinds
     is not plainly valid: then every entry goes one by one, and the reason is found.
     """
     if None in flats:  # a deleted entry, among pending entries
@@ -262,7 +262,7 @@ def _kinds_column(kinds_raw: list[bytes], stepless: bool, count: int) -> Iterabl
         return repeat("metric", count)
     if stepless and metrics + kinds_raw.count(b"system") == count:
         return map(_KIND_BY_BYTES.__getitem__, kinds_raw)
-    return None  # a step on a non-metric, or log, start, heartbeat and finish events
+    return None  # a step on a non-metric, or log, start, heartbeat, finish and meta events
 
 
 def _places_columns(

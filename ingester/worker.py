@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import AccessDenied, InvalidEntry, InvalidName, StoreError, StoreRejected
+from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
@@ -168,17 +168,6 @@ def decode_batch(
 
 _ONLY_EVENTS = frozenset({wire.Event})
 _KIND, _RUN = attrgetter("kind"), attrgetter("run")
-
-
-def claim_holder(held: bytes | str | None) -> str | None:
-    """The label a primary claim key holds (as its producer writes it), or None: no claim, or
-    a value that is no label name."""
-    if held is None:
-        return None
-    try:
-        return wire.check_name("label", held.decode() if isinstance(held, bytes) else held)
-    except (UnicodeDecodeError, InvalidName):
-        return None
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
@@ -668,7 +657,7 @@ class Worker:
         if len(self._claim_holders) + len(runs) > CLAIMS_REMEMBERED:
             self._claim_holders.clear()  # each store decides a run's primary once: reading again is harmless
         for run, held in zip(runs, replies, strict=True):
-            self._claim_holders[run] = holder = claim_holder(held)
+            self._claim_holders[run] = holder = wire.claim_holder(held)
             if held is not None and holder is None:
                 log.warning("run %s: its primary claim key holds no label (%r); ignored", run, held[:140])
         return True

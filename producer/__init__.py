@@ -3,6 +3,8 @@
     import runbus
     run = runbus.init(config={"lr": 3e-4})   # zero-config under torchrun
     run.log({"loss": 0.25}, step=10)           # never does I/O; never waits for an absent Redis
+    run.config.update({"epochs": 3})           # run metadata: config, summary, name, tags
+    run.summary["best_loss"] = 0.25
     run.finish()                               # or `with runbus.init() as run:`
 
 Importing this package is cheap: redis, NVML and torch are imported lazily, off the hot path.
@@ -10,19 +12,31 @@ Importing this package is cheap: redis, NVML and torch are imported lazily, off 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runbus.errors import InvalidName, LabelInUse, PrimaryConflict, RunExists, RunFinished, RunNotFound
-from runbus.producer import environment, exits
+from runbus import config as settings
+from runbus.errors import (
+    IdentityUnknown,
+    InvalidName,
+    LabelInUse,
+    PrimaryConflict,
+    RunExists,
+    RunFinished,
+    RunNotFound,
+)
+from runbus.producer import banner, environment, exits, metadata
 from runbus.producer.environment import Identity
 from runbus.producer.run import Run, RunOptions
 from runbus.producer.shipper import ShipperOptions
+from runbus.wire import check_name
 
 __all__ = [
+    "IdentityUnknown",
     "InvalidName",
     "LabelInUse",
     "PrimaryConflict",
@@ -30,6 +44,7 @@ __all__ = [
     "RunExists",
     "RunFinished",
     "RunNotFound",
+    "check_arguments",
     "init",
 ]
 
@@ -53,32 +68,6 @@ _active: dict[tuple[str, str], Run] = {}
 _active_lock = threading.Lock()
 
 
-def _plain_config(config: Any) -> dict[str, Any]:
-    import orjson
-
-    from runbus.redact import redact
-    from runbus.wire import MAX_DATA_BYTES
-
-    if config is None:
-        return {}
-    if not isinstance(config, Mapping):
-        if hasattr(config, "__dict__"):  # argparse.Namespace, simple config objects
-            config = vars(config)
-        else:
-            raise TypeError(f"config must be a dict, not {type(config).__name__}")
-    # Values JSON cannot hold (paths, dtypes, enums) are kept as their str(); keys become str.
-    blob = orjson.dumps(
-        dict(config),
-        default=str,
-        option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY,
-    )
-    if len(blob) > MAX_DATA_BYTES // 2:
-        raise ValueError(f"config is {len(blob)} bytes as JSON, over {MAX_DATA_BYTES // 2}")
-    # Secrets (api_key=, tokens, URL passwords) never leave the process: see runbus.redact.
-    plain: dict[str, Any] = redact(orjson.loads(blob))
-    return plain
-
-
 def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]:
     unknown = set(options) - _RUN_OPTIONS - _SHIPPER_OPTIONS - {"hardware"}
     if unknown:
@@ -95,6 +84,23 @@ def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]
     return RunOptions(**run_kw), ShipperOptions(**{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS})
 
 
+def check_arguments(**arguments: Any) -> None:
+    """Raise now what runbus.init(**arguments) would raise about its arguments alone: unknown or
+    invalid options, names, tags, resume modes (TypeError / ValueError). Nothing is resolved or
+    sent: integrations call it when they are built, long before a rank calls init()."""
+    parameters = set(inspect.signature(init).parameters) - {"options"}
+    _split_options({k: v for k, v in arguments.items() if k not in parameters})
+    for what in ("run_id", "label"):
+        if arguments.get(what) is not None:
+            check_name(what.replace("_", " "), arguments[what])
+    if arguments.get("name") is not None:
+        metadata.checked_name(arguments["name"])
+    if arguments.get("tags") is not None:
+        metadata.checked_tags(arguments["tags"])
+    if arguments.get("resume") is not None:
+        environment.check_resume(arguments["resume"])
+
+
 def init(
     run_id: str | None = None,
     label: str | None = None,
@@ -102,14 +108,24 @@ def init(
     redis_url: str | None = None,
     config: Mapping[str, Any] | None = None,
     resume: str | None = None,
+    name: str | None = None,
+    tags: Sequence[str] | None = None,
+    quiet: bool | None = None,
     **options: Any,
 ) -> Run:
     """Start logging this process into a run, as one label.
 
-    Defaults come from the environment: RUNBUS_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
-    label RUNBUS_LABEL, else `rank{RANK}`; primary when RANK is 0 (or unset) and the label is
-    that one (a label passed as an argument, a child's own, is not primary unless primary=True);
-    RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
+    Zero-config under torchrun, `accelerate launch`, DeepSpeed, Lightning, srun and mpirun (see
+    runbus.producer.environment): the run id is RUNBUS_RUN_ID, else the launcher's id for the job,
+    else the one rank 0 gives the process group (once the script has called init_process_group),
+    else, for a single process, a new one, exported to RUNBUS_RUN_ID for the processes it starts
+    (until its finish). The label is RUNBUS_LABEL, else `rank{RANK}`; primary when the rank is 0
+    (or a single process) and the label is that one (a label passed as an argument, a child's
+    own, is not primary unless primary=True); RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
+    Several ranks that cannot agree on a run id raise IdentityUnknown naming the ways out.
+
+    The primary prints one line on stderr: the run id, its label, `runbus show ID` and, with
+    RUNBUS_DASHBOARD_URL set, the run's page; quiet=True (or RUNBUS_QUIET=1) silences it.
 
     A label has one live writer: this process holds a lease on it in Redis (renewed by its
     heartbeats, lease_ttl: 3 heartbeats, at least 30 s; given back at finish). resume
@@ -126,6 +142,12 @@ def init(
     those bounds full is dropped, counted, and reported as explained gaps (start and finish
     never are). finish() returns False when anything was dropped or left unshipped.
 
+    Run metadata: `config` (a dict or an argparse.Namespace; secrets redacted) is this label's
+    config at start; `run.config.update()` adds to it, `run.summary[...]` sets final values, and
+    `name` and `tags` (here, or `run.name = …`, `run.tags = […]` later) name the run; see
+    runbus.producer.metadata for what is accepted. Each label's values are stored apart; shown
+    merged, the primary's value of a key wins, else the latest any other label set.
+
     Options: system_interval (15 s; None turns sampling off),
     finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
     batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
@@ -134,7 +156,8 @@ def init(
     only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
     prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
 
-    Raises ValueError for invalid names, LabelInUse (naming its host and pid) when another live
+    Raises ValueError for invalid names (InvalidName: a run id, label, run name or tag) and
+    configs (TypeError for one that is no dict), LabelInUse (naming its host and pid) when another live
     process logs as this run and label, RunExists / RunNotFound as resume says, PrimaryConflict
     when another label is the run's live primary. If Redis cannot be reached, or refuses the
     credentials (logged once, as an error), init() returns at once and events are buffered; a
@@ -143,17 +166,27 @@ def init(
     """
     identity: Identity = environment.resolve(run_id, label, primary, redis_url, resume=resume)
     run_options, shipper_options = _split_options(options)
-    plain_config = _plain_config(config)
+    plain_config = metadata.plain_values(config, "config")
+    naming: dict[str, Any] = {}
+    if name is not None:
+        naming["name"] = metadata.checked_name(name)
+    if tags is not None:
+        naming["tags"] = metadata.checked_tags(tags)
+    silent = settings.quiet() if quiet is None else bool(quiet)
     with _active_lock:
         key = (identity.run_id, identity.label)
         existing = _active.get(key)
         if existing is not None and not existing.finished:
             log.warning("runbus: init() again for %s/%s returns the live Run", *key)
             return existing
-        run = Run(identity, run_options, shipper_options, plain_config, bool(options.get("hardware", True)))
+        run = Run(
+            identity, run_options, shipper_options, plain_config, bool(options.get("hardware", True)), naming
+        )
         _handshake(run)
         _active[key] = run
+    environment.export_run_id(identity)
     exits.track(run)
+    banner.announce(identity, silent)
     run._begin()
     return run
 
@@ -173,7 +206,20 @@ def _handshake(run: Run) -> None:
     shipper = run._shipper
     try:
         shipper.handshake()
-    except (PrimaryConflict, LabelInUse, RunExists, RunNotFound):
+    except LabelInUse as exc:
+        shipper._drop_connection()
+        parent = environment.inherited_from(run.identity)
+        if parent is None:
+            raise
+        raise LabelInUse(
+            f"{exc}. This process took the run id from RUNBUS_RUN_ID, which runbus.init() in process "
+            f"{parent} exported for the processes it starts: a process that is not one of the job's "
+            f'ranks logs under a label of its own: pass it run.child("{run.identity.label}-worker") '
+            "(a ChildLabel: call .init() in it), or unset RUNBUS_RUN_ID to start a run of its own "
+            "(under Lightning's ddp_spawn and ddp_fork the main process is no rank: call "
+            "runbus.init() in the ranks only, or in the main process only)"
+        ) from None
+    except (PrimaryConflict, RunExists, RunNotFound):
         shipper._drop_connection()
         raise
     except (redis.RedisError, OSError) as exc:

@@ -23,7 +23,7 @@ log = logging.getLogger("runbus.producer")
 
 RECORD_OVERHEAD = 368  # bytes beyond `data` a held record costs in memory (measured: bench/memory.py)
 MAX_DROP_RANGES = 1000
-VITAL_KINDS = ("start", "finish")
+VITAL_KINDS = ("start", "finish", "meta")
 
 
 class Record(NamedTuple):
@@ -195,7 +195,8 @@ class Backlog:
         """
         size = len(record.data) + RECORD_OVERHEAD
         # start and finish are never dropped: without them a label's state would be wrong,
-        # and they are a few hundred bytes once per process.
+        # and they are a few hundred bytes once per process; nor is run metadata (meta), which
+        # nothing later repeats.
         keep = keep or record.kind in VITAL_KINDS
         if not self._spooling and (keep or self.bytes + size <= self.max_bytes):
             self._hold(record, size)

@@ -22,8 +22,13 @@ captured a second time. Records of the `runbus` and `redis` loggers are echoed, 
 they are about shipping itself. Neither are records that a `run.logging_handler()` of the same
 Run will ship anyway.
 
-Only what Python code writes is captured: C and C++ libraries (NCCL, gloo) writing to the file
-descriptors directly reach the terminal unchanged and are not stored.
+Only what Python code writes is captured this way: C and C++ libraries (NCCL, gloo) writing to
+the file descriptors directly reach the terminal unchanged and are not stored. Under `runbus run`
+the whole console is captured instead, fds 1 and 2 included, from the process's start ("fd mode",
+runbus.producer.bootstrap): a keeper process reads the fds, echoes by the rule below and cuts the
+lines (LineCutter, LineLevels); the Run adopts them, those from before init() first. Python's
+streams are then only marked: the text of a record stored as a record, and runbus's own
+messages, are shown but not stored; records go through the keeper, in order with stderr.
 
 Echo (what still reaches the terminal), by `console` mode:
 
@@ -41,6 +46,7 @@ the Run has no shipper.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import os
 import re
@@ -48,12 +54,13 @@ import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from runbus.config import CONSOLE_ENV
 
 if TYPE_CHECKING:
+    from runbus.producer.bootstrap import FdCapture
     from runbus.producer.run import Run
 
 MODES = ("primary", "all", "off")
@@ -70,10 +77,16 @@ _TRACEBACK_START = re.compile(
     r"^(?:Traceback \(most recent call last\):|Exception in thread |Exception ignored in"
     r"|During handling of the above exception|The above exception was the direct cause)"
 )
-_ERROR_WORDS = re.compile(r"\b(?:ERROR|CRITICAL|FATAL)\b|\berror:|^Fatal Python error|^Segmentation fault")
+_ERROR_WORDS = re.compile(
+    r"\b(?:ERROR|CRITICAL|FATAL)\b|\berror:|^Fatal Python error|^Segmentation fault"
+    # What C and C++ print as a process dies: an uncaught C++ exception, abort().
+    r"|^terminate called|^\s*what\(\):|\(core dumped\)|^Aborted\b"
+)
 _EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Interrupt)(?::|$)")
 # Substrings every error line has: most lines are ruled out by these alone, without a regex.
-_ERROR_HINT = re.compile("rror|RROR|xception|Interrupt|FATAL|CRITICAL|Segmentation")
+_ERROR_HINT = re.compile(
+    r"rror|RROR|xception|Interrupt|FATAL|CRITICAL|Segmentation|terminate|what\(\)|dumped|Abort"
+)
 _TRACEBACK_HINTS = ("Traceback", "Exception", "During", "The above", "[rank")
 # torch.distributed's excepthook prints tracebacks with this prefix on every line.
 _TORCH_RANK_PREFIX = re.compile(r"\[rank\d+\]: ")
@@ -89,6 +102,15 @@ def check_mode(mode: object) -> str:
     if mode not in MODES:
         raise ValueError(f"console must be one of {', '.join(MODES)}; got {mode!r}")
     return mode
+
+
+def echo_mode(mode: str, primary: bool, rank: int | None) -> str:
+    """What a process shows of its console: "raw" (unchanged: the primary, or a process not
+    launched as a rank), "prefixed" (every line with `[label] `, mode "all"), "errors" (only ERROR
+    lines, prefixed: the other ranks, mode "primary")."""
+    if mode == "all":
+        return "prefixed"
+    return "raw" if primary or rank is None else "errors"
 
 
 def default_mode(env: Mapping[str, str] | None = None) -> str:
@@ -133,6 +155,91 @@ class LineLevels:
         return "ERROR" if _EXCEPTION_LINE.match(line) or _ERROR_WORDS.search(line) else self.default
 
 
+class LineCutter:
+    """Cuts a stream's text into lines as a terminal shows them, and hands each to `emit`.
+
+    A line ends at "\\n" or "\\r\\n"; a bare "\\r" overwrites the line; a partial line waits for
+    its newline and is cut only at MAX_LINE_CHARS or by end().
+    """
+
+    __slots__ = ("_emit", "_overwrite", "_pieces", "_size")
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self._emit = emit
+        self._pieces: list[str] = []
+        self._size = 0
+        self._overwrite = False
+
+    def feed(self, text: str) -> None:
+        if text == "\n":  # print()'s end
+            self._overwrite = False
+            self._end_line()
+            return
+        if not text:  # write(""): no line to start
+            return
+        if "\n" not in text and _CR not in text:
+            self._add(text)
+            return
+        for token in _TOKENS.findall(text):
+            if token in _LINE_ENDS:
+                self._overwrite = False
+                self._end_line()
+            elif token == _CR:
+                self._overwrite = True
+            else:
+                self._add(token)
+
+    def _add(self, piece: str) -> None:
+        """Add text without a line end to the partial line (replacing it after a bare CR)."""
+        if self._overwrite:
+            self._pieces.clear()
+            self._size = 0
+            self._overwrite = False
+        self._pieces.append(piece)
+        self._size += len(piece)
+        if self._size >= MAX_LINE_CHARS:
+            self._spill()
+
+    def end(self) -> None:
+        """Hand over the partial line, if any (the stream stops here)."""
+        if self._pieces:
+            self._end_line()
+        self._overwrite = False
+
+    def _end_line(self) -> None:
+        line = "".join(self._pieces)
+        self._pieces.clear()
+        self._size = 0
+        self._emit(line)
+
+    def _spill(self) -> None:
+        text = "".join(self._pieces)
+        cut = len(text) - len(text) % MAX_LINE_CHARS
+        for start in range(0, cut, MAX_LINE_CHARS):
+            self._emit(text[start : start + MAX_LINE_CHARS])
+        self._pieces = [text[cut:]] if cut < len(text) else []
+        self._size = len(text) - cut
+
+
+class Prefixer:
+    """Puts `prefix` at the start of every line of a stream's echo (a "\\r" starts a line too)."""
+
+    __slots__ = ("at_line_start", "prefix")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.at_line_start = True
+
+    def __call__(self, text: str) -> str:
+        out = []
+        for token in _TOKENS.findall(text):
+            if self.at_line_start and token not in _LINE_ENDS:
+                out.append(self.prefix)
+            out.append(token)
+            self.at_line_start = token in _LINE_ENDS or token == _CR
+        return "".join(out)
+
+
 class _TextTee:
     """Stands in for sys.stdout or sys.stderr: echoes each write and captures it by lines."""
 
@@ -142,10 +249,8 @@ class _TextTee:
         self._original = original
         self._name = name
         self._levels = LineLevels(default_level)
-        self._pieces: list[str] = []
-        self._size = 0
-        self._overwrite = False
-        self._at_line_start = True
+        self._cutter = LineCutter(self._emit)
+        self._prefixed = Prefixer(capture.prefix)
         self._capturing = True
         self._lock = threading.RLock()
         self._binary: _BinaryTee | None = None
@@ -219,59 +324,10 @@ class _TextTee:
             self._write_prefixed(text)
 
     def _write_prefixed(self, text: str) -> None:
-        prefix = self._capture.prefix
-        out = []
-        for token in _TOKENS.findall(text):
-            if self._at_line_start and token not in _LINE_ENDS:
-                out.append(prefix)
-            out.append(token)
-            self._at_line_start = token in _LINE_ENDS or token == _CR
-        self._original.write("".join(out))
+        self._original.write(self._prefixed(text))
 
     def _feed(self, text: str) -> None:
-        if text == "\n":  # print()'s end
-            self._overwrite = False
-            self._end_line()
-            return
-        if "\n" not in text and _CR not in text:
-            if self._overwrite:
-                self._pieces.clear()
-                self._size = 0
-                self._overwrite = False
-            self._pieces.append(text)
-            self._size += len(text)
-            if self._size >= MAX_LINE_CHARS:
-                self._spill()
-            return
-        for token in _TOKENS.findall(text):
-            if token in _LINE_ENDS:
-                self._overwrite = False
-                self._end_line()
-            elif token == _CR:
-                self._overwrite = True
-            else:
-                if self._overwrite:
-                    self._pieces.clear()
-                    self._size = 0
-                    self._overwrite = False
-                self._pieces.append(token)
-                self._size += len(token)
-                if self._size >= MAX_LINE_CHARS:
-                    self._spill()
-
-    def _end_line(self) -> None:
-        line = "".join(self._pieces)
-        self._pieces.clear()
-        self._size = 0
-        self._emit(line)
-
-    def _spill(self) -> None:
-        text = "".join(self._pieces)
-        cut = len(text) - len(text) % MAX_LINE_CHARS
-        for start in range(0, cut, MAX_LINE_CHARS):
-            self._emit(text[start : start + MAX_LINE_CHARS])
-        self._pieces = [text[cut:]] if cut < len(text) else []
-        self._size = len(text) - cut
+        self._cutter.feed(text)
 
     def _emit(self, line: str, level: str | None = None, echo: bool = True) -> None:
         level = level or self._levels.level(line)
@@ -295,8 +351,7 @@ class _TextTee:
         with self._lock:
             if not self._capturing:
                 return
-            if self._pieces:
-                self._end_line()
+            self._cutter.end()
             self._capturing = False
 
     def forget_after_fork(self) -> None:
@@ -333,6 +388,71 @@ class _BinaryTee:
         return getattr(self._original, name)
 
 
+class _MarkingTee:
+    """Stands in for sys.stdout or sys.stderr while the keeper captures fds 1 and 2 (fd mode).
+
+    Every write goes to the stream unchanged, to be captured through the fd in order with what C
+    code and child processes write there. Only text that must be shown but not stored is marked
+    for the keeper: the text a StreamHandler prints for a record stored as a record, and what
+    runbus's own threads and loggers print.
+    """
+
+    def __init__(self, capture: ConsoleCapture, original: Any, fd_capture: FdCapture) -> None:
+        self._capture = capture
+        self._original = original
+        self._fd_capture = fd_capture
+        self._marking = True
+
+    def write(self, text: str) -> int:
+        if self._marking:
+            caller = sys._getframe(1)
+            if caller.f_code is _STREAM_EMIT:  # the text of a logging record
+                record = caller.f_locals.get("record")
+                if isinstance(record, logging.LogRecord):
+                    if record.name.startswith(OWN_LOGGERS):
+                        return self._mark(text, always=True)
+                    if getattr(record, SHIPPED, False):
+                        return self._mark(text, always=record.levelno >= logging.ERROR)
+            elif threading.current_thread().name.startswith("runbus-"):
+                return self._mark(text, always=True)
+        return self._original.write(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._original.flush()
+
+    def detach(self) -> None:
+        self._marking = False
+
+    def _mark(self, text: str, always: bool) -> int:
+        from runbus.producer.keeper import ALWAYS, RULE
+
+        try:
+            fd = self._original.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = -1
+        try:
+            data = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            data = text.encode("utf-8", "replace")
+        self._original.flush()  # what was written before goes first
+        if not self._fd_capture.write_marked(fd, ALWAYS if always else RULE, data):
+            return self._original.write(text)  # no keeper reads this fd: plain text
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        original = self.__dict__.get("_original")
+        if original is None:  # half-built (copy, pickle): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(original, name)
+
+    def __repr__(self) -> str:
+        return f"<runbus console marker of {self._original!r}>"
+
+
 class _RecordFactory:
     """Wraps the log-record factory: ships each record it makes while its capture is on."""
 
@@ -360,7 +480,7 @@ class _RecordFactory:
             text = self.formatter.format(record)
         except Exception:  # bad format arguments: logging reports them when a handler formats
             return record
-        self.capture.put_line("logging", record.levelname, text)
+        self.capture.put_record(record.levelname, text)
         setattr(record, SHIPPED, True)
         return record
 
@@ -383,17 +503,14 @@ class ConsoleCapture:
         self.run = run
         self.mode = check_mode(mode)
         ident = run.identity
-        if mode == "all":
-            self.echo = "prefixed"
-        elif ident.primary or ident.rank is None:
-            self.echo = "raw"
-        else:
-            self.echo = "errors"
+        self.echo = echo_mode(mode, ident.primary, ident.rank)
         self.prefix = f"[{ident.label}] "
         self.pid = os.getpid()
-        self._tees: dict[str, _TextTee] = {}
+        self._tees: dict[str, _TextTee | _MarkingTee] = {}
         self._factory: _RecordFactory | None = None
-        self._repointed: list[tuple[logging.StreamHandler, _TextTee]] = []
+        self._repointed: list[tuple[logging.StreamHandler, _TextTee | _MarkingTee]] = []
+        self._fd_capture: FdCapture | None = None
+        self._tracebacks: list[str] = []  # to store after the keeper's lines, in fd mode
 
     @classmethod
     def start_for(cls, run: Run, mode: str) -> ConsoleCapture | None:
@@ -417,19 +534,40 @@ class ConsoleCapture:
     def put_line(self, stream: str, level: str, text: str) -> None:
         self.run._put("log", None, {"stream": stream, "level": level, "text": clean_text(text)})
 
+    def put_record(self, level: str, text: str) -> None:
+        """A logging record's line: in fd mode through the keeper, in order with stderr."""
+        fd_capture = self._fd_capture
+        if fd_capture is not None:
+            from runbus.producer.keeper import RECORD, line_payload
+
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            if fd_capture.write_marked(2, RECORD, line_payload(level, clean_text(text))):
+                return
+        self.put_line("logging", level, text)
+
     def _start(self) -> None:
+        from runbus.producer import bootstrap
+
+        fd_capture = bootstrap.current()
+        if fd_capture is not None and fd_capture.adopt(self.echo, self.run.label, self.put_line):
+            self._fd_capture = fd_capture
         for name, level in (("stdout", "INFO"), ("stderr", "WARNING")):
             original = getattr(sys, name)
             if original is None:  # pythonw, or a daemon with its streams closed
                 continue
-            tee = _TextTee(self, original, name, level)
+            tee: _TextTee | _MarkingTee
+            if fd_capture is not None and self._fd_capture is fd_capture:
+                tee = _MarkingTee(self, original, fd_capture)
+            else:
+                tee = _TextTee(self, original, name, level)
             self._tees[name] = tee
             setattr(sys, name, tee)
             self._repoint(original, tee)
         self._factory = _RecordFactory(self, logging.getLogRecordFactory())
         logging.setLogRecordFactory(self._factory)
 
-    def _repoint(self, original: Any, tee: _TextTee) -> None:
+    def _repoint(self, original: Any, tee: _TextTee | _MarkingTee) -> None:
         # logging.basicConfig() before init() holds the real stream; pointing its handler at
         # the tee lets the echo rule apply to what it prints.
         loggers = [logging.getLogger()] + [
@@ -443,9 +581,13 @@ class ConsoleCapture:
 
     def record_exception(self, exc_type, exc, tb) -> None:
         """Store a traceback as ERROR lines of stderr (echoed later by Python, not here)."""
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        if self._fd_capture is not None:
+            self._tracebacks.append(text)  # after what the keeper still holds: stop() stores it
+            return
         tee = self._tees.get("stderr")
-        if tee is not None:
-            tee.record_lines("".join(traceback.format_exception(exc_type, exc, tb)), "ERROR")
+        if isinstance(tee, _TextTee):
+            tee.record_lines(text, "ERROR")
 
     def stop(self) -> None:
         """Store partial lines, put the original streams and handlers back; idempotent."""
@@ -455,6 +597,19 @@ class ConsoleCapture:
             factory.active = False
             if logging.getLogRecordFactory() is factory:
                 logging.setLogRecordFactory(factory.previous)
+        fd_capture, self._fd_capture = self._fd_capture, None
+        if fd_capture is not None:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            if not fd_capture.release():
+                logging.getLogger("runbus.producer").warning(
+                    "runbus: the console keeper did not hand over its last lines in time"
+                )
+            for text in self._tracebacks:
+                for line in text.splitlines():
+                    self.put_line("stderr", "ERROR", line)
+            self._tracebacks.clear()
         for name, tee in self._tees.items():
             tee.detach()
             if getattr(sys, name) is tee:

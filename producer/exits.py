@@ -2,7 +2,8 @@
 
 torchrun stops workers with SIGTERM, whose default action skips atexit; a handler is installed
 only where none is (SIG_DFL), finishes every Run with exit code 128+15, then lets the signal
-do what it would have done.
+do what it would have done. Hooks added with at_end() run after the Runs are finished, with the
+same exit code: runbus.producer.bootstrap stores there the console of a rank that made no Run.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runbus.producer.run import Run
 
 _live: list[Run] = []
+_end_hooks: list[Callable[[int], None]] = []
 _lock = threading.Lock()
 _installed = False
 _uncaught = False
@@ -41,10 +44,18 @@ def live_runs() -> list[Run]:
         return list(_live)
 
 
+def at_end(hook: Callable[[int], None]) -> None:
+    """Call `hook(exit_code)` at process end (exit, uncaught exception, SIGTERM), after the Runs."""
+    _end_hooks.append(hook)
+    _install()
+
+
 def finish_all(exit_code: int) -> None:
-    """Finish every live Run (each within its own finish timeout)."""
+    """Finish every live Run (each within its own finish timeout), then run the end hooks."""
     for run in live_runs():
         run.finish(exit_code=exit_code)
+    for hook in list(_end_hooks):
+        hook(exit_code)
 
 
 def _at_exit() -> None:

@@ -26,6 +26,9 @@ Pending = tuple[str, int, float, "int | None", Any]
 # and heartbeats come from the shipper thread, which cannot wait for itself. One of each at a
 # time, at most, so the bound is passed by a few events.
 UNBOUNDED_KINDS = frozenset({"start", "finish", "heartbeat"})
+# Kinds that wait for room while Redis answers, like any, but are never dropped: run metadata
+# (a config, summary, name or tags update) is kept past the bound instead.
+KEPT_KINDS = frozenset({"meta"})
 WAIT_SLICE = 0.05  # a waiting put looks again this often whether it still may wait
 
 
@@ -97,6 +100,8 @@ class Outbox:
             waited = False
             while len(self._events) >= self.max_events:
                 if not self.may_wait():
+                    if kind in KEPT_KINDS:
+                        break
                     self._drop()
                     return
                 if not waited:

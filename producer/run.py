@@ -4,6 +4,8 @@ Everything `log()` does is check values and append to the outbox; serialising an
 happen on the shipper thread, so an absent Redis never slows the training loop. Only when the
 training loop outruns shipping to a Redis that answers does `log()` wait, for room in the outbox.
 What `log()` accepts, the ingester accepts: what it would refuse raises at `log()` instead.
+Run metadata (`run.config`, `run.summary`, `run.name`, `run.tags`) goes through the same outbox as
+`meta` events, checked first (runbus.producer.metadata).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from runbus import wire
 from runbus.errors import RunFinished
 from runbus.producer.backlog import DropLog
 from runbus.producer.environment import Identity
+from runbus.producer.metadata import RunValues, checked_name, checked_tags
 from runbus.producer.outbox import Outbox
 from runbus.producer.shipper import Shipper, ShipperOptions, encode_data
 
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runbus.producer")
 
-MAX_KEY_LENGTH = 256
+MAX_KEY_LENGTH = wire.MAX_KEY_LENGTH
 MIN_SYSTEM_INTERVAL = 0.5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 STEP_END = 2**63
@@ -201,6 +204,7 @@ class Run:
         shipper_options: ShipperOptions,
         config: dict[str, Any],
         describe_hardware: bool = True,
+        naming: dict[str, Any] | None = None,
     ) -> None:
         self.identity = identity
         self.options = options
@@ -227,9 +231,17 @@ class Run:
                 "local_rank": identity.local_rank,
                 "world_size": identity.world_size,
                 "restart_count": identity.restart_count,
+                "launcher": identity.launcher,
                 "config": config,
             },
         )
+        self._config = RunValues(self, "config", config)
+        self._summary = RunValues(self, "summary")
+        naming = naming or {}
+        self._name: str | None = naming.get("name")
+        self._tags: tuple[str, ...] = tuple(naming.get("tags", ()))
+        if naming:
+            self._put("meta", None, dict(naming))
 
     def _begin(self) -> None:
         """Start the background threads (the handshake has been tried by then)."""
@@ -279,6 +291,55 @@ class Run:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    # -- run metadata ------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> RunValues:
+        """This label's config: read it like a dict; `run.config.update({...})` or
+        `run.config[key] = value` add to it (see runbus.producer.metadata)."""
+        return self._config
+
+    @property
+    def summary(self) -> RunValues:
+        """This label's summary (final values: the last write of a key wins): read it like a
+        dict; `run.summary[key] = value` or `run.summary.update({...})` set it."""
+        return self._summary
+
+    @property
+    def name(self) -> str | None:
+        """The run's name as this label last set it (None if it never did)."""
+        return self._name
+
+    @name.setter
+    def name(self, name: str) -> None:
+        name = checked_name(name)
+        self._send_meta({"name": name})
+        self._name = name
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The run's tags as this label last set them; `run.tags = [...]` replaces them."""
+        return self._tags
+
+    @tags.setter
+    def tags(self, tags: Any) -> None:
+        self.set_tags(tags)
+
+    def set_tags(self, tags: Any) -> None:
+        """Replace the run's tags, as this label sets them (a list; [] clears them)."""
+        checked = checked_tags(tags)
+        self._send_meta({"tags": checked})
+        self._tags = tuple(checked)
+
+    def _send_meta(self, data: dict[str, Any]) -> None:
+        """Put one meta event (checked values): never dropped; refused after finish()."""
+        if self._finished:
+            ident = self.identity
+            raise RunFinished(
+                f"run {ident.run_id}/{ident.label} has finished: its metadata can no longer change"
+            )
+        self._put("meta", None, data)
 
     # -- the hot path ------------------------------------------------------------------------------
 
@@ -380,9 +441,10 @@ class Run:
         if self.dropped:
             log.warning("runbus: %d events were dropped (their seqs are reported as gaps)", self.dropped)
         self._complete = shipped_all and not self.dropped
-        from runbus.producer import exits
+        from runbus.producer import environment, exits
 
         exits.forget(self)
+        environment.withdraw_run_id(self.identity.run_id)
         return self._complete
 
     def _disown(self) -> None:
@@ -408,6 +470,24 @@ class Run:
     def __repr__(self) -> str:
         ident = self.identity
         return f"<Run {ident.run_id}/{ident.label} primary={self.primary} epoch={self.epoch}>"
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # A Run is this process's one live writer of its label (a lease, threads, a connection): a
+        # copy in another process would be a second writer of the label, so none is ever made.
+        ident = self.identity
+        raise TypeError(
+            f"a Run cannot be pickled: it is this process's live writer of run "
+            f"{ident.run_id!r}, label {ident.label!r}. Pass another process "
+            f'run.child("{ident.label}-worker") (a picklable ChildLabel: the process calls .init() '
+            f"on it and logs under that label of its own), or the run id {ident.run_id!r} "
+            f'(runbus.init(run_id=..., label="...") there)'
+        )
+
+    def __copy__(self) -> Run:
+        return self  # the same writer: copying a model that holds its Run (EMA, SWA) keeps it
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Run:
+        return self
 
 
 class _SamplerThread(threading.Thread):

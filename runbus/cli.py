@@ -51,6 +51,7 @@ ROUTES: dict[str, Route] = {
     "demo": Route("a small multi-rank job logged into one run", "runbus.ingester.cli:add_demo", "INFO"),
     "serve": Route("the web dashboard and its JSON API", "runbus.dashboard.cli:add_serve"),
     "tail": Route("follow every rank's log lines live, from the streams", "runbus.dashboard.cli:add_tail"),
+    "run": Route("run a training command (any launcher) as one run", "runbus.producer.launch:add_run"),
 }
 
 

@@ -29,6 +29,15 @@ CONSOLE_ENV = "RUNBUS_CONSOLE"
 API_TOKEN_ENV = "RUNBUS_API_TOKEN"  # noqa: S105 - the variable's name, not a token
 DEMO_STEPS_ENV = "RUNBUS_DEMO_STEPS"
 DECODER_ENV = "RUNBUS_DECODER"
+DASHBOARD_URL_ENV = "RUNBUS_DASHBOARD_URL"
+QUIET_ENV = "RUNBUS_QUIET"
+# Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
+# process: a child that inherits the id learns whose it is.
+RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
+# Set by `runbus run` for its command: the pid the command runs as (runbus.producer.launch).
+LAUNCH_ENV = "RUNBUS_LAUNCH"
+# Set by the process that captures a rank's console: its pid and rank variables.
+CONSOLE_OWNER_ENV = "RUNBUS_CONSOLE_OWNER"
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STORE_FILE = "runbus.db"
@@ -44,6 +53,25 @@ def redis_url(env: Mapping[str, str] | None = None) -> str:
 def api_token(env: Mapping[str, str] | None = None) -> str | None:
     """The dashboard's token from RUNBUS_API_TOKEN, else None (an empty value is none)."""
     return (os.environ if env is None else env).get(API_TOKEN_ENV) or None
+
+
+def dashboard_url(env: Mapping[str, str] | None = None) -> str | None:
+    """The dashboard's address from RUNBUS_DASHBOARD_URL (e.g. http://host:8080), else None: the
+    line runbus.init() prints links a run's page there."""
+    url = (os.environ if env is None else env).get(DASHBOARD_URL_ENV) or None
+    return url.rstrip("/") if url else None
+
+
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"", "0", "false", "no", "off"})
+
+
+def quiet(env: Mapping[str, str] | None = None) -> bool:
+    """RUNBUS_QUIET: 1/true/yes/on silences the line runbus.init() prints; unset or 0/false/no/off
+    does not; anything else is a ValueError naming the variable."""
+    text = (os.environ if env is None else env).get(QUIET_ENV, "").strip().lower()
+    if text not in _TRUE | _FALSE:
+        raise ValueError(f"{QUIET_ENV}={text[:40]!r} is not one of 1, true, yes, on, 0, false, no, off")
+    return text in _TRUE
 
 
 def demo_steps(env: Mapping[str, str] | None = None, default: int = 40) -> int:

@@ -15,11 +15,18 @@ class RunbusError(Exception):
 
 
 class InvalidName(RunbusError, ValueError):
-    """A run id or label that the wire contract does not allow; fix the name, do not retry."""
+    """A run id, label, run name or tag that the wire contract does not allow; fix the name, do
+    not retry."""
 
 
 class InvalidEntry(RunbusError, ValueError):
     """A stream entry that breaks the wire contract; it is dead-lettered with this message."""
+
+
+class IdentityUnknown(RunbusError, ValueError):
+    """This process cannot tell which run or label it is: several ranks and no run id they all
+    read alike, or a rank its launcher's variables do not determine. The message names the ways
+    out: RUNBUS_RUN_ID (or run_id=), RUNBUS_LABEL (or label=), or `runbus run -- ...`."""
 
 
 class PrimaryConflict(RunbusError, RuntimeError):
@@ -27,7 +34,8 @@ class PrimaryConflict(RunbusError, RuntimeError):
 
 
 class RunFinished(RunbusError, RuntimeError):
-    """log() on a Run after finish(); start a new Run to log more."""
+    """log(), or a config, summary, name or tags update, on a Run after finish(); start a new
+    Run to log more."""
 
 
 class LabelInUse(RunbusError, RuntimeError):

@@ -209,9 +209,9 @@ def _masked_basic(match: re.Match[str]) -> str:
 
 def redact(value: Any) -> Any:
     """`value` (JSON-like: dicts, lists, strings, numbers) with secrets replaced by MARKER: by
-    name in every dict at any depth, by shape in every string; a list under a key named `argv`
-    is read as a command line (`redact_argv`); a dict or list nested deeper than MAX_DEPTH is
-    MARKER whole. A new value: the argument is not changed."""
+    name in every dict at any depth, by shape in every string (dict keys included); a list
+    under a key named `argv` is read as a command line (`redact_argv`); a dict or list nested
+    deeper than MAX_DEPTH is MARKER whole. A new value: the argument is not changed."""
     return _redacted(value, 0)
 
 
@@ -225,10 +225,15 @@ def _redacted(value: Any, depth: int) -> Any:
     if isinstance(value, Mapping | list | tuple) and depth >= MAX_DEPTH:
         return MARKER
     if isinstance(value, Mapping):
-        return {key: _redacted_item(str(key), item, depth + 1) for key, item in value.items()}
+        return {_redacted_key(key): _redacted_item(str(key), item, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_redacted(item, depth + 1) for item in value]
     return value
+
+
+def _redacted_key(key: Any) -> Any:
+    # A secret used as a name (`{"hf_…": 1}`) is hidden by its shape, as it would be in a value.
+    return redact_text(key) if isinstance(key, str) else key
 
 
 def _redacted_item(name: str, value: Any, depth: int) -> Any:

@@ -12,6 +12,7 @@ import math
 import re
 import secrets
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ DEAD_LETTER_KEY = f"{PREFIX}:dead"
 # it within a poll instead of a keyspace scan.
 REGISTRY_KEY = f"{PREFIX}:streams"
 
-KINDS = frozenset({"start", "metric", "log", "system", "heartbeat", "finish"})
+KINDS = frozenset({"start", "metric", "log", "system", "heartbeat", "finish", "meta"})
 LOG_STREAMS = frozenset({"stdout", "stderr", "logging"})
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _NAME = re.compile(NAME_PATTERN)
@@ -43,6 +44,21 @@ TS_MIN, TS_MAX = 946_684_800.0, 7_258_118_400.0
 # the producer and a dead letter at the ingester, never a silent truncation.
 MAX_DATA_BYTES = 1 << 20
 
+# Run metadata (kind `meta`): what one event may set, and the bounds both sides check. A config
+# or summary update sets top-level keys (each replaces its whole value); name and tags are set
+# whole. MAX_META_KEYS bounds one update, and the keys a producer's label sets in all.
+META_FIELDS = ("config", "summary", "name", "tags")
+MAX_META_KEYS = 10_000
+MAX_KEY_LENGTH = 256  # a metric name, or a config or summary key
+MAX_RUN_NAME = 128
+MAX_TAGS = 32
+TAG_PATTERN = r"[\w.:/=+@-]{1,64}"
+_TAG = re.compile(TAG_PATTERN)
+# Unicode categories a run name may not hold: controls, formatting (bidi overrides, zero-width
+# characters), surrogates, line and paragraph separators. Such a name would print as something
+# other than what it is.
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
 NON_FINITE_TO_WIRE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 WIRE_TO_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -55,6 +71,41 @@ def check_name(what: str, name: object) -> str:
             "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 128)"
         )
     return name
+
+
+def check_run_name(name: object) -> str:
+    """Return `name` if it is a valid run name (what people read, unlike the run id), else raise
+    InvalidName saying why."""
+    if not isinstance(name, str):
+        raise InvalidName(f"a run name must be a string, not {type(name).__name__}")
+    if not 0 < len(name) <= MAX_RUN_NAME:
+        raise InvalidName(f"a run name must have 1 to {MAX_RUN_NAME} characters, not {len(name)}")
+    if name.strip() != name:
+        raise InvalidName(f"run name {name[:40]!r} starts or ends with white space")
+    bad = next((c for c in name if unicodedata.category(c) in _UNPRINTABLE), None)
+    if bad is not None:
+        raise InvalidName(f"run name {name[:40]!r} holds the control character U+{ord(bad):04X}")
+    return name
+
+
+def check_tags(tags: object) -> list[str]:
+    """`tags` as a list of valid tags, each once, in their first order; else raise InvalidName
+    saying why (a single string is refused: it is one tag, not a list of them)."""
+    if isinstance(tags, (set, frozenset)):
+        tags = sorted(tags, key=str)
+    if not isinstance(tags, (list, tuple)):
+        raise InvalidName(f"tags must be a list of strings, not {type(tags).__name__}")
+    for tag in tags:
+        if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+            shown = tag[:40] if isinstance(tag, str) else tag
+            raise InvalidName(
+                f"invalid tag {shown!r}: must match {TAG_PATTERN} (1 to 64 letters, digits, "
+                "'_', '.', ':', '/', '=', '+', '@', '-'; no spaces or commas)"
+            )
+    unique = list(dict.fromkeys(tags))
+    if len(unique) > MAX_TAGS:
+        raise InvalidName(f"a run has at most {MAX_TAGS} tags, not {len(unique)}")
+    return unique
 
 
 def new_run_id() -> str:
@@ -75,6 +126,17 @@ def epoch_key(run: str, label: str) -> str:
 def primary_key(run: str) -> str:
     """Holds the label of the run's live primary (with a TTL its heartbeats refresh)."""
     return f"{PREFIX}:{{{run}}}:meta:primary"
+
+
+def claim_holder(held: bytes | str | None) -> str | None:
+    """The label a primary claim key (primary_key) holds, as its producer writes it; None for no
+    claim, or a value that is no label name (a key written by hand)."""
+    if held is None:
+        return None
+    try:
+        return check_name("label", held.decode() if isinstance(held, bytes) else held)
+    except (UnicodeDecodeError, InvalidName):
+        return None
 
 
 def lease_key(run: str, label: str) -> str:
@@ -354,8 +416,8 @@ def _system_data(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metric_key(key: object) -> str:
-    if not isinstance(key, str) or not key or len(key) > 256:
-        raise InvalidEntry(f"metric name {key!r} must be a non-empty string of at most 256")
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidEntry(f"metric name {key!r} must be a non-empty string of at most {MAX_KEY_LENGTH}")
     return key
 
 
@@ -400,6 +462,36 @@ def _heartbeat_data(data: dict[str, Any]) -> dict[str, Any]:
     return data  # any object: drop counters and the like ride along
 
 
+def _meta_data(data: dict[str, Any]) -> dict[str, Any]:
+    if not data:
+        raise InvalidEntry(f"meta data is empty: it sets one or more of {', '.join(META_FIELDS)}")
+    unknown = sorted(set(data) - set(META_FIELDS))
+    if unknown:
+        raise InvalidEntry(f"meta data field {unknown[0][:40]!r} is unknown: use {', '.join(META_FIELDS)}")
+    checked = dict(data)
+    for field in ("config", "summary"):
+        if field in data:
+            _meta_values(field, data[field])
+    try:
+        if "name" in data:
+            check_run_name(data["name"])
+        if "tags" in data:
+            checked["tags"] = check_tags(data["tags"])
+    except InvalidName as exc:
+        raise InvalidEntry(f"meta: {exc}") from None
+    return checked
+
+
+def _meta_values(field: str, values: object) -> None:
+    if not isinstance(values, dict):
+        raise InvalidEntry(f"meta {field} must be an object")
+    if len(values) > MAX_META_KEYS:
+        raise InvalidEntry(f"meta {field} sets {len(values)} keys, over the limit of {MAX_META_KEYS}")
+    for key in values:
+        if not 0 < len(key) <= MAX_KEY_LENGTH:
+            raise InvalidEntry(f"meta {field} key {key[:40]!r} must have 1 to {MAX_KEY_LENGTH} characters")
+
+
 _DATA_RULES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "metric": _metric_data,
     "system": _system_data,
@@ -407,6 +499,7 @@ _DATA_RULES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "start": _start_data,
     "finish": _finish_data,
     "heartbeat": _heartbeat_data,
+    "meta": _meta_data,
 }
 
 

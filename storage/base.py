@@ -11,6 +11,18 @@ from runbus.errors import StoreMissing
 from runbus.storage.rules import Gap
 from runbus.wire import Event
 
+# The chart reads' defaults and bounds (storage/charts.py).
+XUnit = Literal["step", "ts"]
+DEFAULT_POINTS = 1500
+MAX_POINTS = 10_000
+DEFAULT_OUTLIERS = 3
+MAX_OUTLIERS = 32
+# Up to this many labels every label is a line (and no outliers are picked).
+ALL_LINES_UP_TO = 16
+MAX_LINES_UP_TO = 64
+DEFAULT_HEAT_BUCKETS = 32
+MAX_HEAT_BUCKETS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class LabelSummary:
@@ -30,6 +42,23 @@ class LabelSummary:
     gaps: list[Gap] = field(default_factory=list)
     # When it last claimed the primary role while another label held it (refused), if ever.
     primary_refused_ts: float | None = None
+    # What this label set (the latest value of each key): its config (at start and since),
+    # summary, and the run's name and tags as it set them (None if it never did).
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
+    tags: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetBy:
+    """Which label set each value a run shows: a key of its merged config and summary, its name
+    and its tags (see storage.rules.merge_settings)."""
+
+    config: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, str] = field(default_factory=dict)
+    name: str | None = None
+    tags: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +75,13 @@ class RunSummary:
     label_count: int
     counts: dict[str, int] = field(default_factory=dict)
     labels: list[LabelSummary] = field(default_factory=list)
+    # The run's metadata, its labels' merged (set_by says which label set each value): config
+    # is None until a label has started or set any.
     config: dict[str, Any] | None = None
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    set_by: SetBy = field(default_factory=SetBy)
 
 
 # The two tables of numbers a run keeps: its metrics and its system samples.
@@ -76,6 +111,15 @@ class Point:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyPage:
+    """A page of a run's metric keys in code point order: `total` match the search in all."""
+
+    total: int
+    offset: int
+    keys: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class LogLine:
     """One stored log event."""
 
@@ -86,6 +130,161 @@ class LogLine:
     stream: str
     level: str
     text: str
+
+
+# -- what the rollups read back (storage/rollups.py, storage/charts.py) ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """What a key holds on one axis in one generation, from its widest rollups."""
+
+    axis: int
+    generation: int
+    n: int
+    x_lo: int
+    x_hi: int
+    ts_lo: float
+    ts_hi: float
+
+
+@dataclass(frozen=True, slots=True)
+class KeyExtent:
+    """A key of a run, as its widest rollups show it: spans, and the labels per axis."""
+
+    spans: list[Span]
+    labels: dict[int, int]
+
+    def axis_spans(self, axis: int) -> list[Span]:
+        return [s for s in self.spans if s.axis == axis]
+
+
+@dataclass(frozen=True, slots=True)
+class RunBucket:
+    """One run_rollups bucket, its slots merged."""
+
+    generation: int
+    bucket: int
+    part: list
+    bins: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LabelBucket:
+    """One label_rollups bucket of a label's epoch."""
+
+    label: str
+    epoch: int
+    generation: int
+    bucket: int
+    part: list
+
+
+@dataclass(frozen=True, slots=True)
+class BandBucket:
+    """One bucket of the band across labels: every value's count, min, max and mean; p10, p50
+    and p90 of the labels' means over each 128-step bucket inside (where `exact`: of its values)."""
+
+    x_lo: float
+    x_hi: float
+    n: int
+    nan: int
+    inf: int
+    lo: float | None
+    p10: float | None
+    p50: float | None
+    p90: float | None
+    hi: float | None
+    mean: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BandSegment:
+    """The band over one generation (an incarnation of the run: elastic restarts begin new ones),
+    and its gaps: x ranges inside it where no label logged the key."""
+
+    generation: int
+    buckets: list[BandBucket]
+    gaps: list[tuple[float, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class LinePoint:
+    """A label's bucket: x of its last value, that value, and mean, min, max, count."""
+
+    x: float
+    value: float
+    mean: float | None
+    lo: float | None
+    hi: float | None
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class LineSegment:
+    epoch: int
+    generation: int
+    points: list[LinePoint]
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One label's line, a segment per epoch; `distance`, for an outlier, how far it runs from the
+    median (in band widths: |its mean - median| / (p90 - p10), averaged over the ranking buckets)."""
+
+    label: str
+    segments: list[LineSegment]
+    distance: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One key's chart data. `width`: x units per bucket (1 with exact values: a bucket per step);
+    `lines`: every label's when `all_lines`, else the outliers'."""
+
+    run_id: str
+    key: str
+    x: XUnit
+    width: int
+    exact: bool
+    labels: int
+    start: float | None
+    end: float | None
+    band: list[BandSegment]
+    lines: list[Line]
+    all_lines: bool
+    other_axis: int = 0  # values of the key on the other axis (with a step when x is ts, or without)
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerLabel:
+    """One label's step times per heat bucket (None: no steps there) and how it compares with
+    the median label: mean and worst ratio (and the first step of the worst bucket), buckets
+    where it was slow, seconds lost overall."""
+
+    label: str
+    step_time: list[float | None]
+    mean_ratio: float | None
+    worst_ratio: float | None
+    worst_step: int | None
+    slow_buckets: int
+    seconds_behind: float
+    kind: Literal["chronic", "one-off", "normal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stragglers:
+    """Step times per label and step bucket (a heat map), the median label's, and the labels by
+    how slow they were, slowest first. `source`: the key whose values are step times
+    (`time_key`), or whose logging times give them (ts span over step span)."""
+
+    run_id: str
+    source: str
+    derived: bool
+    width: int
+    buckets: list[tuple[int, int]]
+    median: list[float | None]
+    labels: list[StragglerLabel]
 
 
 def missing_store(url: str) -> StoreMissing:
@@ -174,3 +373,66 @@ class Store(Protocol):
     ) -> list[LogLine]:
         """Up to `limit` of one label's log lines, in (epoch, seq) order, from just after the
         (epoch, seq) `after` (from the first if None), filtered as `logs` filters them."""
+
+    async def key_page(
+        self,
+        run_id: str,
+        prefix: str | None = None,
+        contains: str | None = None,
+        offset: int = 0,
+        limit: int = 100,
+    ) -> KeyPage:
+        """A page of the run's metric keys that start with `prefix` and hold `contains` (ASCII
+        letters in any case), in code point order, with how many match in all."""
+
+    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+        """Every stored value of a metric key: (label, epoch, seq, step, ts, value), each label's
+        in (epoch, seq) order, the labels in no order (a lean read for small keys' exact charts)."""
+
+    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
+        """A metric key's spans per axis and generation, and its labels; None if never logged."""
+
+    async def run_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+    ) -> list[RunBucket]:
+        """A key's run_rollups buckets lo..hi at `width` on `axis`, every generation's, slots
+        merged, in (generation, bucket) order."""
+
+    async def label_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """A key's label_rollups buckets lo..hi at `width` on `axis`, of `labels` (all if None)."""
+
+    async def open_buckets(
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """Each label epoch's highest 128-step bucket of a key on `axis` (of `labels`, all if
+        None): the open ones, not yet in the wider rows nor the sketch (storage/rollups.py)."""
+
+    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """Each label's latest start event data (host, rank, hardware with GPUs, driver, CUDA,
+        torch, argv ...), by label; {} for a label whose start never arrived."""
+
+    async def envelope(
+        self,
+        run_id: str,
+        key: str,
+        x: XUnit | None = None,
+        start: float | None = None,
+        end: float | None = None,
+        points: int = DEFAULT_POINTS,
+        outliers: int = DEFAULT_OUTLIERS,
+        all_lines_up_to: int = ALL_LINES_UP_TO,
+    ) -> Envelope | None:
+        """One key's chart: charts.envelope."""
+
+    async def stragglers(
+        self,
+        run_id: str,
+        key: str,
+        time_key: bool = False,
+        start: int | None = None,
+        end: int | None = None,
+        buckets: int = DEFAULT_HEAT_BUCKETS,
+    ) -> Stragglers | None:
+        """Step times per label and step bucket: charts.stragglers."""

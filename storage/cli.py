@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from runbus.cli import add_store_option, level_argument
 from runbus.errors import CommandError
+from runbus.redact import redact_text
 from runbus.storage import Store, documents, open_store, safe_url, tables
 from runbus.storage.base import RunSummary
 from runbus.terminal import printable
@@ -21,6 +22,7 @@ from runbus.terminal import printable
 T = TypeVar("T")
 RECENT_RUNS = 5  # runs an unknown run's error names
 LISTED_NAMES = 20  # keys or labels an unknown one's error names
+NAME_WIDTH, TAGS_WIDTH = 40, 30  # what `runbus runs` shows of a run's name and tags, at most
 
 
 def add_runs(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +135,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     rows = [
         (
             r.run_id,
+            None if r.name is None else tables.clipped(redact_text(r.name), NAME_WIDTH),
+            tables.clipped(tables.tags_text(r.tags), TAGS_WIDTH) if r.tags else None,
             tables.state_text(r),
             r.primary,
             r.label_count,
@@ -141,7 +145,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         )
         for r in runs
     ]
-    print(tables.table(("RUN", "STATE", "PRIMARY", "LABELS", "STARTED", "LAST EVENT"), rows))
+    print(tables.table(("RUN", "NAME", "TAGS", "STATE", "PRIMARY", "LABELS", "STARTED", "LAST EVENT"), rows))
     return 0
 
 

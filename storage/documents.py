@@ -1,7 +1,8 @@
 """The JSON documents the CLI prints and the dashboard's API answers: one shape for each record.
 
-A run's config is shown redacted (`runbus.redact`) even where the store holds it as written by
-hand; the CLI's JSON text has the controls a terminal would obey escaped (`json_printable`).
+A run's metadata (config, summary, name, tags) is shown redacted (`runbus.redact`) even where the
+store holds it as written by hand; the CLI's JSON text has the controls a terminal would obey
+escaped (`json_printable`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 import orjson
 
-from runbus.redact import redact
-from runbus.storage.base import LogLine, Point, RunSummary
+from runbus.redact import redact, redact_text
+from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.terminal import json_printable
 from runbus.wire import finite_to_wire
 
@@ -32,6 +33,8 @@ def run_head(run: RunSummary) -> dict[str, Any]:
     """A run's own fields, as the CLI's and the API's JSON documents start."""
     return {
         "run_id": run.run_id,
+        "name": None if run.name is None else redact_text(run.name),
+        "tags": [redact_text(tag) for tag in run.tags],
         "state": run.state,
         "primary": run.primary,
         "exit_code": run.exit_code,
@@ -61,17 +64,48 @@ def run_document(run: RunSummary) -> dict[str, Any]:
                     {"epoch": g.epoch, "first": g.first, "last": g.last, "dropped": g.dropped}
                     for g in lab.gaps
                 ],
+                **label_metadata(lab),
             }
             for lab in run.labels
         ],
-        "config": config_document(run.config),
+        **run_metadata(run),
         "primary_refused": refused_primaries(run),
     }
 
 
 def config_document(config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A run's config as the CLI and the API show it: secrets redacted."""
+    """A run's config (or summary) as the CLI and the API show it: secrets redacted."""
     return None if config is None else redact(config)
+
+
+def run_metadata(run: RunSummary) -> dict[str, Any]:
+    """A run's merged config and summary, and which label set each value (`set_by`: a key of
+    each to its label, and the labels that set the name and the tags shown)."""
+    return {
+        "config": config_document(run.config),
+        "summary": config_document(run.summary),
+        "set_by": {
+            "config": _labels_by_key(run.set_by.config),
+            "summary": _labels_by_key(run.set_by.summary),
+            "name": run.set_by.name,
+            "tags": run.set_by.tags,
+        },
+    }
+
+
+def _labels_by_key(labels: dict[str, str]) -> dict[str, str]:
+    # Keyed as the redacted config shows its keys: a key shaped like a secret is hidden too.
+    return {redact_text(key): label for key, label in labels.items()}
+
+
+def label_metadata(label: LabelSummary) -> dict[str, Any]:
+    """What one label set: its config and summary, and the run's name and tags as it set them."""
+    return {
+        "config": redact(label.config),
+        "summary": redact(label.summary),
+        "name": None if label.name is None else redact_text(label.name),
+        "tags": None if label.tags is None else [redact_text(tag) for tag in label.tags],
+    }
 
 
 def refused_primaries(run: RunSummary) -> list[dict[str, Any]]:
@@ -85,8 +119,20 @@ def refused_primaries(run: RunSummary) -> list[dict[str, Any]]:
 
 
 def runs_document(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:
-    """The `runbus runs --json` list."""
-    return [{k: v for k, v in asdict(run).items() if k not in ("labels", "counts", "config")} for run in runs]
+    """The `runbus runs --json` list: each run's own fields, its name, tags and summary."""
+    return [
+        {
+            **{k: v for k, v in asdict(run).items() if k not in _NOT_LISTED},
+            "name": None if run.name is None else redact_text(run.name),
+            "tags": [redact_text(tag) for tag in run.tags],
+            "summary": config_document(run.summary),
+        }
+        for run in runs
+    ]
+
+
+# What `runbus runs --json` leaves to `runbus show --json`.
+_NOT_LISTED = ("labels", "counts", "config", "summary", "set_by")
 
 
 def point_document(point: Point) -> dict[str, Any]:

@@ -7,9 +7,9 @@ query. A run that is being written is read as it stands while its pages are read
 meanwhile may or may not be in the table, none is in it twice.
 
 Columns and order (times are pandas timestamps in UTC, to the microsecond):
-- runs: run_id, (name, tags, summary where the store keeps them), state, primary, exit_code,
-  labels (how many), started, ended, last_event, metric_events, log_events, system_events,
-  config; newest first.
+- runs: run_id, name, tags (a list), state, primary, exit_code, labels (how many), started,
+  ended, last_event, metric_events, log_events, system_events, config, summary (dicts: each the
+  run's labels' merged); newest first.
 - history (metrics): label, key, step (Int64, <NA> where none was given), epoch, seq, ts, value
   (float64, NaN and ±inf as logged); by label, key, epoch, seq.
 - history, wide: one row per metric event, i.e. per log() call of a label, (label, epoch, seq):
@@ -23,7 +23,6 @@ Columns and order (times are pandas timestamps in UTC, to the microsecond):
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import groupby
@@ -43,8 +42,6 @@ if TYPE_CHECKING:
 PAGE_ROWS = 50_000  # values (or log lines) per query
 WIDE_COLUMNS = ("label", "epoch", "seq", "step", "ts")
 WIDE_RENAMED = "metric:"  # what a key named like one of WIDE_COLUMNS gets in front in a wide table
-# Fields a run may have in stores to come; a column each where RunSummary has them.
-OPTIONAL_RUN_FIELDS = ("name", "tags", "summary")
 LISTED_NAMES = 20  # labels or keys an unknown one's error names
 # Within the span of datetime64[us] (2**63 microseconds): a ts beyond it is NaT.
 MAX_MICROSECONDS = 9.2e18
@@ -82,12 +79,11 @@ async def runs_table(store: Store) -> pd.DataFrame:
     import pandas as pd
 
     runs = [await store.run(r.run_id) or r for r in await store.runs()]
-    fields = {field.name for field in dataclasses.fields(RunSummary)}
-    optional = {name: [getattr(r, name) for r in runs] for name in OPTIONAL_RUN_FIELDS if name in fields}
     return pd.DataFrame(
         {
             "run_id": _text([r.run_id for r in runs]),
-            **optional,
+            "name": _text([r.name for r in runs]),
+            "tags": pd.Series([list(r.tags) for r in runs], dtype=object),
             "state": _text([r.state for r in runs]),
             "primary": _text([r.primary for r in runs]),
             "exit_code": pd.array([r.exit_code for r in runs], dtype="Int64"),
@@ -100,6 +96,7 @@ async def runs_table(store: Store) -> pd.DataFrame:
                 for kind in rows.KINDS_COUNTED
             },
             "config": pd.Series([r.config for r in runs], dtype=object),
+            "summary": pd.Series([dict(r.summary) for r in runs], dtype=object),
         }
     )
 

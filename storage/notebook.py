@@ -3,6 +3,7 @@
     api = runbus.Api()                      # RUNBUS_STORE, else the CLI's default store
     api.runs()                              # a row per run, newest first
     run = api.run("my-run")
+    run.config, run.summary, run.name, run.tags   # each merged over the run's labels
     run.history()                           # every metric value: label, key, step, epoch, seq, ts, value
     run.history(keys="loss", wide=True)     # a row per logged event, a column per key
     run.logs(level="WARNING"), run.system()
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from runbus.config import default_store_url, safe_url
 from runbus.errors import StoreUnavailable
 from runbus.storage import open_store
-from runbus.storage.base import RunSummary, Store
+from runbus.storage.base import LabelSummary, RunSummary, SetBy, Store
 
 if TYPE_CHECKING:
     import asyncio
@@ -121,8 +122,9 @@ class Api:
         return self._reader.call(reading)
 
     def runs(self) -> pd.DataFrame:
-        """Every run, newest first: run_id, state, primary, exit_code, labels (how many), started,
-        ended, last_event (UTC timestamps), metric_events, log_events, system_events, config."""
+        """Every run, newest first: run_id, name, tags, state, primary, exit_code, labels (how
+        many), started, ended, last_event (UTC timestamps), metric_events, log_events,
+        system_events, config, summary (each its labels' merged)."""
         from runbus.storage import frames
 
         return self.read(frames.runs_table)
@@ -135,55 +137,89 @@ class Api:
 
 
 class StoredRun:
-    """A run as the store has it: its summary as read by Api.run, and its tables read anew on each call."""
+    """A run as the store has it: its record as read by Api.run, and its tables read anew on each call."""
 
-    def __init__(self, api: Api, summary: RunSummary) -> None:
+    def __init__(self, api: Api, record: RunSummary) -> None:
         self.api = api
-        self.summary = summary
+        self.record = record  # everything the store says of the run, its labels included
 
     def __repr__(self) -> str:
         return f"<runbus run {self.run_id!r}: {self.state}, {len(self.labels)} labels>"
 
     @property
     def run_id(self) -> str:
-        return self.summary.run_id
+        return self.record.run_id
 
     @property
     def state(self) -> str:
-        return self.summary.state
+        return self.record.state
 
     @property
     def primary(self) -> str | None:
-        return self.summary.primary
+        return self.record.primary
 
     @property
     def exit_code(self) -> int | None:
-        return self.summary.exit_code
+        return self.record.exit_code
 
     @property
     def labels(self) -> list[str]:
-        return [label.label for label in self.summary.labels]
+        return [label.label for label in self.record.labels]
+
+    @property
+    def name(self) -> str | None:
+        return self.record.name
+
+    @property
+    def tags(self) -> list[str]:
+        return list(self.record.tags)
 
     @property
     def config(self) -> dict[str, Any] | None:
-        return self.summary.config
+        """The run's config, its labels' merged: the primary's value of a key, else the latest
+        any other label set (`set_by` names the label of each key; `label_config` each label's)."""
+        return self.record.config
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The run's summary values, merged as the config is."""
+        return dict(self.record.summary)
+
+    @property
+    def set_by(self) -> SetBy:
+        """Which label set each value of config and summary, the name and the tags."""
+        return self.record.set_by
+
+    def label_config(self, label: str) -> dict[str, Any]:
+        """What one label set as its config."""
+        return dict(self._label(label).config)
+
+    def label_summary(self, label: str) -> dict[str, Any]:
+        """What one label set as its summary."""
+        return dict(self._label(label).summary)
+
+    def _label(self, label: str) -> LabelSummary:
+        for found in self.record.labels:
+            if found.label == label:
+                return found
+        raise KeyError(f"run {self.run_id!r} has no label {label!r}; its labels: {', '.join(self.labels)}")
 
     @property
     def counts(self) -> dict[str, int]:
         """Events stored, by kind: metric, log, system."""
-        return dict(self.summary.counts)
+        return dict(self.record.counts)
 
     @property
     def started(self) -> datetime | None:
-        return _when(self.summary.started_ts)
+        return _when(self.record.started_ts)
 
     @property
     def ended(self) -> datetime | None:
-        return _when(self.summary.ended_ts)
+        return _when(self.record.ended_ts)
 
     @property
     def last_event(self) -> datetime | None:
-        return _when(self.summary.last_ts)
+        return _when(self.record.last_ts)
 
     def history(
         self,

@@ -11,17 +11,22 @@ from typing import Any
 
 import orjson
 
-from runbus.storage.base import LabelSummary, RunSummary
+from runbus.storage.base import LabelSummary, RunSummary, SetBy
 from runbus.storage.rules import (
     LabelState,
     RunState,
+    Setting,
     by_epoch,
     decide_primary,
     explain_gaps,
+    latest_settings,
+    merge_settings,
     missing_count,
     primary_claims,
     refuse,
     refused_claims,
+    settings_of,
+    standing_settings,
     take_new,
 )
 from runbus.wire import Event, level_number
@@ -165,23 +170,14 @@ def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     return metric, log, system
 
 
-def value_rows(
-    fresh: Iterable[tuple[int, Sequence[Event]]],
-) -> tuple[list[tuple], list[tuple], list[tuple]]:
-    """The metrics, system and logs rows of new events, given as (label id, its events) pairs,
-    in the column order the tables declare. Inline rather than through helpers: this runs once
-    per stored value. Values stay as decoded (NaN included: SQLite stores it as NULL,
-    PostgreSQL as NaN)."""
-    metrics: list[tuple] = []
+def value_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tuple], list[tuple]]:
+    """The system and logs rows of new events, given as (label id, its events) pairs, in the
+    column order the tables declare (metrics rows come with their rollups: rollups.fold_metrics).
+    Inline rather than through helpers: this runs once per stored value. Values stay as decoded
+    (NaN included: SQLite stores it as NULL, PostgreSQL as NaN)."""
     system: list[tuple] = []
     logs: list[tuple] = []
     for label_id, events in fresh:
-        metrics += [
-            (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.step, e.ts, v)
-            for e in events
-            if e.kind == "metric"
-            for k, v in e.data.items()
-        ]
         system += [
             (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.ts, v)
             for e in events
@@ -189,7 +185,7 @@ def value_rows(
             for k, v in e.data.items()
         ]
         logs += [(label_id, e.epoch, e.seq, e.ts, *log_columns(e)) for e in events if e.kind == "log"]
-    return metrics, system, logs
+    return system, logs
 
 
 def label_columns(label: LabelState) -> tuple:
@@ -224,15 +220,10 @@ def dropped_from_json(text: str | bytes | None) -> dict[int, tuple[tuple[int, in
 
 
 def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
-    """(state, primary, exit_code, ended_ts, started_ts, last_ts, config JSON) of a run; its
-    config is its primary's latest start's."""
+    """(state, primary, exit_code, ended_ts, started_ts, last_ts) of a run."""
     labels = list(labels)
     firsts = [lab.first_ts for lab in labels if lab.first_ts is not None]
     lasts = [lab.last_ts for lab in labels if lab.last_ts is not None]
-    primary = next((lab for lab in labels if lab.label == derived.primary), None)
-    config = None
-    if primary is not None and primary.start_data is not None:
-        config = orjson.dumps(primary.start_data.get("config") or {}).decode()
     return (
         derived.state,
         derived.primary,
@@ -240,8 +231,102 @@ def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
         derived.ended_ts,
         min(firsts, default=None),
         max(lasts, default=None),
-        config,
     )
+
+
+# -- run metadata ----------------------------------------------------------------------------------
+
+# Kinds whose events set run metadata: a start (its config) and meta.
+SETTING_KINDS = frozenset({"start", "meta"})
+
+# Runs' stored settings, each label's latest per key, with the position of the label's latest
+# start ({runs}: the test of a run id, "= ?").
+RUN_SETTINGS_SQL = """
+    SELECT l.run_id, l.label, v.field, v.key, v.value, v.epoch, v.seq, v.ts, l.start_epoch, l.start_seq
+    FROM label_values v JOIN labels l ON l.id = v.label_id WHERE l.run_id {runs}
+"""
+
+
+def setting_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> list[tuple]:
+    """The label_values rows (label id, field, key, value JSON, epoch, seq, ts) of what new start
+    and meta events set, given as (label id, its events) pairs: the latest per key of each label
+    (a row replaces a stored one only if later, see the backends' upserts)."""
+    found = []
+    for label_id, events in fresh:
+        if SETTING_KINDS.isdisjoint(map(_KIND, events)):
+            continue  # the usual batch: metrics, logs and samples only (a check in C)
+        setting = [e for e in events if e.kind in SETTING_KINDS]
+        if setting:
+            found += [
+                (
+                    label_id,
+                    s.field,
+                    storable_text(s.key),
+                    orjson.dumps(s.value).decode(),
+                    s.epoch,
+                    s.seq,
+                    s.ts,
+                )
+                for s in latest_settings(settings_of(setting)).values()
+            ]
+    return found
+
+
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def run_settings(found: Iterable[Sequence[Any]], runs: Iterable[str]) -> dict[str, list[Setting]]:
+    """Each of `runs`' settings that stand (rules.standing_settings), from RUN_SETTINGS_SQL rows."""
+    by_run: dict[str, list[Setting]] = {run: [] for run in runs}
+    starts: dict[str, dict[str, tuple[int, int]]] = {run: {} for run in by_run}
+    for row in found:
+        by_run[row[0]].append(Setting(row[1], row[2], row[3], orjson.loads(row[4]), row[5], row[6], row[7]))
+        starts[row[0]][row[1]] = (row[8], row[9])
+    return {run: standing_settings(mine, starts[run]) for run, mine in by_run.items()}
+
+
+def meta_columns(settings: Iterable[Setting], primary: str | None) -> tuple:
+    """(config, summary, name, tags, set_by) of a run from its labels' stored settings, merged
+    by rules.merge_settings; JSON text but for the name."""
+    merged = merge_settings(settings, primary)
+    config = {key: s.value for (field, key), s in merged.items() if field == "config"}
+    summary = {key: s.value for (field, key), s in merged.items() if field == "summary"}
+    name, tags = merged.get(("name", "")), merged.get(("tags", ""))
+    set_by = {
+        "config": {key: s.label for (field, key), s in merged.items() if field == "config"},
+        "summary": {key: s.label for (field, key), s in merged.items() if field == "summary"},
+        "name": None if name is None else name.label,
+        "tags": None if tags is None else tags.label,
+    }
+    return (
+        orjson.dumps(config).decode(),
+        orjson.dumps(summary).decode(),
+        None if name is None else storable_text(str(name.value)),
+        None if tags is None else orjson.dumps(tags.value).decode(),
+        orjson.dumps(set_by).decode(),
+    )
+
+
+def start_event(run: str, label: LabelState, ts: float | None) -> list[Event]:
+    """A stored label's latest start as an event at `ts` (none if it has none): for the data
+    migration that fills label_values in stores made before run metadata, which kept no start's
+    ts (the label's first ts stands in for it)."""
+    if label.start_data is None:
+        return []
+    return [Event(run, label.label, "start", *label.start_pos, ts or 0.0, label.start_data)]
+
+
+def label_settings(settings: Iterable[Setting]) -> dict[str, dict[str, Any]]:
+    """Per label, what it set as LabelSummary holds it: config, summary, name, tags."""
+    found: dict[str, dict[str, Any]] = {}
+    for s in settings:
+        mine = found.setdefault(s.label, {"config": {}, "summary": {}})
+        if s.field in ("config", "summary"):
+            mine[s.field][s.key] = s.value
+        else:
+            mine[s.field] = s.value
+    return found
 
 
 def storable_text(value: str) -> str:
@@ -261,10 +346,12 @@ def label_summary(
     epochs: Iterable[tuple[int, int, int]],
     missing: Iterable[tuple[int, int, int]] = (),
     run_primary: str | None = None,
+    values: dict[str, Any] | None = None,
 ) -> LabelSummary:
     """A label's summary from its rule record, (epoch, max seq, distinct seqs) per epoch, its
-    missing (epoch, first, last) seq ranges, and its run's primary."""
+    missing (epoch, first, last) seq ranges, its run's primary, and what it set (label_settings)."""
     epochs = list(epochs)
+    values = values or {}
     return LabelSummary(
         label=label.label,
         primary=label.label == run_primary,
@@ -279,6 +366,10 @@ def label_summary(
         start=label.start_data,
         gaps=explain_gaps(missing, label.dropped),
         primary_refused_ts=label.primary_refused_ts,
+        config=values.get("config", {}),
+        summary=values.get("summary", {}),
+        name=values.get("name"),
+        tags=values.get("tags"),
     )
 
 
@@ -288,7 +379,7 @@ def run_summary(
     counts: dict[str, int] | None = None,
 ) -> RunSummary:
     """A RunSummary from a `runs` row (with a label_count column)."""
-    config = row.get("config")
+    config, tags, summary, set_by = (_json(row.get(name)) for name in ("config", "tags", "summary", "set_by"))
     return RunSummary(
         run_id=row["run_id"],
         state=row["state"],
@@ -300,5 +391,24 @@ def run_summary(
         label_count=row["label_count"],
         counts={kind: (counts or {}).get(kind, 0) for kind in KINDS_COUNTED},
         labels=labels or [],
-        config=orjson.loads(config) if isinstance(config, (str, bytes)) else config,
+        config=config,
+        name=row.get("name"),
+        tags=tags or [],
+        summary=summary or {},
+        set_by=_set_by(set_by),
     )
+
+
+def _set_by(stored: Any) -> SetBy:
+    if not isinstance(stored, dict):
+        return SetBy()
+    return SetBy(
+        config=dict(stored.get("config") or {}),
+        summary=dict(stored.get("summary") or {}),
+        name=stored.get("name"),
+        tags=stored.get("tags"),
+    )
+
+
+def _json(value: Any) -> Any:
+    return orjson.loads(value) if isinstance(value, (str, bytes)) else value

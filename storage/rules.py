@@ -6,6 +6,11 @@ finish ends its life: later events of that epoch do not revive it, only the star
 epoch (a restarted process) begins a new one. The run's primary is decided once, by the first
 primary claim the ingester can check, and the run's state is that label's state; with no primary
 known, the run follows its labels (run_state).
+
+Run metadata (a label's config, summary, name and tags) follows the same order: per label, the
+latest value of each key by (epoch, seq) is the label's, and a restarted process begins its config
+afresh (standing_settings). Merged into the run's view, the primary's value of a key wins; a key
+the primary never set shows the latest (by ts) any other label set (merge_settings).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
+from typing import Any
 
 from runbus.redact import redact
 from runbus.wire import Event
@@ -74,7 +80,7 @@ class RunState:
 _KIND, _SEQ, _TS = attrgetter("kind"), attrgetter("seq"), attrgetter("ts")
 _EPOCH = attrgetter("epoch")
 # Kinds that never change a label's state, primary or start record.
-_NO_STATE_KINDS = frozenset({"metric", "log", "system"})
+_NO_STATE_KINDS = frozenset({"metric", "log", "system", "meta"})
 
 
 def apply_events(label: LabelState, events: Iterable[Event]) -> LabelState:
@@ -337,3 +343,87 @@ def run_state(labels: Iterable[LabelState], primary: str | None) -> RunState:
 def missing_count(max_seq_by_epoch: dict[int, int], seen_by_epoch: dict[int, int]) -> int:
     """Seq numbers never received: in each epoch, the highest seq less the distinct seqs seen."""
     return sum(top - seen_by_epoch.get(epoch, 0) for epoch, top in max_seq_by_epoch.items())
+
+
+# -- run metadata ----------------------------------------------------------------------------------
+
+# The fields a label sets one value each of, under the key "" (config and summary set many keys).
+WHOLE_FIELDS = ("name", "tags")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One value a label set: a config or summary key, or (key "") the run's name or tags."""
+
+    label: str
+    field: str  # config, summary, name or tags
+    key: str
+    value: Any
+    epoch: int
+    seq: int
+    ts: float
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.epoch, self.seq)
+
+
+def settings_of(events: Iterable[Event]) -> list[Setting]:
+    """The values that start events (their config) and meta events set, redacted: not even an
+    entry written by hand puts a secret in the store. Other kinds set none."""
+    found: list[Setting] = []
+    for event in events:
+        if event.kind == "start":
+            config = event.data.get("config")
+            sections = {"config": config} if isinstance(config, dict) else {}
+        elif event.kind == "meta":
+            sections = event.data
+        else:
+            continue
+        for name, given in redact(sections).items():
+            if name in WHOLE_FIELDS:
+                found.append(Setting(event.label, name, "", given, event.epoch, event.seq, event.ts))
+            elif isinstance(given, dict):
+                found += [
+                    Setting(event.label, name, key, value, event.epoch, event.seq, event.ts)
+                    for key, value in given.items()
+                ]
+    return found
+
+
+def latest_settings(settings: Iterable[Setting]) -> dict[tuple[str, str, str], Setting]:
+    """Per (label, field, key), the setting latest in the label's (epoch, seq) order."""
+    latest: dict[tuple[str, str, str], Setting] = {}
+    for setting in settings:
+        where = (setting.label, setting.field, setting.key)
+        held = latest.get(where)
+        if held is None or setting.position > held.position:
+            latest[where] = setting
+    return latest
+
+
+def standing_settings(settings: Iterable[Setting], starts: dict[str, tuple[int, int]]) -> list[Setting]:
+    """The settings that stand, given each label's latest start position: a label's config is
+    its latest start's and what it set since, so a restarted process (a newer epoch's start)
+    begins its config afresh; its summary, name and tags stand until it sets them again."""
+    return [s for s in settings if s.field != "config" or s.position >= starts.get(s.label, ORIGIN)]
+
+
+def merge_settings(settings: Iterable[Setting], primary: str | None) -> dict[tuple[str, str], Setting]:
+    """The run's view of its labels' latest settings: per (field, key), the primary's setting
+    if it has one, else the latest by ts of any other label's (then by label, for equal ts)."""
+    merged: dict[tuple[str, str], Setting] = {}
+    for setting in settings:
+        where = (setting.field, setting.key)
+        held = merged.get(where)
+        if held is None or _outranks(setting, held, primary):
+            merged[where] = setting
+    return merged
+
+
+def _outranks(setting: Setting, held: Setting, primary: str | None) -> bool:
+    if (setting.label == primary) != (held.label == primary):
+        return setting.label == primary
+    if setting.label == held.label:
+        return setting.position > held.position
+    return (setting.ts, setting.label) > (held.ts, held.label)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import operator
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
@@ -18,8 +19,9 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import rows
+from runbus.storage import base, charts, rollups, rows
 from runbus.storage.base import (
+    KeyPage,
     LabelSummary,
     LogLine,
     Point,
@@ -28,7 +30,7 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
-from runbus.storage.rules import LabelState, apply_events, crash, run_state
+from runbus.storage.rules import LabelState, Setting, apply_events, crash, run_state
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -40,6 +42,67 @@ BUSY_TIMEOUT_MS = 1000
 REJECTED_CODES = frozenset(
     {sqlite3.SQLITE_CONSTRAINT, sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH, sqlite3.SQLITE_RANGE}
 )
+
+# Migration 6, rollups (storage/rollups.py): a run's metric keys with ids, each label epoch's
+# generation, the per-label and cross-label bucket rows; DATA_MIGRATIONS[6] rolls up the metrics
+# already stored.
+ROLLUPS_SCHEMA = """
+    CREATE TABLE series (
+        id INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        UNIQUE (run_id, key)
+    );
+    CREATE TABLE label_epochs (
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        generation INTEGER NOT NULL,
+        PRIMARY KEY (label_id, epoch)
+    ) WITHOUT ROWID;
+    CREATE TABLE label_rollups (
+        key_id INTEGER NOT NULL,
+        width INTEGER NOT NULL,
+        axis INTEGER NOT NULL,
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        bucket INTEGER NOT NULL,
+        n INTEGER NOT NULL,
+        nan INTEGER NOT NULL,
+        inf INTEGER NOT NULL,
+        total REAL,
+        lo REAL,
+        hi REAL,
+        last REAL,
+        last_seq INTEGER NOT NULL,
+        x_lo INTEGER NOT NULL,
+        x_hi INTEGER NOT NULL,
+        ts_lo REAL NOT NULL,
+        ts_hi REAL NOT NULL,
+        first_seq INTEGER NOT NULL,
+        PRIMARY KEY (key_id, width, axis, label_id, epoch, bucket)
+    ) WITHOUT ROWID;
+    CREATE TABLE run_rollups (
+        key_id INTEGER NOT NULL,
+        width INTEGER NOT NULL,
+        axis INTEGER NOT NULL,
+        generation INTEGER NOT NULL,
+        bucket INTEGER NOT NULL,
+        slot INTEGER NOT NULL,
+        n INTEGER NOT NULL,
+        nan INTEGER NOT NULL,
+        inf INTEGER NOT NULL,
+        total REAL,
+        lo REAL,
+        hi REAL,
+        x_lo INTEGER NOT NULL,
+        x_hi INTEGER NOT NULL,
+        ts_lo REAL NOT NULL,
+        ts_hi REAL NOT NULL,
+        samples INTEGER NOT NULL,
+        bins BLOB NOT NULL,
+        PRIMARY KEY (key_id, width, axis, generation, bucket, slot)
+    ) WITHOUT ROWID
+"""
 
 MIGRATIONS: list[str] = [
     """
@@ -134,7 +197,27 @@ MIGRATIONS: list[str] = [
     CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
     INSERT INTO store_meta (name, value) VALUES ('id', lower(hex(randomblob(8))))
     """,
+    # Run metadata: what each label set (config and summary keys, the run's name and tags), and
+    # the run's merged view of it; DATA_MIGRATIONS[5] fills both from the stored starts' configs.
+    """
+    CREATE TABLE label_values (
+        label_id INTEGER NOT NULL,
+        field TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        PRIMARY KEY (label_id, field, key)
+    ) WITHOUT ROWID;
+    ALTER TABLE runs ADD COLUMN name TEXT;
+    ALTER TABLE runs ADD COLUMN tags TEXT;
+    ALTER TABLE runs ADD COLUMN summary TEXT;
+    ALTER TABLE runs ADD COLUMN set_by TEXT
+    """,
+    ROLLUPS_SCHEMA,
 ]
+
 
 _LABEL_COLUMNS = (
     "id, label, state, exit_code, state_epoch, state_seq, state_ts, is_primary, start_epoch, "
@@ -146,12 +229,18 @@ _LABEL_COLUMNS = (
 # sizes that stay in the connection's statement cache. 4096 rows of 8 columns stay inside
 # SQLite's default limit of 32,766 bound parameters.
 MAX_ROWS_PER_INSERT = 4096
+MAX_PARAMETERS = 32766
 # Label rows per statement when a batch's labels are read or updated together: 1024 of 20 columns.
 MAX_LABELS_PER_STATEMENT = 1024
 
 
 def _insert(
-    con: sqlite3.Connection, table: str, width: int, values: list[tuple], verb: str = "INSERT OR IGNORE"
+    con: sqlite3.Connection,
+    table: str,
+    width: int,
+    values: list[tuple],
+    verb: str = "INSERT OR IGNORE",
+    tail: str = "",
 ) -> None:
     """`verb` INTO `table` ("name (col, ...)") `values` as multi-row VALUES statements.
 
@@ -162,22 +251,28 @@ def _insert(
     """
     flat = list(chain.from_iterable(values))
     done = 0
-    for size in _statement_sizes(len(values)):
-        con.execute(_values_sql(verb, table, width, size), flat[done * width : (done + size) * width])
+    for size in _statement_sizes(len(values), _most_rows(width)):
+        con.execute(_values_sql(verb, table, width, size, tail), flat[done * width : (done + size) * width])
         done += size
 
 
-def _statement_sizes(count: int) -> list[int]:
-    """`count` as full MAX_ROWS_PER_INSERT statements plus its remainder's powers of two."""
-    full, rest = divmod(count, MAX_ROWS_PER_INSERT)
-    return [MAX_ROWS_PER_INSERT] * full + [
-        1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1
-    ]
+def _statement_sizes(count: int, most: int = MAX_ROWS_PER_INSERT) -> list[int]:
+    """`count` as full statements of `most` rows plus its remainder's powers of two."""
+    full, rest = divmod(count, most)
+    return [most] * full + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+
+
+def _most_rows(width: int) -> int:
+    """Rows of `width` columns per statement: MAX_ROWS_PER_INSERT, or for wider rows the largest
+    power of two that stays within SQLite's limit of 32,766 parameters."""
+    if width * MAX_ROWS_PER_INSERT <= MAX_PARAMETERS:
+        return MAX_ROWS_PER_INSERT
+    return 1 << ((MAX_PARAMETERS // width).bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=256)
-def _values_sql(verb: str, table: str, width: int, size: int) -> str:
-    return f"{verb} INTO {table} VALUES " + _rows_sql(width, size)
+def _values_sql(verb: str, table: str, width: int, size: int, tail: str = "") -> str:
+    return f"{verb} INTO {table} VALUES " + _rows_sql(width, size) + tail
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,6 +336,186 @@ def _delete_ranges_sql(count: int) -> str:
     )
 
 
+# Stored metric rows read per step of the rollups migration: its memory stays bounded.
+MIGRATION_PAGE = 100_000
+
+
+def _roll_up_stored_metrics(con: sqlite3.Connection) -> None:
+    """Migration 6's data: every stored metric rolled up, a page of rows at a time."""
+    labels = {
+        row[0]: (row[1], row[2], row[3])
+        for row in con.execute("SELECT id, run_id, start_epoch, start_data FROM labels")
+    }
+    after: tuple[int, str, int, int] = (-1, "", 0, 0)
+    while True:
+        page = con.execute(
+            "SELECT label_id, key, epoch, seq, step, ts, value FROM metrics "
+            "WHERE (label_id, key, epoch, seq) > (?, ?, ?, ?) ORDER BY label_id, key, epoch, seq LIMIT ?",
+            (*after, MIGRATION_PAGE),
+        ).fetchall()
+        if not page:
+            return
+        after = tuple(page[-1][:4])
+        fine = rollups.fine_partials_from_rows((*r[:6], _unreal(r[6])) for r in page)
+        ids = {label_id for label_id, *_ in fine}
+        starts = {
+            i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
+            for i in ids
+        }
+        _roll_up(con, fine, {i: labels[i][0] for i in ids}, starts)
+
+
+def _roll_up(
+    con: sqlite3.Connection,
+    fine: dict[rollups.FineKey, rollups.Partial],
+    run_of: Mapping[int, str],
+    starts: Mapping[int, tuple[int, int | None]],
+) -> None:
+    """Fold a batch's 128-step partials into the rollup tables: `run_of` names each label id's
+    run, `starts` gives each its latest start's (epoch, restart count). SQLite has one writer
+    at a time, so its run_rollups rows are all of slot 0."""
+    key_id = _series_ids(con, fine, run_of)
+    generation = _generations(con, fine, starts)
+    stored = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
+    plan = rollups.plan(fine, key_id, generation, stored)
+    label_rows = [rollups.label_row(key, part) for key, part in plan.fine_rows.items()]
+    if plan.wide_deltas:
+        wide = _stored_label_rows(con, list(plan.wide_deltas))
+        label_rows += [
+            rollups.label_row(key, delta if key not in wide else rollups.merge(wide[key], delta))
+            for key, delta in plan.wide_deltas.items()
+        ]
+    _insert(con, "label_rollups", 19, label_rows, verb="INSERT OR REPLACE")
+    held = _stored_run_rows(con, list(plan.run_deltas))
+    merged = []
+    for key, delta in plan.run_deltas.items():
+        part, bins, samples = rollups.merged_run_row(held.get(key), delta)
+        merged.append(rollups.run_row(key, 0, part, bins, samples))
+    _insert(con, "run_rollups", 18, merged, verb="INSERT OR REPLACE")
+
+
+def _series_ids(
+    con: sqlite3.Connection, fine: Iterable[rollups.FineKey], run_of: Mapping[int, str]
+) -> dict[tuple[int, str], int]:
+    """The `series` id of each (label id, key) of a batch, new keys added."""
+    wanted = {(label_id, key) for label_id, key, *_ in fine}
+    pairs = sorted({(run_of[label_id], rows.storable_text(key)) for label_id, key in wanted})
+    _insert(con, "series (run_id, key)", 2, pairs)
+    ids: dict[tuple[str, str], int] = {}
+    for chunk in _chunks(pairs, MAX_ROWS_PER_INSERT):
+        statement = _given_rows(
+            "u",
+            "run_id, key",
+            len(chunk),
+            "SELECT s.run_id, s.key, s.id FROM u JOIN series s USING (run_id, key)",
+        )
+        for run, key, id_ in con.execute(statement, list(chain.from_iterable(chunk))):
+            ids[run, key] = id_
+    return {(label_id, key): ids[run_of[label_id], rows.storable_text(key)] for label_id, key in wanted}
+
+
+def _generations(
+    con: sqlite3.Connection, fine: Iterable[rollups.FineKey], starts: Mapping[int, tuple[int, int | None]]
+) -> dict[tuple[int, int], int]:
+    """The generation of each (label id, epoch) of a batch; an epoch met the first time gets one."""
+    wanted = {(label_id, epoch) for label_id, _, epoch, _, _ in fine}
+    known: dict[int, dict[int, int]] = {label_id: {} for label_id, _ in wanted}
+    for chunk in _chunks(sorted(known), MAX_LABELS_PER_STATEMENT):
+        query = "SELECT label_id, epoch, generation FROM label_epochs WHERE label_id IN ({})"
+        for label_id, epoch, gen in con.execute(query.format(_rows_sql(1, len(chunk))), chunk):
+            known[label_id][epoch] = gen
+    new = []
+    for label_id, epoch in sorted(wanted):
+        mine = known[label_id]
+        if epoch not in mine:
+            start_epoch, restarts = starts.get(label_id, (0, None))
+            mine[epoch] = rollups.generation_of(epoch, mine, restarts if start_epoch == epoch else None)
+            new.append((label_id, epoch, mine[epoch]))
+    _insert(con, "label_epochs (label_id, epoch, generation)", 3, new, verb="INSERT")
+    return {(label_id, epoch): known[label_id][epoch] for label_id, epoch in wanted}
+
+
+def _stored_fine_rows(
+    con: sqlite3.Connection, ranges: list[tuple[int, int, int, int, int]]
+) -> dict[rollups.LabelRowKey, rollups.Partial]:
+    """The 128-step label_rollups rows of each (key id, axis, label id, epoch, lowest bucket):
+    those from that bucket up, and the highest (rollups.fine_ranges)."""
+    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
+    # From the lowest bucket, or from the highest if it is lower: one range of the primary key.
+    query = (
+        f"SELECT x.{rollups.LABEL_KEY_COLUMNS.replace(', ', ', x.')}, "
+        f"x.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', x.')} FROM u JOIN label_rollups x "
+        "ON x.key_id = u.key_id AND x.width = ? AND x.axis = u.axis AND x.label_id = u.label_id "
+        "AND x.epoch = u.epoch AND x.bucket >= min(u.lo, (SELECT max(y.bucket) FROM label_rollups y "
+        "WHERE y.key_id = u.key_id AND y.width = ? AND y.axis = u.axis AND y.label_id = u.label_id "
+        "AND y.epoch = u.epoch))"
+    )
+    for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
+        statement = _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), query)
+        width = rollups.FINE_WIDTH
+        for row in con.execute(statement, [*chain.from_iterable(chunk), width, width]):
+            found[tuple(row[:6])] = _label_part(row[6:])
+    return found
+
+
+def _stored_label_rows(
+    con: sqlite3.Connection, keys: list[rollups.LabelRowKey]
+) -> dict[rollups.LabelRowKey, rollups.Partial]:
+    """The label_rollups rows at `keys`, those there are."""
+    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
+    for chunk in _chunks(keys, MAX_ROWS_PER_INSERT):
+        statement = _given_rows(
+            "u",
+            rollups.LABEL_KEY_COLUMNS,
+            len(chunk),
+            f"SELECT r.{rollups.LABEL_KEY_COLUMNS.replace(', ', ', r.')}, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} FROM u JOIN label_rollups r "
+            "USING (key_id, width, axis, label_id, epoch, bucket)",
+        )
+        for row in con.execute(statement, list(chain.from_iterable(chunk))):
+            found[tuple(row[:6])] = _label_part(row[6:])
+    return found
+
+
+def _label_part(values: Sequence[Any]) -> rollups.Partial:
+    """A partial from label_rollups' value columns, NaN where SQLite holds NULL."""
+    part = list(values)
+    part[rollups.TOTAL] = _unreal(part[rollups.TOTAL])
+    part[rollups.LAST] = _unreal(part[rollups.LAST])
+    return part
+
+
+def _stored_run_rows(
+    con: sqlite3.Connection, keys: list[rollups.RunRowKey], slot: int = 0
+) -> dict[rollups.RunRowKey, tuple[rollups.Partial, dict[int, int]]]:
+    """This slot's run_rollups rows at `keys`: (partial, sketch bins) each."""
+    found: dict[rollups.RunRowKey, tuple[rollups.Partial, dict[int, int]]] = {}
+    for chunk in _chunks(keys, MAX_ROWS_PER_INSERT):
+        statement = _given_rows(
+            "u",
+            rollups.RUN_KEY_COLUMNS,
+            len(chunk),
+            f"SELECT r.{rollups.RUN_KEY_COLUMNS.replace(', ', ', r.')}, "
+            f"r.{rollups.RUN_VALUE_COLUMNS.replace(', ', ', r.')} FROM u JOIN run_rollups r "
+            "USING (key_id, width, axis, generation, bucket) WHERE r.slot = ?",
+        )
+        for row in con.execute(statement, [*chain.from_iterable(chunk), slot]):
+            part = rollups.run_part(row[5:15])
+            part[rollups.TOTAL] = _unreal(part[rollups.TOTAL])
+            found[tuple(row[:5])] = (part, rollups.decode_bins(row[16]))
+    return found
+
+
+# label_values rows (rows.setting_rows) replace the stored value of their key only if later in
+# the label's order: a redelivered or late event never overwrites a newer value.
+_SETTINGS_TABLE = "label_values (label_id, field, key, value, epoch, seq, ts)"
+_LATER_SETTING = (
+    " ON CONFLICT (label_id, field, key) DO UPDATE SET value = excluded.value, epoch = excluded.epoch, "
+    "seq = excluded.seq, ts = excluded.ts "
+    "WHERE (excluded.epoch, excluded.seq) > (label_values.epoch, label_values.seq)"
+)
+
+
 def _path(url: str) -> str:
     prefix = "sqlite:///"
     if not url.startswith(prefix) or len(url) == len(prefix):
@@ -271,6 +546,11 @@ def _label_state(run: str, row: sqlite3.Row) -> LabelState:
     )
 
 
+def _latest_start(label: LabelState) -> tuple[int, int | None]:
+    """(epoch, restart count) of a label's latest start, for the generation of its epochs."""
+    return label.start_pos[0], rollups.restart_count(label.start_data)
+
+
 def _unreal(value: float | None) -> float:
     # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
     return math.nan if value is None else float(value)
@@ -284,6 +564,64 @@ def _log_filters(where: list[str], args: list[str | int], level: str | None, gre
     if grep is not None:
         where.append("instr(g.text, ?) > 0")
         args.append(rows.storable_text(grep))
+
+
+_KIND = operator.attrgetter("kind")
+
+
+def _run_settings(con: sqlite3.Connection, runs: Sequence[str]) -> dict[str, list[Setting]]:
+    """Each run's stored settings that stand (every label's latest value per key)."""
+    found = [
+        row
+        for chunk in _chunks(list(runs), MAX_LABELS_PER_STATEMENT)
+        for row in con.execute(
+            rows.RUN_SETTINGS_SQL.format(runs=f"IN (VALUES {_rows_sql(1, len(chunk))})"), chunk
+        )
+    ]
+    return rows.run_settings(found, runs)
+
+
+def _derive_metadata(con: sqlite3.Connection, primaries: Mapping[str, str | None]) -> None:
+    """Merge the stored settings of the runs `primaries` names (each with its primary) into the
+    runs' config, summary, name, tags and set_by columns."""
+    if not primaries:
+        return
+    settings = _run_settings(con, sorted(primaries))
+    con.executemany(
+        "UPDATE runs SET config = ?, summary = ?, name = ?, tags = ?, set_by = ? WHERE run_id = ?",
+        [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()],
+    )
+
+
+def _start_configs_to_settings(con: sqlite3.Connection) -> None:
+    """Migration 5's data: the stored starts' configs become their labels' settings, and every
+    run's metadata is derived from them (its config as before, its primary's, plus the keys
+    only other labels set)."""
+    found: list[tuple] = []
+    # The columns as of version 5, whatever later versions add.
+    for label_id, run, name, epoch, seq, start, first_ts in con.execute(
+        "SELECT id, run_id, label, start_epoch, start_seq, start_data, first_ts FROM labels "
+        "WHERE start_data IS NOT NULL"
+    ):
+        label = LabelState(run, name, start_pos=(epoch, seq), start_data=orjson.loads(start))
+        found += rows.setting_rows([(label_id, rows.start_event(run, label, first_ts))])
+    _insert(con, _SETTINGS_TABLE, 7, found, verb="INSERT", tail=_LATER_SETTING)
+    _derive_metadata(con, {row[0]: row[1] for row in con.execute(_STARTED_RUNS)})
+
+
+# The runs whose metadata migration 5 derives: those a label has started (config stays None
+# for the others, as it is until a label starts or sets any).
+_STARTED_RUNS = (
+    "SELECT run_id, primary_label FROM runs "
+    "WHERE run_id IN (SELECT run_id FROM labels WHERE start_data IS NOT NULL)"
+)
+
+
+# Data migrations, run after the schema migration of the same number, in its transaction.
+DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    5: _start_configs_to_settings,
+    6: _roll_up_stored_metrics,
+}
 
 
 class SQLiteStore:
@@ -392,6 +730,8 @@ class SQLiteStore:
             for statement in script.split(";"):
                 if statement.strip():
                     con.execute(statement)
+            if number in DATA_MIGRATIONS:
+                DATA_MIGRATIONS[number](con)
             con.execute(f"PRAGMA user_version = {int(number)}")
 
     def _in_transaction(self, work: Callable[..., T], *args: Any) -> T:
@@ -470,15 +810,33 @@ class SQLiteStore:
             )
         for chunk in _chunks(updates, MAX_LABELS_PER_STATEMENT):
             con.execute(_update_labels_sql(len(chunk)), list(chain.from_iterable(chunk)))
-        metric_rows, system_rows, log_rows = rows.value_rows(
-            (stored[key]["id"], new) for key, new in fresh.items()
-        )
+        ids = {stored[key]["id"]: key for key, new in fresh.items() if new}
+        metric_rows, fine = rollups.fold_metrics((label_id, fresh[key]) for label_id, key in ids.items())
+        system_rows, log_rows = rows.value_rows((label_id, fresh[key]) for label_id, key in ids.items())
         _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
         _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
         _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
+        if fine:
+            _roll_up(
+                con,
+                fine,
+                {label_id: key[0] for label_id, key in ids.items()},
+                {label_id: _latest_start(labels[key]) for label_id, key in ids.items()},
+            )
+        settings = rows.setting_rows((stored[key]["id"], new) for key, new in fresh.items())
+        _insert(con, _SETTINGS_TABLE, 7, settings, verb="INSERT", tail=_LATER_SETTING)
         for run in runs:
             mine = [label for (owner, _), label in labels.items() if owner == run]
             self._update_run(con, run, mine, primaries[run])
+        # A start may decide the primary (whose values win), a start or meta event sets values.
+        _derive_metadata(
+            con,
+            {
+                run: primaries[run]
+                for (run, _), group in by_label.items()
+                if not rows.SETTING_KINDS.isdisjoint(map(_KIND, group))
+            },
+        )
         return sum(map(len, fresh.values()))
 
     @staticmethod
@@ -525,7 +883,7 @@ class SQLiteStore:
         derived = run_state(labels, primary)
         con.execute(
             "UPDATE runs SET state = ?, primary_label = ?, exit_code = ?, ended_ts = ?, "
-            "started_ts = ?, last_ts = ?, config = ? WHERE run_id = ?",
+            "started_ts = ?, last_ts = ? WHERE run_id = ?",
             (*rows.run_columns(derived, labels), run),
         )
 
@@ -576,6 +934,7 @@ class SQLiteStore:
         missing = con.execute(
             rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
         ).fetchall()
+        settings = rows.label_settings(_run_settings(con, [run_id])[run_id])
         labels: list[LabelSummary] = []
         for label_row in con.execute(
             f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
@@ -583,17 +942,16 @@ class SQLiteStore:
             mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
             gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
             label = _label_state(run_id, label_row)
-            labels.append(rows.label_summary(label, mine, gaps, row["primary_label"]))
+            values = settings.get(label.label)
+            labels.append(rows.label_summary(label, mine, gaps, row["primary_label"], values))
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def metric_keys(self, run_id: str) -> list[str]:
         return await self._call(self._metric_keys, run_id)
 
     def _metric_keys(self, run_id: str) -> list[str]:
-        query = (
-            "SELECT DISTINCT m.key FROM metrics m JOIN labels l ON l.id = m.label_id "
-            "WHERE l.run_id = ? ORDER BY m.key"
-        )
+        # The rollups' list of the run's keys (its index), not a scan of every value.
+        query = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
         return [row[0] for row in self._db().execute(query, (run_id,))]
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
@@ -724,3 +1082,210 @@ class SQLiteStore:
             f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
         )
         return [LogLine(label, *row) for row in self._db().execute(query, [*args, limit])]
+
+    # -- rollup reads (storage/charts.py composes them) -------------------------------------------
+
+    async def key_page(
+        self,
+        run_id: str,
+        prefix: str | None = None,
+        contains: str | None = None,
+        offset: int = 0,
+        limit: int = 100,
+    ) -> KeyPage:
+        return await self._call(self._key_page, run_id, prefix, contains, offset, limit)
+
+    def _key_page(
+        self, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
+    ) -> KeyPage:
+        where, args = ["run_id = ?"], [run_id]
+        if prefix:
+            where.append("key >= ?")
+            args.append(rows.storable_text(prefix))
+            end = charts.prefix_end(rows.storable_text(prefix))
+            if end is not None:
+                where.append("key < ?")
+                args.append(end)
+        if contains:
+            where.append("instr(lower(key), lower(?)) > 0")
+            args.append(rows.storable_text(contains))
+        con = self._db()
+        condition = " AND ".join(where)
+        total = con.execute(f"SELECT count(*) FROM series WHERE {condition}", args).fetchone()[0]
+        keys = [
+            row[0]
+            for row in con.execute(
+                f"SELECT key FROM series WHERE {condition} ORDER BY key LIMIT ? OFFSET ?",
+                [*args, limit, offset],
+            )
+        ]
+        return KeyPage(total, offset, keys)
+
+    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+        return await self._call(self._key_values, run_id, key)
+
+    def _key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+        query = (
+            "SELECT l.label, m.epoch, m.seq, m.step, m.ts, m.value FROM labels l CROSS JOIN metrics m "
+            "WHERE l.run_id = ? AND m.label_id = l.id AND m.key = ?"
+        )
+        return [
+            (label, epoch, seq, step, ts, _unreal(value))
+            for label, epoch, seq, step, ts, value in self._db().execute(
+                query, (run_id, rows.storable_text(key))
+            )
+        ]
+
+    async def key_extent(self, run_id: str, key: str) -> base.KeyExtent | None:
+        return await self._call(self._key_extent, run_id, key)
+
+    def _key_extent(self, run_id: str, key: str) -> base.KeyExtent | None:
+        con = self._db()
+        found = con.execute(
+            "SELECT id FROM series WHERE run_id = ? AND key = ?", (run_id, rows.storable_text(key))
+        ).fetchone()
+        if found is None:
+            return None
+        widest = rollups.WIDTHS[-1]
+        spans = [
+            base.Span(*row)
+            for row in con.execute(
+                "SELECT axis, generation, sum(n), min(x_lo), max(x_hi), min(ts_lo), max(ts_hi) "
+                "FROM run_rollups WHERE key_id = ? AND width = ? "
+                "GROUP BY axis, generation ORDER BY axis, generation",
+                (found[0], widest),
+            )
+        ]
+        # The labels with a row of the key on each axis: a probe per label epoch, each a seek in
+        # the primary key, rather than a count over every bucket of every label.
+        labels = {
+            axis: count
+            for axis, count in con.execute(
+                "SELECT a.axis, count(*) FROM (SELECT 0 AS axis UNION ALL SELECT 1) a CROSS JOIN labels l "
+                "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_rollups r "
+                "WHERE e.label_id = l.id AND r.key_id = ? AND r.width = ? AND r.axis = a.axis "
+                "AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
+                (run_id, found[0], rollups.FINE_WIDTH),
+            )
+        }
+        return base.KeyExtent(spans, labels)
+
+    async def open_buckets(
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+    ) -> list[base.LabelBucket]:
+        return await self._call(self._open_buckets, run_id, key, axis, labels)
+
+    def _open_buckets(
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+    ) -> list[base.LabelBucket]:
+        chosen = ""
+        if labels is not None:
+            chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
+        width = rollups.FINE_WIDTH
+        # Each label epoch's highest bucket first (a seek from the end of its range), then its row:
+        # in one query the planner would scan every bucket to compare with the highest.
+        query = (
+            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?), "
+            "tops AS MATERIALIZED (SELECT l.label, l.id AS label_id, e.epoch, e.generation, "
+            "(SELECT max(y.bucket) FROM label_rollups y WHERE y.key_id = k.id AND y.width = ? "
+            "AND y.axis = ? AND y.label_id = l.id AND y.epoch = e.epoch) AS bucket "
+            f"FROM k CROSS JOIN labels l CROSS JOIN label_epochs e WHERE l.run_id = ?{chosen} "
+            "AND e.label_id = l.id) "
+            "SELECT t.label, t.epoch, t.generation, t.bucket, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
+            "FROM tops t CROSS JOIN k CROSS JOIN label_rollups r WHERE t.bucket IS NOT NULL "
+            "AND r.key_id = k.id AND r.width = ? AND r.axis = ? AND r.label_id = t.label_id "
+            "AND r.epoch = t.epoch AND r.bucket = t.bucket"
+        )
+        args: list[Any] = [run_id, rows.storable_text(key), width, axis, run_id, *(labels or [])]
+        return [
+            base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:]))
+            for row in self._db().execute(query, [*args, width, axis])
+        ]
+
+    async def run_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+    ) -> list[base.RunBucket]:
+        return await self._call(self._run_buckets, run_id, key, axis, width, lo, hi)
+
+    def _run_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+    ) -> list[base.RunBucket]:
+        # The generations first, each then a range of the primary key.
+        query = (
+            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
+            "SELECT r.generation, r.bucket, r.n, r.nan, r.inf, r.total, r.lo, r.hi, r.x_lo, r.x_hi, "
+            "r.ts_lo, r.ts_hi, r.bins FROM k, run_rollups r "
+            "WHERE r.key_id = k.id AND r.width = ? AND r.axis = ? AND r.generation IN ("
+            "SELECT DISTINCT generation FROM run_rollups, k WHERE key_id = k.id AND width = ? AND axis = ?) "
+            "AND r.bucket BETWEEN ? AND ? ORDER BY r.generation, r.bucket"
+        )
+        args = (run_id, rows.storable_text(key), width, axis, rollups.WIDTHS[-1], axis, lo, hi)
+        found = []
+        for row in self._db().execute(query, args):
+            part = rollups.run_part(row[2:12])
+            part[rollups.TOTAL] = _unreal(part[rollups.TOTAL])
+            found.append((row[0], row[1], part, row[12]))
+        return charts.merge_slots(found)
+
+    async def label_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+    ) -> list[base.LabelBucket]:
+        return await self._call(self._label_buckets, run_id, key, axis, width, lo, hi, labels)
+
+    def _label_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+    ) -> list[base.LabelBucket]:
+        # Each label epoch's rows are a range of the primary key: labels, then epochs, drive the join.
+        chosen = ""
+        args: list[Any] = [run_id, rows.storable_text(key), run_id]
+        if labels is not None:
+            chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
+            args += list(labels)
+        query = (
+            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
+            "SELECT l.label, r.epoch, e.generation, r.bucket, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_rollups r "
+            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id AND r.width = ? "
+            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.bucket BETWEEN ? AND ?"
+        )
+        found = []
+        for row in self._db().execute(query, [*args, width, axis, lo, hi]):
+            found.append(base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:])))
+        return found
+
+    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        return await self._call(self._label_starts, run_id)
+
+    def _label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        return {
+            label: orjson.loads(data) if data else {}
+            for label, data in self._db().execute(
+                "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
+            )
+        }
+
+    async def envelope(
+        self,
+        run_id: str,
+        key: str,
+        x: base.XUnit | None = None,
+        start: float | None = None,
+        end: float | None = None,
+        points: int = base.DEFAULT_POINTS,
+        outliers: int = base.DEFAULT_OUTLIERS,
+        all_lines_up_to: int = base.ALL_LINES_UP_TO,
+    ) -> base.Envelope | None:
+        return await charts.envelope(self, run_id, key, x, start, end, points, outliers, all_lines_up_to)
+
+    async def stragglers(
+        self,
+        run_id: str,
+        key: str,
+        time_key: bool = False,
+        start: int | None = None,
+        end: int | None = None,
+        buckets: int = base.DEFAULT_HEAT_BUCKETS,
+    ) -> base.Stragglers | None:
+        return await charts.stragglers(self, run_id, key, time_key, start, end, buckets)

@@ -1,7 +1,8 @@
 """How the CLI prints runs as text: aligned tables, times, states and numbers.
 
 Every string from the bus goes through `printable` (terminal controls shown, not obeyed) and a
-run's config through `redact` (secrets as '***') before it is printed.
+run's metadata (config, summary, name, tags) through `redact` (secrets as '***') before it is
+printed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from runbus.redact import redact
+from runbus.redact import redact, redact_text
 from runbus.storage.base import RunSummary
 from runbus.terminal import printable
 from runbus.wire import finite_to_wire
@@ -51,8 +52,12 @@ def state_text(run: RunSummary) -> str:
 def show_text(run: RunSummary) -> str:
     """The `runbus show` page: the run, a table of its labels, its gaps, then its config."""
     counts = ", ".join(f"{kind} {n}" for kind, n in run.counts.items())
-    head = [
-        f"run      {run.run_id}",
+    head = [f"run      {run.run_id}"]
+    if run.name is not None:
+        head.append(printable(f"name     {redact_text(run.name)}  (set by {run.set_by.name})"))
+    if run.tags:
+        head.append(printable(f"tags     {tags_text(run.tags)}  (set by {run.set_by.tags})"))
+    head += [
         f"state    {state_text(run)}",
         f"primary  {run.primary or '-'}",
         f"started  {when(run.started_ts)}",
@@ -89,17 +94,51 @@ def show_text(run: RunSummary) -> str:
             + (f", {g.dropped} dropped by the producer (buffers full)" if g.dropped else ", unexplained")
             for label, g in gaps
         )
-    if run.config:
-        text += "\n\nconfig:\n" + config_text(run.config)
+    for field, merged in (("config", run.config), ("summary", run.summary)):
+        if merged:
+            set_by = getattr(run.set_by, field)
+            per_label = {lab.label: getattr(lab, field) for lab in run.labels}
+            text += f"\n\n{field} (the label that set each value):\n" + values_text(merged, set_by, per_label)
     return text
 
 
-def config_text(config: dict[str, Any]) -> str:
-    """A run's config, secrets redacted: one `  key: value` line per key, the value as JSON."""
-    return "\n".join(
-        printable(f"  {key}: {orjson.dumps(value, default=str).decode()}")
-        for key, value in redact(config).items()
-    )
+def clipped(text: str, width: int) -> str:
+    """`text` cut to `width` characters, an ellipsis marking the cut."""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def tags_text(tags: Sequence[str]) -> str:
+    """Tags as one line, secrets redacted: `a, b, c`."""
+    return ", ".join(redact_text(tag) for tag in tags)
+
+
+# Other labels' values of a key listed beside the one shown, at most.
+OTHER_VALUES_SHOWN = 3
+
+
+def values_text(merged: dict[str, Any], set_by: dict[str, str], per_label: dict[str, dict[str, Any]]) -> str:
+    """A run's merged config or summary, secrets redacted: one `  key: value  (label)` line per
+    key, the value as JSON, with the other labels that set the key to something else."""
+    lines = []
+    for key, value in merged.items():
+        label = set_by.get(key, "?")
+        others = [
+            f"{other} {_shown(key, values[key])[1]}"
+            for other, values in per_label.items()
+            if other != label and key in values and values[key] != value
+        ]
+        if len(others) > OTHER_VALUES_SHOWN:
+            others[OTHER_VALUES_SHOWN:] = [f"{len(others) - OTHER_VALUES_SHOWN} more labels"]
+        note = label + (f"; also {', '.join(others)}" if others else "")
+        shown_key, shown_value = _shown(key, value)
+        lines.append(printable(f"  {shown_key}: {shown_value}  ({note})"))
+    return "\n".join(lines)
+
+
+def _shown(key: str, value: Any) -> tuple[str, str]:
+    """A key and its value as JSON, redacted as the pair (by the key's name, and each by shape)."""
+    [(shown_key, shown_value)] = redact({key: value}).items()
+    return shown_key, orjson.dumps(shown_value, default=str).decode()
 
 
 def number_text(value: float) -> str:

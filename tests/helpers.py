@@ -24,6 +24,8 @@ def ingest(redis_url: str, store_url: str, **settings: Any):
 
 
 T0 = 1_700_000_000.0  # a ts the wire accepts (2023); entries written by hand count from it
+# init() options for a test Run that samples nothing, captures no console and describes no host.
+QUIET = {"system_interval": None, "hardware": False, "console": "off"}
 
 
 def xadd_event(

@@ -69,6 +69,10 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "events": 7,
             "missing": 0,
             "gaps": [],
+            "config": {"lr": 0.5},
+            "summary": {},
+            "name": None,
+            "tags": None,
         },
         {
             "label": "rank1",
@@ -80,9 +84,15 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "events": 7,
             "missing": 2,
             "gaps": [{"epoch": 1, "first": 7, "last": 8, "dropped": 0}],
+            "config": {},
+            "summary": {},
+            "name": None,
+            "tags": None,
         },
     ]
     assert doc["config"] == {"lr": 0.5}
+    assert (doc["name"], doc["tags"], doc["summary"]) == (None, [], {})
+    assert doc["set_by"] == {"config": {"lr": "rank0"}, "summary": {}, "name": None, "tags": None}
 
 
 def test_metrics_json_and_table(redis_url, store_url):
@@ -112,8 +122,8 @@ def test_metrics_json_and_table(redis_url, store_url):
 def test_runs_show_and_logs_as_text(redis_url, store_url):
     seed(redis_url, store_url)
     runs = run_cli("--store", store_url, "runs").stdout.splitlines()
-    assert runs[0].split()[:4] == ["RUN", "STATE", "PRIMARY", "LABELS"]
-    assert runs[1].split()[:5] == ["cli-run", "finished", "(exit", "0)", "rank0"]
+    assert runs[0].split()[:6] == ["RUN", "NAME", "TAGS", "STATE", "PRIMARY", "LABELS"]
+    assert runs[1].split()[:7] == ["cli-run", "-", "-", "finished", "(exit", "0)", "rank0"]
     shown = run_cli("--store", store_url, "show", "cli-run").stdout
     assert "state    finished (exit 0)" in shown and "rank1           running" in shown
     logs = run_cli("--store", store_url, "logs", "cli-run", "--level", "warning").stdout.splitlines()
@@ -518,6 +528,9 @@ def test_logs_and_runs_json_keep_their_shapes(redis_url, store_url):
     runs = json.loads(run_cli("--store", store_url, "runs", "--json").stdout)
     assert set(runs[0]) == {
         "run_id",
+        "name",
+        "tags",
+        "summary",
         "state",
         "primary",
         "exit_code",

@@ -23,7 +23,13 @@ def stored(redis_url, store_url, run_id, label=None):
 
 def capture(redis_url, run_id, label="rank0", **kw):
     return runbus.init(
-        run_id=run_id, label=label, redis_url=redis_url, system_interval=None, hardware=False, **kw
+        run_id=run_id,
+        label=label,
+        redis_url=redis_url,
+        system_interval=None,
+        hardware=False,
+        quiet=True,
+        **kw,
     )
 
 
@@ -84,6 +90,16 @@ def test_progress_bars_long_lines_and_binary_junk(redis_url, store_url, capfd):
     out, err = capfd.readouterr()
     assert "\r50%|#####|\r100%" in err
     assert "café" in out
+
+
+def test_empty_writes_make_no_lines(redis_url, store_url):
+    with capture(redis_url, "empty"):
+        sys.stdout.write("")
+        sys.stderr.write("")
+        print("one", end="")
+        sys.stdout.write("")
+        print()
+    assert stored(redis_url, store_url, "empty") == [("stdout", "INFO", "one")]
 
 
 def test_logging_records_are_shipped_once_with_their_level(redis_url, store_url):
@@ -163,6 +179,15 @@ def test_line_levels():
         "ERROR"
     ] * 6 + ["WARNING"]
     assert LineLevels("INFO").level("loss 0.25") == "INFO"
+    # What C and C++ print as a process dies (stored through `runbus run`'s fd capture).
+    dying = [
+        "terminate called after throwing an instance of 'c10::DistBackendError'",
+        "  what():  [Rank 1] Watchdog caught collective operation timeout",
+        "Aborted (core dumped)",
+        "Segmentation fault",
+    ]
+    assert [LineLevels("WARNING").level(line) for line in dying] == ["ERROR"] * 4
+    assert LineLevels("INFO").level("so what(): nothing") == "INFO"
     assert clean_text("ok \udcff") == "ok \ufffd\ufffd\ufffd"
 
 
@@ -193,6 +218,7 @@ def run_rank(redis_url, run_id, rank, console):
         "RANK": str(rank),
         "WORLD_SIZE": "2",
         "RUNBUS_CONSOLE": console,
+        "RUNBUS_QUIET": "1",  # the primary's runbus line is not the console under test
     }
     result = subprocess.run([sys.executable, "-c", RANK], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
@@ -256,7 +282,7 @@ def test_off_captures_nothing(redis_url, store_url):
 CONFIGURED_LATE = textwrap.dedent(
     """
     import logging, runbus
-    run = runbus.init(run_id="late", label="rank0", system_interval=None, hardware=False)
+    run = runbus.init(run_id="late", label="rank0", system_interval=None, hardware=False, quiet=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
     logging.getLogger("train").info("configured after init")
     try:

@@ -174,6 +174,18 @@ def seed_hostile(client: redis.Redis) -> None:
         5,
         {"stream": "stderr", "level": "ERROR", "text": "<img src=x onerror=\"window.__pwned='img'\">"},
     )
+    xadd_event(
+        client, HOSTILE, "rank1", "meta", 1, 7, HOSTILE_META
+    )  # seq 6: test_logs_follow_shows_new_lines
+
+
+# Run metadata a worker set by hand: a name and summary that would run script if taken as markup.
+HOSTILE_META = {
+    "name": "<img src=x onerror=\"window.__pwned='name'\">",
+    "tags": ["lr=3e-4", "a/b"],
+    "summary": {"<b>best</b>": "<script>window.__pwned = 'summary'</script>"},
+    "config": {"<i>k</i>": "<script>window.__pwned = 'config2'</script>"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +240,32 @@ async def test_run_has_labels_epochs_gaps_config_and_dead_letters(api):
     assert run["dead_letters"] == {"total": 1, "run": 1, "labels": {"rank3": 1}, "complete": True}
     other = await get_json(api, f"/api/runs/{HOSTILE}")
     assert other["dead_letters"]["run"] == 0 and other["dead_letters"]["total"] == 1
+    assert (run["name"], run["tags"], run["summary"]) == (None, [], {})
+    assert run["set_by"]["config"] == dict.fromkeys(CONFIG, "rank0")
+
+
+async def test_run_has_its_name_tags_and_metadata_with_the_label_that_set_each(api):
+    run = await get_json(api, f"/api/runs/{HOSTILE}")
+    assert (run["name"], run["tags"], run["summary"]) == (
+        HOSTILE_META["name"],
+        HOSTILE_META["tags"],
+        HOSTILE_META["summary"],
+    )
+    assert run["config"] == {"note": "<script>window.__pwned = 'config'</script>", **HOSTILE_META["config"]}
+    assert run["set_by"] == {
+        "config": {"note": "rank0", "<i>k</i>": "rank1"},
+        "summary": {"<b>best</b>": "rank1"},
+        "name": "rank1",
+        "tags": "rank1",
+    }
+    labels = {lab["label"]: lab for lab in run["labels"]}
+    assert (labels["rank1"]["name"], labels["rank1"]["summary"]) == (
+        HOSTILE_META["name"],
+        HOSTILE_META["summary"],
+    )
+    assert (labels["rank0"]["name"], labels["rank0"]["tags"], labels["rank0"]["summary"]) == (None, None, {})
+    listed = {r["run_id"]: r for r in (await get_json(api, "/api/runs"))["runs"]}
+    assert (listed[HOSTILE]["name"], listed[HOSTILE]["tags"]) == (HOSTILE_META["name"], HOSTILE_META["tags"])
 
 
 async def test_metric_series_one_line_per_label_and_non_finite_values_as_strings(api):
@@ -343,9 +381,9 @@ async def test_page_and_files_are_served_offline_under_a_strict_policy(api):
     policy = security.CONTENT_SECURITY_POLICY
     assert "default-src 'self'" in policy and "script-src 'self'" in policy and "unsafe-inline" not in policy
     assert page.headers["X-Content-Type-Options"] == "nosniff"
-    assert '<script src="/static/app.js" defer></script>' in html and "<script>" not in html
+    assert '<script src="/static/app.js" type="module"></script>' in html and "<script>" not in html
     static = Path(__file__).parents[1] / "dashboard" / "static"
-    for name in ("app.js", "style.css", "favicon.svg"):
+    for name in ("app.js", "js/chart.js", "style.css", "favicon.svg"):
         response = await api.get(f"/static/{name}")
         assert response.status == 200 and "Content-Security-Policy" in response.headers
         text = await response.text()

@@ -166,6 +166,49 @@ WRONG = [None, 0, 1.5, "", "0", [], {}, True, 2**63, 2**63 - 1, -(2**63), -(2**6
 HUGE_DATA = b'{"x": 1.0, "pad": "' + b"a" * wire.MAX_DATA_BYTES + b'"}'
 
 
+# Run metadata as producers send it: some of config, summary, name, tags.
+meta_values = st.dictionaries(
+    st.text(min_size=1, max_size=8),
+    st.one_of(
+        plain_numbers, st.text(max_size=5), st.booleans(), st.none(), st.lists(st.integers(-5, 5), max_size=2)
+    ),
+    max_size=3,
+)
+meta_data = st.fixed_dictionaries(
+    {},
+    optional={
+        "config": meta_values,
+        "summary": meta_values,
+        "name": st.sampled_from(["run", "lr=3e-4 baseline", "ünï ✓"]),
+        "tags": st.lists(st.sampled_from(["a", "b-1", "lr=3e-4", "κ"]), max_size=3),
+    },
+).filter(bool)
+# What a hostile or careless writer puts in a meta event's field: a wrong type, an empty or
+# over-long key, a name with a control character or white space around it, a bad tag, too many.
+BAD_META = [
+    {"config": []},
+    {"config": "lr=1"},
+    {"summary": None},
+    {"config": {"": 1}},
+    {"summary": {"k" * 257: 1}},
+    {"name": ""},
+    {"name": " padded"},
+    {"name": "bell\x07"},
+    {"name": "bidi\u202e"},
+    {"name": "n" * 129},
+    {"name": 5},
+    {"tags": "single"},
+    {"tags": ["has space"]},
+    {"tags": ["comma,"]},
+    {"tags": [""]},
+    {"tags": [7]},
+    {"tags": [f"t{n}" for n in range(33)]},
+    {"tags": ["t" * 65]},
+    {"other": 1},
+    {},
+]
+
+
 @st.composite
 def data_of(draw, kind: str) -> dict[str, Any]:
     """The data of a `kind` event as producers write it."""
@@ -180,6 +223,8 @@ def data_of(draw, kind: str) -> dict[str, Any]:
         return {"primary": draw(st.booleans()), "config": {"lr": 0.1}, "world_size": 2}
     if kind == "finish":
         return {"exit_code": draw(st.integers(-5, 300))}
+    if kind == "meta":
+        return draw(meta_data)
     return draw(st.sampled_from([{}, {"dropped": 3, "buffered": 0}]))  # heartbeat
 
 
@@ -192,6 +237,12 @@ def bad_data(draw, kind: str) -> bytes:
             return b"{}"
         name = draw(st.sampled_from(BAD_NAMES)) if draw(st.booleans()) else "odd"
         data[name] = draw(st.sampled_from(BAD_VALUES)) if name == "odd" or draw(st.booleans()) else 1.0
+    elif kind == "meta":
+        data = (
+            {**data, **draw(st.sampled_from(BAD_META))}
+            if draw(st.booleans())
+            else draw(st.sampled_from(BAD_META))
+        )
     elif data:
         data[draw(st.sampled_from(sorted(data)))] = draw(st.sampled_from(WRONG))
     return json.dumps(data).encode()  # orjson refuses integers beyond 64 bits; JSON allows them
@@ -243,7 +294,7 @@ def broken(draw, flat: list[bytes]) -> list[bytes] | None:
 STREAMS = {
     "metrics at steps": ["metric"],
     "stepless": ["metric", "metric", "system"],
-    "mixed": ["metric", "metric", "metric", "system", "log", "start", "heartbeat", "finish"],
+    "mixed": ["metric", "metric", "metric", "system", "log", "start", "heartbeat", "finish", "meta"],
 }
 
 
@@ -300,6 +351,7 @@ def test_clean_streams_are_decoded_by_columns(flavour):
         step = seq if kind == "metric" and flavour != "stepless" else None
         data = {"stream": "stdout", "text": "hi"} if kind == "log" else {"loss": 0.5, "n": 7}
         data = {"primary": True} if kind == "start" else {"exit_code": 0} if kind == "finish" else data
+        data = {"summary": {"loss": 0.5}, "tags": ["x"]} if kind == "meta" else data
         fields = wire.encode_fields(kind, RUN, LABEL, 1, seq, 1e9 + seq, orjson.dumps(data), step)
         flats.append(as_read(fields))
     names = decoding._key_names(key)
@@ -329,7 +381,20 @@ json_values = st.recursive(
     max_leaves=4,
 )
 data_names = st.sampled_from(
-    ["stream", "text", "level", "primary", "config", "exit_code", "loss", "", "x" * 257]
+    [
+        "stream",
+        "text",
+        "level",
+        "primary",
+        "config",
+        "exit_code",
+        "loss",
+        "",
+        "x" * 257,
+        "summary",
+        "name",
+        "tags",
+    ]
 )
 
 

@@ -25,9 +25,7 @@ from runbus.ingester.localredis import LocalRedis
 from runbus.producer import environment
 from runbus.producer.child import ChildLabel
 from tests.conftest import private_redis
-from tests.helpers import ingest, read_store, run_cli
-
-QUIET = {"system_interval": None, "hardware": False, "console": "off"}
+from tests.helpers import QUIET, ingest, read_store, run_cli
 
 RANK = textwrap.dedent(
     """

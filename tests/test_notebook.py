@@ -43,6 +43,8 @@ LOGS = ["label", "epoch", "seq", "ts", "stream", "level", "text"]
 LOG_TYPES = [TEXT, "int64", "int64", "datetime64[us, UTC]", TEXT, TEXT, TEXT]
 RUNS = [
     "run_id",
+    "name",
+    "tags",
     "state",
     "primary",
     "exit_code",
@@ -54,6 +56,7 @@ RUNS = [
     "log_events",
     "system_events",
     "config",
+    "summary",
 ]
 UNICODE_KEY = "gpu/κ-ünï"
 # rank0's loss at these seqs of epoch 1, as the wire writes them.
@@ -273,9 +276,11 @@ def test_wide_history_is_a_row_per_logged_event_and_a_column_per_key(api):
 
 def test_runs_are_a_row_each_with_what_runbus_show_says(api, seeded):
     runs = api.runs()
-    assert list(runs.columns) == RUNS  # RunSummary has no name, tags or summary yet: no such columns
+    assert list(runs.columns) == RUNS
     assert types(runs) == [
         TEXT,
+        TEXT,
+        "object",
         TEXT,
         TEXT,
         "Int64",
@@ -286,6 +291,7 @@ def test_runs_are_a_row_each_with_what_runbus_show_says(api, seeded):
         "int64",
         "int64",
         "int64",
+        "object",
         "object",
     ]
     shown = json.loads(run_cli("--store", seeded, "show", RUN, "--json").stdout)
@@ -449,11 +455,13 @@ def test_a_run_without_values_has_empty_tables_of_the_same_columns(store_url):
         assert (len(run.logs()), types(run.logs())) == (0, LOG_TYPES)
         assert len(run.system()) == 0
         runs = api.runs()
-        assert types(runs)[:4] == [TEXT, TEXT, TEXT, "Int64"]
+        assert types(runs)[:6] == [TEXT, TEXT, "object", TEXT, TEXT, "Int64"]
         assert list(runs.run_id) == ["headless", "quiet"]  # newest first
         assert runs.primary.isna().tolist() == [True, False]  # no primary heard from
         assert runs.exit_code.isna().all() and runs.ended.isna().all()
-        assert runs.config.tolist() == [None, {}]  # a run's config is its primary's
+        # A run's config is its labels' merged: None until one has started.
+        assert runs.config.tolist() == [{}, {}]
+        assert runs.name.isna().all() and runs.tags.tolist() == [[], []] and runs.summary.tolist() == [{}, {}]
 
 
 def test_without_pandas_the_tables_name_the_extra_to_install(seeded, tmp_path):

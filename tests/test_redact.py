@@ -91,10 +91,10 @@ def test_config_is_redacted_by_name_at_any_depth_and_by_shape_anywhere():
 
 
 def test_a_namespace_like_object_config_goes_through_vars():
-    from runbus.producer import _plain_config
+    from runbus.producer.metadata import plain_values
 
     args = argparse.Namespace(api_key="ns-sekrit", lr=0.1, redis_url="redis://:ns-pw@h/0")
-    assert _plain_config(args) == {"api_key": MARKER, "lr": 0.1, "redis_url": "redis://:***@h/0"}
+    assert plain_values(args, "config") == {"api_key": MARKER, "lr": 0.1, "redis_url": "redis://:***@h/0"}
 
 
 def test_every_argv_form():
@@ -229,3 +229,12 @@ def test_json_printable_is_the_same_json_value():
     escaped = json_printable(text)
     assert orjson.loads(escaped) == {"text": HOSTILE}
     assert not any(0x7F <= ord(c) <= 0x9F or c in "\u202e\u2066" for c in escaped)
+
+
+def test_a_secret_used_as_a_key_is_hidden_by_its_shape():
+    token = "hf_" + "AbCdEfGh12" * 4
+    assert redact({token: 1, "nested": {"url redis://u:pw-sekrit@h/0": 2}, "lr": 0.1}) == {
+        MARKER: 1,
+        "nested": {"url redis://u:***@h/0": 2},
+        "lr": 0.1,
+    }

@@ -15,17 +15,22 @@ from runbus.storage.rules import (
     RUNNING,
     LabelState,
     RunState,
+    Setting,
     _fold_each,
     apply_events,
     by_epoch,
     crash,
     decide_primary,
+    latest_settings,
     merge_ranges,
+    merge_settings,
     missing_count,
     primary_claims,
     refuse,
     refused_claims,
     run_state,
+    settings_of,
+    standing_settings,
     take_new,
 )
 from runbus.wire import Event
@@ -305,3 +310,88 @@ def test_by_epoch_splits_a_label_s_events_in_order():
     assert {e: [x.seq for x in xs] for e, xs in by_epoch(events).items()} == {1: [1, 2], 2: [1], 3: [5]}
     assert by_epoch(events[:2]) == {1: events[:2]}
     assert by_epoch([]) == {}
+
+
+# -- run metadata -----------------------------------------------------------------------------------
+
+
+def meta(label: str, seq: int, data: dict, epoch: int = 1, ts: float | None = None) -> Event:
+    return Event("r", label, "meta", epoch, seq, float(epoch * 1000 + seq) if ts is None else ts, data)
+
+
+def test_settings_come_from_start_configs_and_meta_events_redacted():
+    found = settings_of(
+        [
+            ev("rank0", "start", 1, 1, primary=True, config={"lr": 0.1, "api_key": "sekrit"}),
+            meta("rank0", 2, {"summary": {"acc": 0.5}, "name": "n", "tags": ["a"]}),
+            ev("rank0", "metric", 1, 3, loss=1.0),
+        ]
+    )
+    assert [(s.field, s.key, s.value, s.seq) for s in found] == [
+        ("config", "lr", 0.1, 1),
+        ("config", "api_key", "***", 1),
+        ("summary", "acc", 0.5, 2),
+        ("name", "", "n", 2),
+        ("tags", "", ["a"], 2),
+    ]
+
+
+def test_the_primary_s_value_wins_else_the_latest_of_the_others():
+    settings = [
+        Setting("rank1", "config", "lr", 0.5, 1, 9, 30.0),
+        Setting("rank0", "config", "lr", 0.1, 1, 2, 10.0),  # earlier, but the primary's
+        Setting("rank1", "config", "only1", "a", 1, 3, 20.0),
+        Setting("rank2", "config", "only1", "b", 1, 3, 25.0),  # later by ts
+        Setting("rank2", "config", "tie", "x", 1, 3, 5.0),
+        Setting("rank3", "config", "tie", "y", 1, 3, 5.0),  # the same ts: then by label
+    ]
+    merged = merge_settings(settings, "rank0")
+    assert {key: (s.label, s.value) for (_, key), s in merged.items()} == {
+        "lr": ("rank0", 0.1),
+        "only1": ("rank2", "b"),
+        "tie": ("rank3", "y"),
+    }
+    # Without a primary, the latest by ts wins.
+    assert merge_settings(settings, None)["config", "lr"].label == "rank1"
+
+
+def test_a_restarted_label_s_config_stands_from_its_latest_start():
+    settings = [
+        Setting("rank0", "config", "old", 1, 1, 5, 1.0),
+        Setting("rank0", "config", "new", 2, 2, 1, 2.0),
+        Setting("rank0", "summary", "best", 3, 1, 6, 1.5),
+        Setting("rank1", "config", "other", 4, 1, 5, 1.0),
+    ]
+    standing = standing_settings(settings, {"rank0": (2, 1), "rank1": (1, 1)})
+    assert [(s.label, s.key) for s in standing] == [("rank0", "new"), ("rank0", "best"), ("rank1", "other")]
+
+
+setting_events = st.lists(
+    st.tuples(
+        st.sampled_from(["rank0", "rank1", "rank2"]),
+        st.integers(1, 2),
+        st.integers(1, 8),
+        st.sampled_from(["config", "summary", "name"]),
+        st.sampled_from(["a", "b"]),
+        st.integers(0, 9),
+    ),
+    max_size=30,
+)
+
+
+@given(setting_events, st.randoms(use_true_random=False), st.sampled_from([None, "rank0", "rank1"]))
+def test_the_run_s_view_does_not_depend_on_arrival_order_or_duplicates(raw, rnd: random.Random, primary):
+    events = []
+    for label, epoch, seq, field, key, value in raw:
+        data = {field: f"v{value}"} if field == "name" else {field: {key: value}}
+        # One position holds one event: its ts follows its position.
+        events.append(meta(label, seq, data, epoch=epoch, ts=float(epoch * 100 + seq)))
+    unique = list({(e.label, e.epoch, e.seq): e for e in events}.values())
+
+    def view(order: list[Event]) -> dict:
+        latest = latest_settings(settings_of(order)).values()
+        return {k: (s.label, s.value) for k, s in merge_settings(latest, primary).items()}
+
+    shuffled = unique + rnd.sample(unique, len(unique) // 2)
+    rnd.shuffle(shuffled)
+    assert view(shuffled) == view(sorted(unique, key=lambda e: (e.label, e.epoch, e.seq)))

@@ -272,6 +272,42 @@ def test_a_start_entry_written_by_hand_is_stored_and_shown_redacted(redis_url, a
     assert label.start["config"]["db"] == {"url": "postgresql://u:***@db/x", "db_password": MARKER}
 
 
+def test_metadata_secrets_are_never_stored_or_shown(redis_url, any_store):
+    """Secrets set after init, through run.config.update and run.summary, and in meta entries
+    written by hand (in values, and as keys), and in a store edited by hand: never shown."""
+    with runbus.init(
+        run_id=RUN, label="rank0", redis_url=redis_url, system_interval=None, console="off"
+    ) as run:
+        run.config.update(namespace_config())
+        run.summary.update(
+            {"hf_token": SECRETS["hf_token"], "note": f"authorization={SECRETS['authorization']}"}
+        )
+    assert_no_secret("Redis, before any ingest", redis_contents(redis_url))
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank1", "meta", 1, 1, {
+            "config": {SECRETS["hf_token"]: 1, "db": {"db_password": SECRETS["db_password"]}},
+            "summary": {"api_key": SECRETS["api_key"]},
+        })  # fmt: skip
+    ingest(redis_url, any_store)
+    for where, text in all_shown(any_store, RUN).items():
+        assert_no_secret(where, text)
+        assert MARKER in text, where
+    doc = json.loads(run_cli("--store", any_store, "show", RUN, "--json").stdout)
+    assert doc["labels"][1]["config"] == {MARKER: 1, "db": {"db_password": MARKER}}
+    assert doc["summary"] == {"hf_token": MARKER, "note": "authorization=***", "api_key": MARKER}
+    assert doc["set_by"]["summary"] == {"hf_token": "rank0", "note": "rank0", "api_key": "rank1"}
+
+    summary = json.dumps({"api_key": SECRETS["api_key"], SECRETS["hf_token"]: 1}).replace("'", "''")
+    store_execute(
+        any_store, f"UPDATE runs SET summary = '{summary}', name = 'db_password={SECRETS['db_password']}'"
+    )
+    shown = {k: v for k, v in all_shown(any_store, RUN).items() if k != "the store"}
+    shown["runbus runs"] = run_cli("--store", any_store, "runs").stdout
+    shown["runbus runs --json"] = run_cli("--store", any_store, "runs", "--json").stdout
+    for where, text in shown.items():
+        assert_no_secret(where, text)
+
+
 def test_a_store_holding_secrets_shows_them_redacted(redis_url, any_store):
     """A store written by an older runbus, or edited by hand, still holds the secrets: what
     `show`, `show --json` and the API print is redacted all the same."""

@@ -634,28 +634,31 @@ async def test_counts_per_kind(store: Store) -> None:
     assert [(lab.label, lab.events) for lab in run.labels] == [("rank0", 8), ("rank1", 1)]
 
 
-async def test_config_comes_from_the_primary_start(store: Store) -> None:
-    await store.write([start(1, label="rank1", config={"from": "rank1"})])
+async def test_config_comes_from_the_labels_starts_the_primary_s_first(store: Store) -> None:
+    await store.write([start(1, label="rank1", config={"from": "rank1", "lr": 1.0})])
     run = await store.run(RUN)
     assert run is not None
-    assert (run.config, run.primary) == (None, None)
+    # No primary yet: the run shows what its labels set (see test_storage_metadata.py).
+    assert (run.config, run.primary) == ({"from": "rank1", "lr": 1.0}, None)
 
     config = {"lr": 0.001, "layers": [1, 2, 3], "nested": {"name": "ünï", "on": True}}
     await store.write([start(1, primary=True, label="rank0", config=config)])
     run = await store.run(RUN)
     assert run is not None
-    assert (run.config, run.primary) == (config, "rank0")
+    assert (run.config, run.primary) == ({**config, "from": "rank1"}, "rank0")
+    assert run.set_by.config == {"lr": "rank0", "layers": "rank0", "nested": "rank0", "from": "rank1"}
     by_label = {lab.label: lab for lab in run.labels}
     assert by_label["rank0"].start == {"primary": True, "config": config}
     assert by_label["rank0"].primary is True
-    assert by_label["rank1"].start == {"primary": False, "config": {"from": "rank1"}}
+    assert by_label["rank1"].start == {"primary": False, "config": {"from": "rank1", "lr": 1.0}}
     assert by_label["rank1"].primary is False
-    assert (await store.runs())[0].config == config
+    assert (await store.runs())[0].config == run.config
 
+    # A restarted primary's config is its new start's: nothing of its earlier one stays.
     await store.write([start(1, primary=True, label="rank0", epoch=2, config={"lr": 0.01})])
     run = await store.run(RUN)
     assert run is not None
-    assert run.config == {"lr": 0.01}
+    assert run.config == {"lr": 0.01, "from": "rank1"}
 
 
 # -- lifecycle -----------------------------------------------------------------------------------
@@ -812,7 +815,8 @@ async def test_a_version_3_store_keeps_its_primary_and_gets_an_id(
 ) -> None:
     await make_version_3_store(any_store_url)
     store = await open_stores()
-    assert await schema_version(any_store_url) == 4
+    backend = sqlite_backend if any_store_url.startswith("sqlite") else postgres_backend
+    assert await schema_version(any_store_url) == len(backend.MIGRATIONS)
     run = await store.run(RUN)
     assert run is not None
     assert (run.state, run.primary) == ("running", "rank0")

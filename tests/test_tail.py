@@ -131,6 +131,28 @@ def test_tail_follows_every_label_live_and_exits_after_the_primary_finishes(
     assert len(read_store(store_url, "logs", RUN)) == 7
 
 
+@pytest.mark.parametrize("live_claim", [True, False], ids=["live-claim", "earliest-claim"])
+def test_a_stray_primary_claim_cannot_end_the_tail(redis_url, tail_process, live_claim):
+    """The tail ends at the finish of the primary the ingesters decide (the label holding the
+    producers' live claim; with none, the earliest claim), not at any start claiming the role."""
+    with redis.Redis.from_url(redis_url) as client:
+        if live_claim:
+            client.set(wire.primary_key(RUN), "rank0", ex=60)
+        # With a live claim, even an earlier stray claim loses; without, the earlier claim wins.
+        stray_ts = T0 if live_claim else T0 + 50
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True}, ts=T0 + 10)
+        tail = tail_process(RUN)
+        tail.wait_ready()
+        xadd_event(client, RUN, "stray", "start", 1, 1, {"primary": True}, ts=stray_ts)
+        xadd_event(client, RUN, "stray", "finish", 1, 2, {"exit_code": 0}, ts=stray_ts + 1)
+        time.sleep(2.5)  # past the finish grace (1 s) a tail that took the stray's finish has ended
+        assert tail.process.poll() is None, tail.err
+        log(client, "rank0", 2, "still training", ts=T0 + 60)
+        assert tail.line().endswith("| still training")
+        xadd_event(client, RUN, "rank0", "finish", 1, 3, {"exit_code": 3}, ts=T0 + 61)
+        assert tail.wait() == 0
+
+
 def test_tail_from_start_prints_the_history_of_one_label(redis_url, tail_process):
     with redis.Redis.from_url(redis_url) as client:
         xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})

@@ -1,0 +1,12 @@
+"""Framework integrations: each module plugs runbus into one framework and logs from every rank.
+
+- runbus.integrations.lightning: RunbusLogger, a PyTorch Lightning Logger, and RunbusStepTimer,
+  the callback it adds for per-rank step timing.
+- runbus.integrations.transformers: RunbusCallback, a Hugging Face Trainer callback.
+- runbus.integrations.accelerate: RunbusTracker, a Hugging Face Accelerate tracker, and
+  log_every_process() / finish_every_process() for what accelerate runs on the main process only.
+- runbus.integrations.clock: StepClock, how a step's time splits into data wait, compute and
+  collective wait (used by the Lightning and Transformers integrations).
+
+Each module imports its framework when imported itself; this package imports none.
+"""

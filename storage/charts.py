@@ -1,0 +1,684 @@
+"""Chart reads built on the rollups (storage/rollups.py): one key's band across labels with its
+outlying labels as lines, the labels' step times and stragglers. One implementation over the row
+reads every backend gives (RollupReader), so SQLite and PostgreSQL answer alike.
+
+A chart asks for an x range and at most `points` buckets; the narrowest width of WIDTHS that
+fits is read, so a chart reads at most `points` rows per writer slot for its band whatever the
+run's size. Where the values in view are few (RAW_POINTS), they are read as stored instead and
+the band is exact, a step per bucket where they fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
+from operator import itemgetter
+from typing import Literal, Protocol
+
+from runbus.storage import rollups
+from runbus.storage.base import (
+    ALL_LINES_UP_TO,
+    DEFAULT_HEAT_BUCKETS,
+    DEFAULT_OUTLIERS,
+    DEFAULT_POINTS,
+    BandBucket,
+    BandSegment,
+    Envelope,
+    KeyExtent,
+    LabelBucket,
+    Line,
+    LinePoint,
+    LineSegment,
+    Point,
+    RunBucket,
+    Span,
+    StragglerLabel,
+    Stragglers,
+    XUnit,
+)
+from runbus.storage.rollups import (
+    FINE_SHIFT,
+    HI,
+    INF,
+    LAST,
+    LO,
+    NAN,
+    STEP_AXIS,
+    TOTAL,
+    TS_AXIS,
+    TS_HI,
+    TS_LO,
+    WIDTHS,
+    X_HI,
+    X_LO,
+    N,
+    Partial,
+)
+
+# Values in view up to this many are read as stored: exact band and lines.
+RAW_POINTS = 50_000
+# Outliers are ranked on at most this many buckets per label (the widest width that has them).
+RANKING_BUCKETS = 8
+QUANTILES = (0.1, 0.5, 0.9)
+# A label's step is slow in a bucket where it takes SLOW times the median label's or more; the
+# label is chronic if slow in at least half of its buckets, one-off if in fewer.
+SLOW = 1.05
+
+
+# -- what backends read ----------------------------------------------------------------------------
+
+
+class RollupReader(Protocol):
+    """The row reads a backend gives the chart reads."""
+
+    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
+        """The key's spans and labels from its widest rollups; None if the run never logged it."""
+
+    async def run_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+    ) -> list[RunBucket]:
+        """Every generation's run_rollups buckets lo..hi at `width`, slots merged."""
+
+    async def label_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """The label_rollups buckets lo..hi at `width` of `labels` (every label if None)."""
+
+    async def open_buckets(
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """Each label epoch's open 128-step bucket, as Store.open_buckets."""
+
+    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+        """Every stored value of a key, as Store.key_values."""
+
+    async def point_page(
+        self,
+        table: Literal["metrics", "system"],
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None = None,
+    ) -> list[Point]:
+        """A page of one label's values, as Store.point_page."""
+
+
+def merge_slots(rows: Iterable[tuple[int, int, Partial, bytes | None]]) -> list[RunBucket]:
+    """(generation, bucket, partial, sketch) rows of several slots, in (generation, bucket) order,
+    as one RunBucket each."""
+    merged: list[RunBucket] = []
+    for generation, bucket, part, blob in rows:
+        if merged and (merged[-1].generation, merged[-1].bucket) == (generation, bucket):
+            rollups.merge(merged[-1].part, part)
+            rollups.add_bins(merged[-1].bins, rollups.decode_bins(blob))
+        else:
+            merged.append(RunBucket(generation, bucket, part, rollups.decode_bins(blob)))
+    return merged
+
+
+async def label_rows(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    axis: int,
+    width: int,
+    lo: int,
+    hi: int,
+    labels: Sequence[str] | None,
+    open_rows: Sequence[LabelBucket] | None = None,
+) -> list[LabelBucket]:
+    """A key's label buckets lo..hi at `width` (of `labels`, all if None) holding every stored
+    value: the wider rows hold closed 128-step buckets only, each label epoch's open one is added
+    (`open_rows`: every label's open buckets, if already read)."""
+    rows = await reader.label_buckets(run_id, key, axis, width, lo, hi, labels)
+    if width == rollups.FINE_WIDTH:
+        return rows
+    if open_rows is None:
+        open_rows = await reader.open_buckets(run_id, key, axis, labels)
+    elif labels is not None:
+        chosen = set(labels)
+        open_rows = [row for row in open_rows if row.label in chosen]
+    shift = _shift(width) - FINE_SHIFT
+    found = {(row.label, row.epoch, row.bucket): row for row in rows}
+    for row in open_rows:
+        bucket = row.bucket >> shift
+        if lo <= bucket <= hi:
+            held = found.get((row.label, row.epoch, bucket))
+            if held is None:
+                found[row.label, row.epoch, bucket] = LabelBucket(
+                    row.label, row.epoch, row.generation, bucket, row.part.copy()
+                )
+            else:
+                rollups.merge(held.part, row.part)
+    return list(found.values())
+
+
+async def run_rows(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    axis: int,
+    width: int,
+    lo: int,
+    hi: int,
+    open_rows: Sequence[LabelBucket] | None = None,
+) -> list[RunBucket]:
+    """A key's run buckets lo..hi at `width` with every stored value in their sketches: each label
+    epoch's open 128-step bucket's mean is added (the stored sketches hold closed ones only)."""
+    buckets = await reader.run_buckets(run_id, key, axis, width, lo, hi)
+    if open_rows is None:
+        open_rows = await reader.open_buckets(run_id, key, axis, None)
+    shift = _shift(width) - FINE_SHIFT
+    found = {(b.generation, b.bucket): b for b in buckets}
+    for row in open_rows:
+        mean = rollups.finite_mean(row.part)
+        held = found.get((row.generation, row.bucket >> shift))
+        if mean is not None and held is not None:
+            sample = rollups.bin_of(mean)
+            held.bins[sample] = held.bins.get(sample, 0) + 1
+    return buckets
+
+
+# -- the band and its lines --------------------------------------------------------------------------
+
+
+def choose_width(span: float, points: int) -> int:
+    """The narrowest width of WIDTHS that shows `span` x units in at most `points` buckets."""
+    for width in WIDTHS:
+        if span / width <= points:
+            return width
+    return WIDTHS[-1]
+
+
+async def envelope(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    x: XUnit | None = None,
+    start: float | None = None,
+    end: float | None = None,
+    points: int = DEFAULT_POINTS,
+    outliers: int = DEFAULT_OUTLIERS,
+    all_lines_up_to: int = ALL_LINES_UP_TO,
+) -> Envelope | None:
+    """One key's band, and its lines: every label's if there are at most `all_lines_up_to`, else
+    the `outliers` labels furthest from the median. None if the run never logged the key."""
+    extent = await reader.key_extent(run_id, key)
+    if extent is None:
+        return None
+    has_steps = bool(extent.axis_spans(STEP_AXIS))
+    unit: XUnit = x or ("step" if has_steps else "ts")
+    axis = STEP_AXIS if has_steps else TS_AXIS
+    if not has_steps:
+        unit = "ts"
+    spans = extent.axis_spans(axis)
+    other = sum(s.n for s in extent.spans if s.axis != axis)
+    labels = extent.labels.get(axis, 0)
+    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+    if unit == "ts" and axis == STEP_AXIS and (start is not None or end is not None):
+        lo, hi = await _steps_between(reader, run_id, key, spans, start, end)
+    elif unit == "ts" and axis == TS_AXIS:
+        lo = max(lo, math.floor(start)) if start is not None else lo
+        hi = min(hi, math.floor(end)) if end is not None else hi
+    else:
+        lo = max(lo, math.ceil(start)) if start is not None else lo
+        hi = min(hi, math.floor(end)) if end is not None else hi
+    empty = Envelope(run_id, key, unit, 1, True, labels, start, end, [], [], labels <= all_lines_up_to, other)
+    if hi < lo:
+        return empty
+    by_ts = unit == "ts" and axis == STEP_AXIS
+    total = sum(s.n for s in spans)
+    width = choose_width(hi - lo + 1, points)
+    in_view = total * (hi - lo + 1) / max(1, max(s.x_hi for s in spans) - min(s.x_lo for s in spans) + 1)
+    all_lines = labels <= all_lines_up_to
+    if total <= RAW_POINTS or (all_lines and in_view <= RAW_POINTS):
+        values = await _stored_values(reader, run_id, key, axis, lo, hi, total)
+        generations = await _generations(reader, run_id, key, axis)
+        raw_width = exact_width(len({v[3] for v in values}), hi - lo + 1, points)
+        band = _exact_band(values, generations, raw_width, by_ts, start, end)
+        picked: list[tuple[str, float]] = []
+        if not all_lines and outliers > 0:
+            ranking = exact_width(RANKING_BUCKETS + 1, hi - lo + 1, RANKING_BUCKETS)
+            picked = _rank_values(values, generations, _shift(ranking), outliers)
+        chosen = {name for name, _ in picked}
+        mine = values if all_lines else [v for v in values if v[0] in chosen]
+        exact_rows = _label_rows(mine, generations, raw_width)
+        lines = (
+            _lines(exact_rows, by_ts, start, end)
+            if all_lines
+            else _picked_lines(exact_rows, picked, by_ts, start, end)
+        )
+        return Envelope(run_id, key, unit, raw_width, True, labels, start, end, band, lines, all_lines, other)
+    first, last = lo >> _shift(width), hi >> _shift(width)
+    open_rows = await reader.open_buckets(run_id, key, axis, None)  # read once for the whole chart
+    band_rows = await run_rows(reader, run_id, key, axis, width, first, last, open_rows)
+    band = _band(band_rows, by_ts, width, start, end)
+    if all_lines:
+        rows = await label_rows(reader, run_id, key, axis, width, first, last, None, open_rows)
+        lines = _lines(rows, by_ts, start, end)
+    else:
+        picked = await _outliers(reader, run_id, key, axis, lo, hi, outliers, open_rows) if outliers else []
+        outlying = [name for name, _ in picked]
+        rows = (
+            await label_rows(reader, run_id, key, axis, width, first, last, outlying, open_rows)
+            if picked
+            else []
+        )
+        lines = _picked_lines(rows, picked, by_ts, start, end)
+    return Envelope(run_id, key, unit, width, False, labels, start, end, band, lines, all_lines, other)
+
+
+def _shift(width: int) -> int:
+    return width.bit_length() - 1
+
+
+def exact_width(distinct: int, span: int, points: int) -> int:
+    """The width of an exact band: a bucket per x where they fit in `points`, else the least
+    power of two that shows `span` in `points` buckets."""
+    if distinct <= points:
+        return 1
+    width = 1
+    while span / width > points:
+        width *= 2
+    return width
+
+
+async def _steps_between(
+    reader: RollupReader, run_id: str, key: str, spans: list[Span], start: float | None, end: float | None
+) -> tuple[int, int]:
+    """The step range whose values were logged between the ts `start` and `end`, to the nearest
+    bucket of a width that cuts the key's steps into at most 256."""
+    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+    width = choose_width(hi - lo + 1, 256)
+    found = await reader.run_buckets(run_id, key, STEP_AXIS, width, lo >> _shift(width), hi >> _shift(width))
+    inside = [
+        b.part
+        for b in found
+        if (start is None or b.part[TS_HI] >= start) and (end is None or b.part[TS_LO] <= end)
+    ]
+    if not inside:
+        return 1, 0
+    return min(p[X_LO] for p in inside), max(p[X_HI] for p in inside)
+
+
+async def _generations(reader: RollupReader, run_id: str, key: str, axis: int) -> dict[tuple[str, int], int]:
+    """(label, epoch) -> generation of every label epoch that logged the key on `axis` (each has
+    an open bucket: its highest)."""
+    return {
+        (row.label, row.epoch): row.generation for row in await reader.open_buckets(run_id, key, axis, None)
+    }
+
+
+# A stored value as the exact reads fold it: (label, epoch, seq, x, ts, value), x its step or
+# second (by the axis read).
+Value = tuple[str, int, int, int, float, float]
+
+
+async def _stored_values(
+    reader: RollupReader, run_id: str, key: str, axis: int, lo: int, hi: int, total: int
+) -> list[Value]:
+    """The key's stored values on `axis` with x in lo..hi: all read at once where the key holds few,
+    else each label epoch's seq range in view, read a page at a time."""
+    on_steps = axis == STEP_AXIS
+    if total <= RAW_POINTS:
+        return [
+            (label, epoch, seq, x, ts, value)
+            for label, epoch, seq, step, ts, value in await reader.key_values(run_id, key)
+            if (step is not None) == on_steps
+            for x in (step if step is not None else math.floor(ts),)
+            if lo <= x <= hi
+        ]
+    width = rollups.FINE_WIDTH
+    rows = await reader.label_buckets(run_id, key, axis, width, lo >> FINE_SHIFT, hi >> FINE_SHIFT, None)
+    seqs: dict[tuple[str, int], list[int]] = {}
+    for row in rows:
+        held = seqs.setdefault(
+            (row.label, row.epoch), [row.part[rollups.FIRST_SEQ], row.part[rollups.LAST_SEQ]]
+        )
+        held[0] = min(held[0], row.part[rollups.FIRST_SEQ])
+        held[1] = max(held[1], row.part[rollups.LAST_SEQ])
+    values: list[Value] = []
+    for (label, epoch), (first, last) in sorted(seqs.items()):
+        after: tuple[str, int, int] = (key, epoch, first - 1)
+        while True:
+            page = await reader.point_page("metrics", run_id, label, after, 5000, key=key)
+            mine = [p for p in page if p.epoch == epoch and p.seq <= last]
+            for p in mine:
+                if (p.step is not None) == on_steps:
+                    x = p.step if p.step is not None else math.floor(p.ts)
+                    if lo <= x <= hi:
+                        values.append((label, epoch, p.seq, x, p.ts, p.value))
+            if len(mine) < len(page) or len(page) < 5000:
+                break
+            after = (key, page[-1].epoch, page[-1].seq)
+    return values
+
+
+def _label_rows(
+    values: Sequence[Value], generations: dict[tuple[str, int], int], width: int
+) -> list[LabelBucket]:
+    """Each label epoch's buckets of `width` from its stored values, as its rollups would hold them."""
+    shift = _shift(width)
+    by_label: dict[tuple[str, int], list[Value]] = {}
+    for value in values:
+        by_label.setdefault((value[0], value[1]), []).append(value)
+    rows: list[LabelBucket] = []
+    for (label, epoch), mine in sorted(by_label.items()):
+        mine.sort(key=_SEQ)
+        generation = generations.get((label, epoch), 1)
+        columns = list(zip(*mine, strict=True))
+        for bucket, part in rollups.fold(columns[3], columns[2], columns[4], columns[5], shift):
+            rows.append(LabelBucket(label, epoch, generation, bucket, part))
+    return rows
+
+
+def _exact_band(
+    values: Sequence[Value],
+    generations: dict[tuple[str, int], int],
+    width: int,
+    by_ts: bool,
+    start: float | None,
+    end: float | None,
+) -> list[BandSegment]:
+    """The band from stored values: per generation and bucket of `width`, every value's count,
+    min, max and mean, and the exact quantiles of the finite values in it (at a width of 1, of
+    the labels' values at that step)."""
+    shift = _shift(width)
+    groups: dict[tuple[int, int], list[Value]] = {}
+    for value in values:
+        generation = generations.get((value[0], value[1]), 1)
+        groups.setdefault((generation, value[3] >> shift), []).append(value)
+    segments: list[BandSegment] = []
+    for (generation, _), mine in sorted(groups.items()):
+        ts = [v[4] for v in mine]
+        if by_ts and not ((start is None or max(ts) >= start) and (end is None or min(ts) <= end)):
+            continue
+        numbers = [v[5] for v in mine]
+        real = [v for v in numbers if v == v]
+        finite = sorted(v for v in real if v - v == 0)
+        x_lo, x_hi = (min(ts), max(ts)) if by_ts else (min(v[3] for v in mine), max(v[3] for v in mine))
+        quantiles = _exact_quantiles(finite)
+        row = BandBucket(
+            x_lo,
+            x_hi,
+            len(numbers),
+            len(numbers) - len(real),
+            len(real) - len(finite),
+            min(real) if real else None,
+            quantiles[0],
+            quantiles[1],
+            quantiles[2],
+            max(real) if real else None,
+            sum(finite) / len(finite) if finite else None,
+        )
+        if not segments or segments[-1].generation != generation:
+            segments.append(BandSegment(generation, [], []))
+        segments[-1].buckets.append(row)
+    for segment in segments:
+        segment.gaps.extend(gaps([(b.x_lo, b.x_hi) for b in segment.buckets], 0 if by_ts else width))
+    return segments
+
+
+def _rank_values(
+    values: Sequence[Value], generations: dict[tuple[str, int], int], shift: int, count: int
+) -> list[tuple[str, float]]:
+    """rank_outliers over stored values, in buckets of `shift` bits."""
+    sums: dict[tuple[str, int, int], list[float]] = {}
+    for label, epoch, _, x, _, value in values:
+        if value - value == 0:
+            held = sums.setdefault((label, generations.get((label, epoch), 1), x >> shift), [0.0, 0])
+            held[0] += value
+            held[1] += 1
+    rows = [
+        LabelBucket(label, 0, generation, bucket, [n, 0, 0, total, None, None, None, 0, 0, 0, 0.0, 0.0, 0])
+        for (label, generation, bucket), (total, n) in sums.items()
+    ]
+    return rank_outliers(rows, count)
+
+
+_SEQ = itemgetter(2)
+
+
+def _band(
+    buckets: Sequence[RunBucket],
+    by_ts: bool,
+    width: int,
+    start: float | None,
+    end: float | None,
+) -> list[BandSegment]:
+    """The band's segments, a generation each, from run buckets in (generation, bucket) order."""
+    segments: list[BandSegment] = []
+    for bucket in buckets:
+        part = bucket.part
+        if by_ts and not _overlaps(part, start, end):
+            continue
+        ps = rollups.quantiles(bucket.bins, QUANTILES, part[LO], part[HI])
+        x_lo, x_hi = (part[TS_LO], part[TS_HI]) if by_ts else (part[X_LO], part[X_HI])
+        row = BandBucket(
+            x_lo, x_hi, part[N], part[NAN], part[INF], part[LO], ps[0], ps[1], ps[2], part[HI], _mean(part)
+        )
+        if not segments or segments[-1].generation != bucket.generation:
+            segments.append(BandSegment(bucket.generation, [], []))
+        segments[-1].buckets.append(row)
+    for segment in segments:
+        segment.gaps.extend(gaps([(b.x_lo, b.x_hi) for b in segment.buckets], 0 if by_ts else width))
+    return segments
+
+
+def _overlaps(part: Partial, start: float | None, end: float | None) -> bool:
+    return (start is None or part[TS_HI] >= start) and (end is None or part[TS_LO] <= end)
+
+
+def _mean(part: Partial) -> float | None:
+    finite = part[N] - part[NAN] - part[INF]
+    return part[TOTAL] / finite if finite > 0 and part[TOTAL] - part[TOTAL] == 0 else None
+
+
+def _exact_quantiles(samples: list[float]) -> list[float | None]:
+    if not samples:
+        return [None] * len(QUANTILES)
+    ordered = sorted(samples)
+    count = len(ordered)
+    return [ordered[min(count - 1, max(0, math.ceil(q * count) - 1))] for q in QUANTILES]
+
+
+def gaps(ranges: Sequence[tuple[float, float]], width: float) -> list[tuple[float, float]]:
+    """Holes between consecutive (x_lo, x_hi) ranges: longer than two widths and than three
+    times the median distance between neighbours (so a key logged every 1000 steps has no gap
+    every 1000 steps)."""
+    distances = [b[0] - a[1] for a, b in pairwise(ranges)]
+    if not distances:
+        return []
+    typical = sorted(distances)[len(distances) // 2]
+    least = max(2 * width, 3 * typical)
+    return [(a[1], b[0]) for a, b in pairwise(ranges) if b[0] - a[1] > least]
+
+
+def _lines(rows: Sequence[LabelBucket], by_ts: bool, start: float | None, end: float | None) -> list[Line]:
+    """Each label's line, a segment per epoch, from its buckets."""
+    lines: dict[str, dict[int, LineSegment]] = {}
+    for row in sorted(rows, key=lambda r: (r.label, r.epoch, r.bucket)):
+        part = row.part
+        if by_ts and not _overlaps(part, start, end):
+            continue
+        segments = lines.setdefault(row.label, {})
+        segment = segments.get(row.epoch)
+        if segment is None:
+            segment = segments[row.epoch] = LineSegment(row.epoch, row.generation, [])
+        x = part[TS_HI] if by_ts else part[X_HI]
+        segment.points.append(LinePoint(x, part[LAST], _mean(part), part[LO], part[HI], part[N]))
+    return [Line(label, list(segments.values())) for label, segments in sorted(lines.items())]
+
+
+async def _outliers(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    axis: int,
+    lo: int,
+    hi: int,
+    count: int,
+    open_rows: Sequence[LabelBucket] | None = None,
+) -> list[tuple[str, float]]:
+    """The `count` labels furthest from the median over lo..hi, with their distances: ranked on
+    the widest buckets of which at most RANKING_BUCKETS cover the range."""
+    width = WIDTHS[0]
+    for candidate in WIDTHS:
+        width = candidate
+        if (hi >> _shift(candidate)) - (lo >> _shift(candidate)) + 1 <= RANKING_BUCKETS:
+            break
+    first, last = lo >> _shift(width), hi >> _shift(width)
+    rows = await label_rows(reader, run_id, key, axis, width, first, last, None, open_rows)
+    return rank_outliers(rows, count)
+
+
+def rank_outliers(rows: Iterable[LabelBucket], count: int, shift: int = 0) -> list[tuple[str, float]]:
+    """The `count` labels furthest from the median, with their distances, from label buckets
+    taken `shift` bits coarser: per coarse bucket, each label's mean against the median label's,
+    in units of the p10-p90 spread of the labels' means there, averaged over the buckets."""
+    sums: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for row in rows:
+        part = row.part
+        finite = part[N] - part[NAN] - part[INF]
+        if finite > 0 and part[TOTAL] - part[TOTAL] == 0:
+            held = sums.setdefault((row.generation, row.bucket >> shift), {}).setdefault(row.label, [0.0, 0])
+            held[0] += part[TOTAL]
+            held[1] += finite
+    distances: dict[str, list[float]] = {}
+    for means in sums.values():
+        label_means = {label: total / finite for label, (total, finite) in means.items()}
+        ordered = sorted(label_means.values())
+        if len(ordered) < 3:
+            continue
+        median = ordered[len(ordered) // 2]
+        p10, _, p90 = _exact_quantiles(ordered)
+        spread = (p90 or 0.0) - (p10 or 0.0)
+        if spread <= 0:
+            spread = max(abs(median), 1e-12) * 1e-3
+        for label, mean in label_means.items():
+            distances.setdefault(label, []).append(abs(mean - median) / spread)
+    ranked = sorted(((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], t[1]))
+    return [(label, distance) for distance, label in ranked[:count]]
+
+
+def _picked_lines(
+    rows: Sequence[LabelBucket],
+    picked: list[tuple[str, float]],
+    by_ts: bool,
+    start: float | None,
+    end: float | None,
+) -> list[Line]:
+    """The lines of the `picked` labels, furthest first, with their distances."""
+    distance = dict(picked)
+    mine = [row for row in rows if row.label in distance]
+    return [
+        Line(line.label, line.segments, distance[line.label])
+        for line in sorted(_lines(mine, by_ts, start, end), key=lambda line: -distance[line.label])
+    ]
+
+
+# -- step times ----------------------------------------------------------------------------------
+
+
+async def stragglers(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    time_key: bool = False,
+    start: int | None = None,
+    end: int | None = None,
+    buckets: int = DEFAULT_HEAT_BUCKETS,
+) -> Stragglers | None:
+    """Each label's step time per step bucket, over steps start..end in at most `buckets`
+    buckets: `key`'s mean where `time_key` (a key whose values are step times, in seconds), else
+    derived from when `key` was logged (the ts span of a bucket's values over its step span: a
+    key logged every step, such as the loss, gives each step's time). None if never logged."""
+    extent = await reader.key_extent(run_id, key)
+    if extent is None:
+        return None
+    spans = extent.axis_spans(STEP_AXIS)
+    source = f"{key}"
+    if not spans:
+        return Stragglers(run_id, source, not time_key, 0, [], [], [])
+    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+    lo = max(lo, start) if start is not None else lo
+    hi = min(hi, end) if end is not None else hi
+    if hi < lo:
+        return Stragglers(run_id, source, not time_key, 0, [], [], [])
+    width = choose_width(hi - lo + 1, buckets)
+    first, last = lo >> _shift(width), hi >> _shift(width)
+    rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
+    # (label, bucket) -> [seconds, steps] summed over the label's epochs, or [sum, count] of values
+    cells: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        part = row.part
+        cell = cells.setdefault((row.label, row.bucket), [0.0, 0.0])
+        if time_key:
+            finite = part[N] - part[NAN] - part[INF]
+            if finite > 0 and part[TOTAL] - part[TOTAL] == 0:
+                cell[0] += part[TOTAL]
+                cell[1] += finite
+        elif part[X_HI] > part[X_LO]:
+            cell[0] += part[TS_HI] - part[TS_LO]
+            cell[1] += part[X_HI] - part[X_LO]
+    present = sorted({bucket for _, bucket in cells})
+    names = sorted({label for label, _ in cells})
+    column = {bucket: i for i, bucket in enumerate(present)}
+    times: dict[str, list[float | None]] = {name: [None] * len(present) for name in names}
+    for (label, bucket), (amount, steps) in cells.items():
+        if steps > 0:
+            times[label][column[bucket]] = amount / steps
+    median: list[float | None] = []
+    for i in range(len(present)):
+        found = sorted(t for t in (mine[i] for mine in times.values()) if t is not None)
+        median.append(found[len(found) // 2] if found else None)
+    ranges = [(max(lo, b << _shift(width)), min(hi, ((b + 1) << _shift(width)) - 1)) for b in present]
+    step_counts = [last - first + 1 for first, last in ranges]
+    labels = [_straggler(name, times[name], median, step_counts, ranges) for name in names]
+    labels.sort(key=lambda s: (-(s.mean_ratio or 0.0), s.label))
+    return Stragglers(run_id, source, not time_key, width, ranges, median, labels)
+
+
+def _straggler(
+    label: str,
+    times: list[float | None],
+    median: list[float | None],
+    steps: list[int],
+    ranges: list[tuple[int, int]],
+) -> StragglerLabel:
+    ratios = [(t / m, i) for i, (t, m) in enumerate(zip(times, median, strict=True)) if t is not None and m]
+    behind = sum(
+        (t - m) * n for t, m, n in zip(times, median, steps, strict=True) if t is not None and m is not None
+    )
+    slow = sum(1 for r, _ in ratios if r >= SLOW)
+    worst = max(ratios, default=None)
+    kind: Literal["chronic", "one-off", "normal"] = "normal"
+    if slow and slow * 2 >= len(ratios):
+        kind = "chronic"
+    elif slow:
+        kind = "one-off"
+    mean = sum(r for r, _ in ratios) / len(ratios) if ratios else None
+    return StragglerLabel(
+        label,
+        times,
+        mean,
+        None if worst is None else worst[0],
+        None if worst is None else ranges[worst[1]][0],
+        slow,
+        behind,
+        kind,
+    )
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The least text after every text that starts with `prefix` (in code point order, as both
+    backends sort keys), or None if there is none (a prefix of U+10FFFF only)."""
+    text = prefix.rstrip("\U0010ffff")
+    if not text:
+        return None
+    after = ord(text[-1]) + 1
+    if 0xD800 <= after <= 0xDFFF:  # surrogates are no text: the next code point is past them
+        after = 0xE000
+    return text[:-1] + chr(after)
