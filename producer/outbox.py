@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from runbus.producer import exits
 from runbus.producer.backlog import DropLog
 
 # (kind, seq, ts, step, data): data is the caller's values, serialised later off the hot path.
@@ -93,6 +94,12 @@ class Outbox:
         self._events.append((kind, time.time(), step, data))
 
     def _put_slow(self, kind: str, step: int | None, data: Any) -> None:
+        try:
+            self._put_when_room(kind, step, data)
+        finally:
+            exits.safe_point()
+
+    def _put_when_room(self, kind: str, step: int | None, data: Any) -> None:
         event = (kind, time.time(), step, data)
         if self._closed:
             return  # after the finish: never sent
@@ -112,6 +119,7 @@ class Outbox:
                     break  # taken between the look and the clear
                 self.demand.set()
                 self.room.wait(WAIT_SLICE)
+                exits.safe_point()  # a SIGTERM that came while waiting ends the Runs now
         self._events.append(event)
 
     def _drop(self) -> None:
@@ -120,6 +128,7 @@ class Outbox:
                 return  # racing the finish: discarded like any event put after it
             self._unnumbered_drops += 1
         self.demand.set()  # Redis is away: the shipper moves events into the bounded backlog
+        exits.safe_point()
 
     def close(self, data: Any) -> None:
         """Append the finish event; every put after it is discarded. Idempotent."""
@@ -130,6 +139,7 @@ class Outbox:
             self._limit = -1
             self._events.append(("finish", time.time(), None, data))
         self.demand.set()
+        exits.safe_point()
 
     def take(self, limit: int) -> list[Pending]:
         """Up to `limit` events, oldest first, removed from the box and numbered (the events
@@ -175,3 +185,8 @@ class Outbox:
 
     def __len__(self) -> int:
         return 0 if self._finish_taken else len(self._events)
+
+
+# The waits, drops and close take the outbox's lock and its Events' (which are not reentrant):
+# a SIGTERM handler that finished the Run in the middle of one would wait for itself.
+exits.guard_signals(Outbox._put_slow, Outbox._put_when_room, Outbox._drop, Outbox.close)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from runbus import wire
 from runbus.errors import RunFinished
+from runbus.producer import exits
 from runbus.producer.backlog import DropLog
 from runbus.producer.environment import Identity
 from runbus.producer.metadata import RunValues, checked_name, checked_tags
@@ -413,6 +414,12 @@ class Run:
         init() of this run and label). The finish event is the label's last: nothing (no
         heartbeat, sample or console line) takes a later seq.
         """
+        try:
+            return self._finish(exit_code, timeout)
+        finally:
+            exits.safe_point()  # a SIGTERM that came during this finish is handled now
+
+    def _finish(self, exit_code: int, timeout: float | None) -> bool:
         if isinstance(exit_code, bool) or not isinstance(exit_code, int):
             raise TypeError(f"exit_code must be an int, not {type(exit_code).__name__}")
         if not INT64_MIN <= exit_code <= INT64_MAX:
@@ -441,7 +448,7 @@ class Run:
         if self.dropped:
             log.warning("runbus: %d events were dropped (their seqs are reported as gaps)", self.dropped)
         self._complete = shipped_all and not self.dropped
-        from runbus.producer import environment, exits
+        from runbus.producer import environment
 
         exits.forget(self)
         environment.withdraw_run_id(self.identity.run_id)
@@ -516,3 +523,8 @@ class _SamplerThread(threading.Thread):
             log.warning("runbus: system sampling stopped: %s", exc)
         finally:
             sampler.close()
+
+
+# A finish under way holds the Run's locks (and may be waiting for its finish to ship): a
+# SIGTERM that interrupts it is handled once it returns.
+exits.guard_signals(Run.finish, Run._finish)

@@ -124,6 +124,121 @@ def test_sigterm_during_back_pressure_finishes_the_label_without_a_gap(redis_url
     assert stored.counts["metric"] > 0
 
 
+# SIGTERM at a chosen bytecode: a tracer sends it on reaching `line` of `function` called
+# from `caller`, so the handler runs while the main thread holds that function's lock (an
+# Event's, the outbox's, the finish's). Nothing is mocked: the real handler, locks and shipper.
+SIGTERM_INSIDE = textwrap.dedent(
+    """
+    import inspect, os, signal, sys, threading, runbus
+    from runbus.producer.outbox import Outbox
+    from runbus.producer.run import Run
+    name, caller, text, first_call = sys.argv[1:5]
+    function = {
+        "Event.set": threading.Event.set, "Event.clear": threading.Event.clear,
+        "Event.wait": threading.Event.wait, "Outbox._drop": Outbox._drop, "Run._finish": Run._finish,
+    }[name]
+    lines, first = inspect.getsourcelines(function)
+    fire_at = first + next(i for i, line in enumerate(lines) if line.strip() == text)
+    run = runbus.init(
+        system_interval=None, hardware=False, console="off", max_buffer_events=100, batch_size=50,
+        max_backoff=0.2, finish_timeout=5, quiet=True,
+    )
+    fired = False
+
+    def on_call(frame, event, arg):
+        if fired or frame.f_code is not function.__code__ or frame.f_back.f_code.co_name != caller:
+            return None
+        return on_line
+
+    def on_line(frame, event, arg):
+        global fired
+        if event == "line" and frame.f_lineno == fire_at and not fired:
+            fired = True
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: the lock is held
+        return on_line
+
+    print("ready", flush=True)
+    sys.stdin.readline()
+    sys.settrace(on_call)
+    if first_call == "finish":
+        run.finish()
+    step = 0
+    while True:
+        run.log({"loss": 1.0}, step=step)
+        step += 1
+    """
+)
+
+
+def sigterm_inside(redis_url: str, run_id: str, *where: str) -> subprocess.Popen:
+    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_INSIDE, *where],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def stopped_within(proc: subprocess.Popen, seconds: float) -> int:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the process did not end within {seconds}s of its SIGTERM") from None
+    finally:
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("Event.set", "self._flag = True"),  # a full outbox wakes the shipper (demand.set)
+        ("Event.clear", "self._flag = False"),  # a full outbox arms its wait (room.clear)
+        ("Event.wait", "signaled = self._flag"),  # a full outbox waits for room
+    ],
+)
+def test_sigterm_while_log_holds_a_lock_finishes_the_label(redis_url, store_url, where, line):
+    # The handler finishes the Run, which takes the same locks: handled where it lands, it
+    # waited for itself forever (a CI run hung on it). It is handled at the next safe point.
+    run_id = f"held-{where.lower().replace('.', '-')}"
+    proc = sigterm_inside(redis_url, run_id, where, "_put_when_room", line, "log")
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert stopped_within(proc, 60) == -signal.SIGTERM
+    ingest(redis_url, store_url)
+    label = read_store(store_url, "run", run_id).labels[0]
+    assert (label.state, label.exit_code, label.missing) == ("failed", 143, 0)
+
+
+def test_sigterm_during_finish_lets_the_finish_complete_then_ends(redis_url, store_url):
+    proc = sigterm_inside(
+        redis_url, "held-finish", "Run._finish", "finish", "self._finished = True", "finish"
+    )
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert stopped_within(proc, 60) == -signal.SIGTERM
+    ingest(redis_url, store_url)
+    label = read_store(store_url, "run", "held-finish").labels[0]
+    assert (label.state, label.exit_code, label.missing) == ("finished", 0, 0)
+
+
+def test_sigterm_while_log_drops_ends_the_process(local_redis, store_url):
+    # Redis is gone, so full buffers drop: the SIGTERM lands inside the drop's lock.
+    proc = sigterm_inside(
+        local_redis.url, "held-drop", "Outbox._drop", "_put_when_room", "self._unnumbered_drops += 1", "log"
+    )
+    local_redis.kill()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert stopped_within(proc, 60) == -signal.SIGTERM
+
+
 def test_log_stops_waiting_when_redis_goes_away(local_redis, store_url):
     # Back-pressure while Redis answers; once it is gone, log() drops (counted) instead of
     # waiting: the loop keeps running, and the label keeps every gap explained.
