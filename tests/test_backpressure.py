@@ -105,14 +105,26 @@ def start_endless_loop(redis_url: str, run_id: str) -> subprocess.Popen:
     return proc
 
 
+def stopped_within(proc: subprocess.Popen, seconds: float) -> int:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the process did not end within {seconds}s of its SIGTERM") from None
+    finally:
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
 def test_sigterm_during_back_pressure_finishes_the_label_without_a_gap(redis_url, store_url):
     # torchrun stops a rank with SIGTERM, most likely while log() waits for room: the handler
     # finishes the label at once (the interrupted call never took a seq), then the rank dies.
     proc = start_endless_loop(redis_url, "stopped")
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == -signal.SIGTERM
-    proc.stdout.close()
+    assert stopped_within(proc, 60) == -signal.SIGTERM
     client = redis.Redis.from_url(redis_url)
     last = client.xrevrange(wire.stream_key("stopped", "rank0"), count=1)[0][1]
     client.close()
@@ -183,18 +195,6 @@ def sigterm_inside(redis_url: str, run_id: str, *where: str) -> subprocess.Popen
     return proc
 
 
-def stopped_within(proc: subprocess.Popen, seconds: float) -> int:
-    try:
-        return proc.wait(seconds)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"the process did not end within {seconds}s of its SIGTERM") from None
-    finally:
-        proc.stdin.close()
-        proc.stdout.close()
-
-
 @pytest.mark.parametrize(
     ("where", "line"),
     [
@@ -249,8 +249,7 @@ def test_log_stops_waiting_when_redis_goes_away(local_redis, store_url):
     local_redis.start()
     time.sleep(1.5)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == -signal.SIGTERM
-    proc.stdout.close()
+    assert stopped_within(proc, 60) == -signal.SIGTERM
     ingest(local_redis.url, store_url)
     label = read_store(store_url, "run", "vanished").labels[0]
     assert (label.state, label.exit_code) == ("failed", 143)
