@@ -9,9 +9,11 @@ run: its cost is the rollup rows it reads, whatever the values table holds). One
 envelope of `loss` over the whole run at up to 1,500 buckets, with 3 outliers, as the store
 answers it and as the HTTP endpoint does (document encoded); median of 5 reads after a first.
 Keys: a run of 100,000 metric keys, its first page, a prefix, a substring and a deep page.
+Page (--page): the run page of the last size in Debian's Chromium (Playwright), from navigation
+to its first chart drawn and to every chart in view drawn, cold (first load) and warm.
 
     python bench/read.py [--store sqlite|postgres] [--sizes full:64x20000,full:1024x2000,rollups:1024x100000]
-                         [--mlflow]
+                         [--keys 100000] [--mlflow 64x20000] [--page]
 
 PostgreSQL is RUNBUS_BENCH_POSTGRES_DSN, else a throwaway cluster.
 """
@@ -285,6 +287,67 @@ def mlflow_history(labels: int, steps: int, directory: str) -> dict | None:
     }
 
 
+# True once the first chart of the metrics card holds its data (as the browser tests read it).
+FIRST_CHART = """() => {
+    const f = document.querySelector('#metrics .chart');
+    return Boolean(f && f.chart && f.chart.u && f.chart.u.data[0].length > 0);
+}"""
+# True once every chart of the metrics card that is in the viewport holds its data.
+CHARTS_IN_VIEW = """() => {
+    const charts = [...document.querySelectorAll('#metrics .chart')].filter((f) => {
+        const r = f.getBoundingClientRect();
+        return r.bottom > 0 && r.top < window.innerHeight;
+    });
+    return charts.length > 0 && charts.every((f) => f.chart && f.chart.u && f.chart.u.data[0].length > 0);
+}"""
+
+
+def page_timing(url: str, loads: int = 5) -> dict | None:
+    """The run page in Chromium: ms from navigation to the first chart drawn, and to every chart
+    in view drawn; the first load cold, then the median of the rest (each in a new context)."""
+    import shutil
+
+    from tests.test_dashboard_api import serve
+
+    chromium = os.environ.get("RUNBUS_TEST_CHROMIUM") or shutil.which("chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if not chromium:
+        return None
+    first_chart, in_view, requests = [], [], []
+    with serve(url) as (base, _), sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium)
+        try:
+            for _ in range(loads):
+                context = browser.new_context(viewport={"width": 1440, "height": 1000})
+                page = context.new_page()
+                sent: list[str] = []
+                page.on("request", lambda request, sent=sent: sent.append(request.url))
+                started = time.perf_counter()
+                page.goto(f"{base}#/run/{RUN}")
+                page.wait_for_function(FIRST_CHART, polling=10, timeout=60_000)
+                first_chart.append((time.perf_counter() - started) * 1000)
+                page.wait_for_function(CHARTS_IN_VIEW, polling=10, timeout=60_000)
+                in_view.append((time.perf_counter() - started) * 1000)
+                requests.append(len(sent))
+                context.close()
+        finally:
+            browser.close()
+    return {
+        "first_chart_ms": {
+            "cold": round(first_chart[0], 1),
+            "warm_median": round(statistics.median(first_chart[1:]), 1),
+        },
+        "charts_in_view_ms": {
+            "cold": round(in_view[0], 1),
+            "warm_median": round(statistics.median(in_view[1:]), 1),
+        },
+        "requests": requests[0],
+    }
+
+
 @contextlib.contextmanager
 def postgres_dsn(kind: str) -> Iterator[str | None]:
     """RUNBUS_BENCH_POSTGRES_DSN, else a throwaway cluster (in its own temp dir), for postgres."""
@@ -345,17 +408,21 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100_000, help="metric keys of the keys run (0: none)")
     parser.add_argument("--no-today", action="store_true", help="skip today's series endpoint")
     parser.add_argument("--mlflow", default="", help="LABELSxSTEPS logged to MLflow and read back")
+    parser.add_argument("--page", action="store_true", help="time the last size's run page in Chromium")
     args = parser.parse_args()
     results: dict[str, Any] = {"store": args.store, "sizes": []}
     with (
         tempfile.TemporaryDirectory(prefix="runbus-bench-read-") as directory,
         postgres_dsn(args.store) as dsn,
     ):
-        for n, size in enumerate(args.sizes.split(",")):
+        sizes = args.sizes.split(",")
+        for n, size in enumerate(sizes):
             how, shape = size.split(":")
             labels, steps = map(int, shape.split("x"))
             with store_url(dsn, directory, f"size{n}") as url:
                 found = asyncio.run(measure(url, how, labels, steps, not args.no_today))
+                if args.page and n == len(sizes) - 1:
+                    found["page"] = page_timing(url)
             print(orjson.dumps(found).decode(), flush=True, file=__import__("sys").stderr)
             results["sizes"].append(found)
         if args.keys:
