@@ -245,8 +245,8 @@ async def envelope(
         if not all_lines and (outliers > 0 or shown):
             ranking = exact_width(RANKING_BUCKETS + 1, hi - lo + 1, RANKING_BUCKETS)
             ranked = _rank_values(values, generations, _shift(ranking))
-        chosen = set(_chosen(ranked, outliers, shown))
-        mine = values if all_lines else [v for v in values if v[0] in chosen]
+        drawn = set(_chosen(ranked, outliers, shown))
+        mine = values if all_lines else [v for v in values if v[0] in drawn]
         exact_rows = _label_rows(mine, generations, raw_width)
         lines = (
             _lines(exact_rows, by_ts, start, end)
@@ -540,8 +540,9 @@ def rank_outliers(
     rows: Iterable[LabelBucket], count: int | None = None, shift: int = 0
 ) -> list[tuple[str, float]]:
     """The `count` labels furthest from the median (all if None), with their distances, from
-    label buckets taken `shift` bits coarser: per coarse bucket, each label's mean against the median label's,
-    in units of the p10-p90 spread of the labels' means there, averaged over the buckets."""
+    label buckets taken `shift` bits coarser: per coarse bucket, each label's mean against the
+    median label's, in units of the p10-p90 spread of the labels' means there, averaged over the
+    buckets."""
     sums: dict[tuple[int, int], dict[str, list[float]]] = {}
     for row in rows:
         part = row.part
