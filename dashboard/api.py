@@ -10,8 +10,9 @@ each with `{"error": REASON}`. Non-finite numbers are written as the CLI writes 
 - `/api/runs/RUN/metrics`: the metric keys
 - `/api/runs/RUN/metrics/series?key=K&label=L&points=2000`: one series per label (see downsample)
 - `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
-- `/api/runs/RUN/metrics/envelope?key=K&x=step&start=&end=&points=1500&outliers=3&lines=16`: the
-  key's band across labels and its outlying labels' lines, from the rollups (envelopes.py)
+- `/api/runs/RUN/metrics/envelope?key=K&x=step&start=&end=&points=1500&outliers=3&lines=16&label=L`:
+  the key's band across labels and its outlying labels' lines, from the rollups (envelopes.py);
+  each `label=` (up to 64) adds that label's line (none for a label without values in view)
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
 - `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware and command line
@@ -80,14 +81,26 @@ def _integer(request: web.Request, name: str, default: int, low: int, high: int)
     return value
 
 
-def _label(request: web.Request) -> str | None:
-    label = request.query.get("label")
-    if label is None or label == "":
-        return None
+def _label_name(label: str) -> str:
     try:
         return wire.check_name("label", label)
     except InvalidName as exc:
         raise BadParameter(str(exc)) from None
+
+
+def _label(request: web.Request) -> str | None:
+    label = request.query.get("label")
+    if label is None or label == "":
+        return None
+    return _label_name(label)
+
+
+def _labels(request: web.Request, most: int) -> list[str]:
+    """The labels named by `label=`, given up to `most` times (empty ones ignored)."""
+    given = [label for label in request.query.getall("label", []) if label]
+    if len(given) > most:
+        raise BadParameter(f"label must be given at most {most} times, got {len(given)}")
+    return [_label_name(label) for label in given]
 
 
 def _level(request: web.Request) -> str | None:
@@ -330,6 +343,7 @@ async def envelope(request: web.Request) -> web.Response:
     points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
     outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
     lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    shown = _labels(request, base.MAX_SHOWN)
     found = await request.app[STORE].envelope(
         run_id,
         key,
@@ -339,6 +353,7 @@ async def envelope(request: web.Request) -> web.Response:
         points,
         outliers,
         lines,
+        shown,
     )
     if found is None:
         raise await _unknown(request, f"metric {key!r}")

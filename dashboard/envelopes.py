@@ -40,7 +40,8 @@ def x_number(value: float | int) -> float | int:
 
 
 def envelope_document(found: base.Envelope) -> dict[str, Any]:
-    """GET /api/runs/RUN/metrics/envelope."""
+    """GET /api/runs/RUN/metrics/envelope: the band, and the lines (every label's, else the
+    outliers' furthest first, `outlier` true, then those of the labels asked for by `label=`)."""
     return {
         "run_id": found.run_id,
         "key": found.key,
@@ -81,6 +82,7 @@ def envelope_document(found: base.Envelope) -> dict[str, Any]:
             {
                 "label": line.label,
                 "distance": number(line.distance),
+                "outlier": line.outlier,
                 "segments": [
                     {
                         "epoch": segment.epoch,

@@ -20,6 +20,8 @@ MAX_OUTLIERS = 32
 # Up to this many labels every label is a line (and no outliers are picked).
 ALL_LINES_UP_TO = 16
 MAX_LINES_UP_TO = 64
+# Labels a chart may name to be drawn beside its band (the ones the user turned on).
+MAX_SHOWN = 64
 DEFAULT_HEAT_BUCKETS = 32
 MAX_HEAT_BUCKETS = 256
 
@@ -229,12 +231,14 @@ class LineSegment:
 
 @dataclass(frozen=True, slots=True)
 class Line:
-    """One label's line, a segment per epoch; `distance`, for an outlier, how far it runs from the
-    median (in band widths: |its mean - median| / (p90 - p10), averaged over the ranking buckets)."""
+    """One label's line, a segment per epoch; `distance`, beside a band, how far it runs from the
+    median (in band widths: |its mean - median| / (p90 - p10), averaged over the ranking buckets);
+    `outlier`: drawn as one of the labels furthest from the median (not only because asked for)."""
 
     label: str
     segments: list[LineSegment]
     distance: float | None = None
+    outlier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,6 +427,7 @@ class Store(Protocol):
         points: int = DEFAULT_POINTS,
         outliers: int = DEFAULT_OUTLIERS,
         all_lines_up_to: int = ALL_LINES_UP_TO,
+        shown: Sequence[str] = (),
     ) -> Envelope | None:
         """One key's chart: charts.envelope."""
 

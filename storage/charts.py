@@ -202,9 +202,12 @@ async def envelope(
     points: int = DEFAULT_POINTS,
     outliers: int = DEFAULT_OUTLIERS,
     all_lines_up_to: int = ALL_LINES_UP_TO,
+    shown: Sequence[str] = (),
 ) -> Envelope | None:
     """One key's band, and its lines: every label's if there are at most `all_lines_up_to`, else
-    the `outliers` labels furthest from the median. None if the run never logged the key."""
+    the `outliers` labels furthest from the median and the `shown` labels' (the labels the user
+    turned on; one without values in view has no line). None if the run never logged the key."""
+    shown = list(dict.fromkeys(shown))
     extent = await reader.key_extent(run_id, key)
     if extent is None:
         return None
@@ -238,17 +241,17 @@ async def envelope(
         generations = await _generations(reader, run_id, key, axis)
         raw_width = exact_width(len({v[3] for v in values}), hi - lo + 1, points)
         band = _exact_band(values, generations, raw_width, by_ts, start, end)
-        picked: list[tuple[str, float]] = []
-        if not all_lines and outliers > 0:
+        ranked: list[tuple[str, float]] = []
+        if not all_lines and (outliers > 0 or shown):
             ranking = exact_width(RANKING_BUCKETS + 1, hi - lo + 1, RANKING_BUCKETS)
-            picked = _rank_values(values, generations, _shift(ranking), outliers)
-        chosen = {name for name, _ in picked}
-        mine = values if all_lines else [v for v in values if v[0] in chosen]
+            ranked = _rank_values(values, generations, _shift(ranking))
+        drawn = set(_chosen(ranked, outliers, shown))
+        mine = values if all_lines else [v for v in values if v[0] in drawn]
         exact_rows = _label_rows(mine, generations, raw_width)
         lines = (
             _lines(exact_rows, by_ts, start, end)
             if all_lines
-            else _picked_lines(exact_rows, picked, by_ts, start, end)
+            else _chosen_lines(exact_rows, ranked, outliers, shown, by_ts, start, end)
         )
         return Envelope(run_id, key, unit, raw_width, True, labels, start, end, band, lines, all_lines, other)
     first, last = lo >> _shift(width), hi >> _shift(width)
@@ -259,14 +262,14 @@ async def envelope(
         rows = await label_rows(reader, run_id, key, axis, width, first, last, None, open_rows)
         lines = _lines(rows, by_ts, start, end)
     else:
-        picked = await _outliers(reader, run_id, key, axis, lo, hi, outliers, open_rows) if outliers else []
-        outlying = [name for name, _ in picked]
+        ranked = await _ranking(reader, run_id, key, axis, lo, hi, open_rows) if outliers or shown else []
+        chosen = _chosen(ranked, outliers, shown)
         rows = (
-            await label_rows(reader, run_id, key, axis, width, first, last, outlying, open_rows)
-            if picked
+            await label_rows(reader, run_id, key, axis, width, first, last, chosen, open_rows)
+            if chosen
             else []
         )
-        lines = _picked_lines(rows, picked, by_ts, start, end)
+        lines = _chosen_lines(rows, ranked, outliers, shown, by_ts, start, end)
     return Envelope(run_id, key, unit, width, False, labels, start, end, band, lines, all_lines, other)
 
 
@@ -422,9 +425,9 @@ def _exact_band(
 
 
 def _rank_values(
-    values: Sequence[Value], generations: dict[tuple[str, int], int], shift: int, count: int
+    values: Sequence[Value], generations: dict[tuple[str, int], int], shift: int
 ) -> list[tuple[str, float]]:
-    """rank_outliers over stored values, in buckets of `shift` bits."""
+    """rank_outliers over stored values, in buckets of `shift` bits: every label ranked."""
     sums: dict[tuple[str, int, int], list[float]] = {}
     for label, epoch, _, x, _, value in values:
         if value - value == 0:
@@ -435,7 +438,7 @@ def _rank_values(
         LabelBucket(label, 0, generation, bucket, [n, 0, 0, total, None, None, None, 0, 0, 0, 0.0, 0.0, 0])
         for (label, generation, bucket), (total, n) in sums.items()
     ]
-    return rank_outliers(rows, count)
+    return rank_outliers(rows)
 
 
 _SEQ = itemgetter(2)
@@ -512,18 +515,17 @@ def _lines(rows: Sequence[LabelBucket], by_ts: bool, start: float | None, end: f
     return [Line(label, list(segments.values())) for label, segments in sorted(lines.items())]
 
 
-async def _outliers(
+async def _ranking(
     reader: RollupReader,
     run_id: str,
     key: str,
     axis: int,
     lo: int,
     hi: int,
-    count: int,
     open_rows: Sequence[LabelBucket] | None = None,
 ) -> list[tuple[str, float]]:
-    """The `count` labels furthest from the median over lo..hi, with their distances: ranked on
-    the widest buckets of which at most RANKING_BUCKETS cover the range."""
+    """Every label by its distance from the median over lo..hi, furthest first: ranked on the
+    widest buckets of which at most RANKING_BUCKETS cover the range."""
     width = WIDTHS[0]
     for candidate in WIDTHS:
         width = candidate
@@ -531,13 +533,16 @@ async def _outliers(
             break
     first, last = lo >> _shift(width), hi >> _shift(width)
     rows = await label_rows(reader, run_id, key, axis, width, first, last, None, open_rows)
-    return rank_outliers(rows, count)
+    return rank_outliers(rows)
 
 
-def rank_outliers(rows: Iterable[LabelBucket], count: int, shift: int = 0) -> list[tuple[str, float]]:
-    """The `count` labels furthest from the median, with their distances, from label buckets
-    taken `shift` bits coarser: per coarse bucket, each label's mean against the median label's,
-    in units of the p10-p90 spread of the labels' means there, averaged over the buckets."""
+def rank_outliers(
+    rows: Iterable[LabelBucket], count: int | None = None, shift: int = 0
+) -> list[tuple[str, float]]:
+    """The `count` labels furthest from the median (all if None), with their distances, from
+    label buckets taken `shift` bits coarser: per coarse bucket, each label's mean against the
+    median label's, in units of the p10-p90 spread of the labels' means there, averaged over the
+    buckets."""
     sums: dict[tuple[int, int], dict[str, list[float]]] = {}
     for row in rows:
         part = row.part
@@ -563,19 +568,33 @@ def rank_outliers(rows: Iterable[LabelBucket], count: int, shift: int = 0) -> li
     return [(label, distance) for distance, label in ranked[:count]]
 
 
-def _picked_lines(
+def _chosen(ranked: list[tuple[str, float]], outliers: int, shown: Sequence[str]) -> list[str]:
+    """The labels drawn as lines: the `outliers` furthest of `ranked`, then the `shown` others."""
+    outlying = [name for name, _ in ranked[:outliers]]
+    return outlying + [name for name in shown if name not in outlying]
+
+
+def _chosen_lines(
     rows: Sequence[LabelBucket],
-    picked: list[tuple[str, float]],
+    ranked: list[tuple[str, float]],
+    outliers: int,
+    shown: Sequence[str],
     by_ts: bool,
     start: float | None,
     end: float | None,
 ) -> list[Line]:
-    """The lines of the `picked` labels, furthest first, with their distances."""
-    distance = dict(picked)
-    mine = [row for row in rows if row.label in distance]
+    """The lines of the outliers (the `outliers` furthest of `ranked`), furthest first, then of
+    the `shown` labels in the order asked; each with its distance (None for a label not ranked:
+    no finite value in the ranking's buckets)."""
+    distance = dict(ranked)
+    outlying = {name for name, _ in ranked[:outliers]}
+    chosen = _chosen(ranked, outliers, shown)
+    wanted = set(chosen)
+    drawn = {line.label: line for line in _lines([r for r in rows if r.label in wanted], by_ts, start, end)}
     return [
-        Line(line.label, line.segments, distance[line.label])
-        for line in sorted(_lines(mine, by_ts, start, end), key=lambda line: -distance[line.label])
+        Line(name, drawn[name].segments, distance.get(name), name in outlying)
+        for name in chosen
+        if name in drawn
     ]
 
 
@@ -593,8 +612,10 @@ async def stragglers(
 ) -> Stragglers | None:
     """Each label's step time per step bucket, over steps start..end in at most `buckets`
     buckets: `key`'s mean where `time_key` (a key whose values are step times, in seconds), else
-    derived from when `key` was logged (the ts span of a bucket's values over its step span: a
-    key logged every step, such as the loss, gives each step's time). None if never logged."""
+    derived from when `key` was logged (the ts span between its steps over their step span: a
+    key logged every step, such as the loss, gives each step's time). A key of few values
+    (RAW_POINTS) is read as stored, in buckets as narrow as `buckets` allows (a step each for a
+    short run); else from its rollups, in buckets of WIDTHS. None if never logged."""
     extent = await reader.key_extent(run_id, key)
     if extent is None:
         return None
@@ -607,22 +628,19 @@ async def stragglers(
     hi = min(hi, end) if end is not None else hi
     if hi < lo:
         return Stragglers(run_id, source, not time_key, 0, [], [], [])
-    width = choose_width(hi - lo + 1, buckets)
-    first, last = lo >> _shift(width), hi >> _shift(width)
-    rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
+    total = sum(s.n for s in spans)
     # (label, bucket) -> [seconds, steps] summed over the label's epochs, or [sum, count] of values
-    cells: dict[tuple[str, int], list[float]] = {}
-    for row in rows:
-        part = row.part
-        cell = cells.setdefault((row.label, row.bucket), [0.0, 0.0])
-        if time_key:
-            finite = part[N] - part[NAN] - part[INF]
-            if finite > 0 and part[TOTAL] - part[TOTAL] == 0:
-                cell[0] += part[TOTAL]
-                cell[1] += finite
-        elif part[X_HI] > part[X_LO]:
-            cell[0] += part[TS_HI] - part[TS_LO]
-            cell[1] += part[X_HI] - part[X_LO]
+    cells: dict[tuple[str, int], list[float]]
+    if total <= RAW_POINTS:
+        values = await _stored_values(reader, run_id, key, STEP_AXIS, lo, hi, total)
+        # Whatever steps were logged, a bucket is a run of consecutive steps (as in the rollups).
+        width = exact_width(buckets + 1, hi - lo + 1, buckets)
+        cells = _value_cells(values, _shift(width)) if time_key else _derived_cells(values, _shift(width))
+    else:
+        width = choose_width(hi - lo + 1, buckets)
+        first, last = lo >> _shift(width), hi >> _shift(width)
+        rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
+        cells = _rollup_cells(rows, time_key)
     present = sorted({bucket for _, bucket in cells})
     names = sorted({label for label, _ in cells})
     column = {bucket: i for i, bucket in enumerate(present)}
@@ -639,6 +657,53 @@ async def stragglers(
     labels = [_straggler(name, times[name], median, step_counts, ranges) for name in names]
     labels.sort(key=lambda s: (-(s.mean_ratio or 0.0), s.label))
     return Stragglers(run_id, source, not time_key, width, ranges, median, labels)
+
+
+def _rollup_cells(rows: Iterable[LabelBucket], time_key: bool) -> dict[tuple[str, int], list[float]]:
+    """Stragglers' cells from label buckets: the values' sum and count where `time_key`, else the
+    ts span and step span of each bucket's values."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        part = row.part
+        cell = cells.setdefault((row.label, row.bucket), [0.0, 0.0])
+        if time_key:
+            finite = part[N] - part[NAN] - part[INF]
+            if finite > 0 and part[TOTAL] - part[TOTAL] == 0:
+                cell[0] += part[TOTAL]
+                cell[1] += finite
+        elif part[X_HI] > part[X_LO]:
+            cell[0] += part[TS_HI] - part[TS_LO]
+            cell[1] += part[X_HI] - part[X_LO]
+    return cells
+
+
+def _value_cells(values: Iterable[Value], shift: int) -> dict[tuple[str, int], list[float]]:
+    """Stragglers' cells from stored step times: each bucket's finite values' sum and count."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for label, _, _, x, _, value in values:
+        cell = cells.setdefault((label, x >> shift), [0.0, 0.0])
+        if value - value == 0:
+            cell[0] += value
+            cell[1] += 1
+    return cells
+
+
+def _derived_cells(values: Iterable[Value], shift: int) -> dict[tuple[str, int], list[float]]:
+    """Stragglers' cells from when a key was logged: between each two steps a label epoch logged
+    one after the other, the seconds and the steps, in the bucket of the later step (so a bucket
+    of one step has a time too; a label epoch's first step has none)."""
+    logged: dict[tuple[str, int], dict[int, float]] = {}
+    cells: dict[tuple[str, int], list[float]] = {}
+    for label, epoch, _, x, ts, _ in values:
+        steps = logged.setdefault((label, epoch), {})
+        steps[x] = max(ts, steps.get(x, ts))
+        cells.setdefault((label, x >> shift), [0.0, 0.0])
+    for (label, _), steps in logged.items():
+        for (before, then), (step, now) in pairwise(sorted(steps.items())):
+            cell = cells.setdefault((label, step >> shift), [0.0, 0.0])
+            cell[0] += max(0.0, now - then)
+            cell[1] += step - before
+    return cells
 
 
 def _straggler(

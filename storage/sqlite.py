@@ -1276,8 +1276,11 @@ class SQLiteStore:
         points: int = base.DEFAULT_POINTS,
         outliers: int = base.DEFAULT_OUTLIERS,
         all_lines_up_to: int = base.ALL_LINES_UP_TO,
+        shown: Sequence[str] = (),
     ) -> base.Envelope | None:
-        return await charts.envelope(self, run_id, key, x, start, end, points, outliers, all_lines_up_to)
+        return await charts.envelope(
+            self, run_id, key, x, start, end, points, outliers, all_lines_up_to, shown
+        )
 
     async def stragglers(
         self,

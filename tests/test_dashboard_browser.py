@@ -13,10 +13,12 @@ import csv
 import io
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import orjson
 import pytest
@@ -372,6 +374,8 @@ def test_csv_and_png_exports(page, site):
 
 def test_many_labels_draw_the_envelope_with_outliers_and_chosen_labels(page, site):
     url = site[0]
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/metrics/" in r.url else None)
     page.goto(f"{url}#/run/{seeds.SWEEP}")
     loss = drawn(page, chart("metrics", "train/loss"))
     roles = [s["role"] for s in loss["series"]]
@@ -392,10 +396,32 @@ def test_many_labels_draw_the_envelope_with_outliers_and_chosen_labels(page, sit
         == 1
     )
 
-    # Any label on by a click in the labels table, on every chart; off again.
+    # Any label on by a click in the labels table, on every chart; off again. Labels turned on
+    # come in the chart's envelope request (one per chart, whatever their number), each in its
+    # own colour, with every value it logged.
     page.click("#labels tr[data-label='rank9'] .label-toggle")
-    shown = drawn(page, chart("metrics", "train/loss"), "d.series.some(s => s.label === 'rank9')")
+    page.click("#labels tr[data-label='rank10'] .label-toggle")
+    shown = drawn(
+        page,
+        chart("metrics", "train/loss"),
+        "['rank9', 'rank10'].every(l => d.series.some(s => s.label === l))",
+    )
     assert "rank9" in [s["label"] for s in lines_of(shown)]
+    asked = [
+        parse_qs(urlsplit(u).query)
+        for u in requests
+        if "/metrics/envelope" in u and parse_qs(urlsplit(u).query)["key"] == ["train/loss"]
+    ]
+    assert {"rank9", "rank10"} <= set(asked[-1]["label"]) and len(asked[-1]["label"]) == 2
+    assert not [u for u in requests if "/metrics/series" in u]
+    rank9 = [s for s in lines_of(shown) if s["label"] == "rank9"]
+    logged = [seeds.sweep_metrics(9, step)["train/loss"] for step in range(seeds.SWEEP_STEPS)]
+    assert len(rank9) == 1 and same_values(rank9[0]["values"], logged)
+    swatch = page.eval_on_selector(
+        "#labels tr[data-label='rank9'] .swatch", "s => getComputedStyle(s).backgroundColor"
+    )
+    assert swatch == "rgb({}, {}, {})".format(*(int(rank9[0]["color"][i : i + 2], 16) for i in (1, 3, 5)))
+    page.click("#labels tr[data-label='rank10'] .label-toggle")
     assert "rank9" in [
         s["label"]
         for s in lines_of(
@@ -571,7 +597,11 @@ def test_the_straggler_view_names_the_slow_labels(page, site):
     assert 28 < behind < 32  # 1.3x the median's step time
     one_off = page.locator(f"#straggler-table tr[data-label='{seeds.HICCUP_RANK}']")
     assert one_off.locator(".kind").inner_text() == "one-off"
-    assert "at steps 512\u2013639" in one_off.locator("td").nth(5).inner_text()  # its slow stretch: 512-767
+    # Its slow stretch, 512-767, in buckets of 32 steps (2,048 steps in at most 120 columns).
+    worst = re.search(r"at steps ([\d,]+)\u2013([\d,]+)", one_off.locator("td").nth(5).inner_text())
+    assert worst is not None
+    first_step, last_step = (int(text.replace(",", "")) for text in worst.groups())
+    assert first_step >= 512 and last_step == first_step + 31 <= 767
     assert page.locator(".tab.active").inner_text() == "Stragglers"
 
     target = os.environ.get("RUNBUS_DASHBOARD_SCREENSHOTS")

@@ -14,6 +14,7 @@ import random
 import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import astuple
 from typing import Any
 
 import asyncpg
@@ -28,7 +29,7 @@ from runbus.dashboard.api import create_app
 from runbus.storage import Store, charts, open_store, rollups
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
-from runbus.storage.base import Point
+from runbus.storage.base import Line, Point
 from runbus.wire import Event
 from tests.helpers import ingest, xadd_event
 from tests.pgserver import create_database, drop_database
@@ -416,7 +417,7 @@ async def test_an_old_store_gets_the_rollups_of_what_it_holds(
 
 # -- the chart reads ----------------------------------------------------------------------------
 
-BIG, SMALL = "big", "small"
+BIG, SMALL, SHORT = "big", "small", "short"
 LABELS, STEPS, RESUME, RESTART = 20, 1500, 900, 1000
 OUTLIER, CHRONIC, ONE_OFF = "rank07", "rank03", "rank11"
 
@@ -484,9 +485,26 @@ def small_run() -> list[Event]:
     return events
 
 
+SHORT_LABELS, SHORT_STEPS, SHORT_SLOW = 8, 100, "rank5"
+
+
+def short_run() -> list[Event]:
+    """SHORT_LABELS labels logging a loss and their step time for SHORT_STEPS steps: 1 s a step,
+    SHORT_SLOW 1.5 s."""
+    events = []
+    for n in range(SHORT_LABELS):
+        label = f"rank{n}"
+        per_step = 1.5 if label == SHORT_SLOW else 1.0
+        events.append(start(SHORT, label, 1, 0))
+        for step in range(SHORT_STEPS):
+            values = {"loss": 1.0 + n / 100, "step_time": per_step}
+            events.append(metric(SHORT, label, 1, step + 2, values, step, T0 + 1 + step * per_step))
+    return events
+
+
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def charted_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A store of each backend holding BIG and SMALL, written once for the tests that read it."""
+    """A store of each backend holding BIG, SMALL and SHORT, written once for the tests that read it."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('charted') / 'runbus.db'}"
     else:
@@ -497,7 +515,7 @@ def charted_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         store = open_store(url)
         await store.connect()
         try:
-            for events in (big_run(), small_run()):
+            for events in (big_run(), small_run(), short_run()):
                 for i in range(0, len(events), 4000):
                     await store.write(events[i : i + 4000])
         finally:
@@ -511,7 +529,7 @@ def charted_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(autouse=True)
 def few_raw_points(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BIG's keys are read from their rollups, SMALL's as stored."""
+    """BIG's keys are read from their rollups, SMALL's and SHORT's as stored."""
     monkeypatch.setattr(charts, "RAW_POINTS", 20_000)
 
 
@@ -609,6 +627,63 @@ async def test_a_small_key_is_read_exactly_with_every_label_as_a_line(charted: S
         assert (b.p10, b.p50, b.p90) == (values[0], values[1], values[3])
     assert [p.value for p in found.lines[2].segments[0].points] == [200.0 + s for s in range(50)]
     assert await charted.envelope(SMALL, "no-such-key") is None
+
+
+def line_points(line: Line) -> list[tuple[int, int, list[tuple]]]:
+    return [(s.epoch, s.generation, [astuple(p) for p in s.points]) for s in line.segments]
+
+
+@pytest.mark.parametrize(("run", "points", "exact"), [(BIG, 200, False), (SMALL, 1500, True)])
+async def test_the_labels_asked_for_are_lines_beside_the_outliers(
+    charted: Store, run: str, points: int, exact: bool
+) -> None:
+    """Rollups (BIG) or values as stored (SMALL, drawn as an envelope past 2 labels): a label
+    asked for is the line it would be among every label's, with its distance from the median."""
+    every = await charted.envelope(run, "loss", points=points, all_lines_up_to=64)
+    assert every is not None and every.all_lines
+    by_label = {line.label: line for line in every.lines}
+    plain = await charted.envelope(run, "loss", points=points, outliers=2, all_lines_up_to=2)
+    assert plain is not None and plain.exact is exact and not plain.all_lines
+    outlying = [line.label for line in plain.lines]
+    assert len(outlying) == 2 and all(line.outlier for line in plain.lines)
+    others = [name for name in sorted(by_label) if name not in outlying][:2]
+    asked = [others[1], outlying[0], "nobody", others[0], others[1]]
+    found = await charted.envelope(run, "loss", points=points, outliers=2, all_lines_up_to=2, shown=asked)
+    assert found is not None and (found.width, found.band) == (plain.width, plain.band)
+    assert [line.label for line in found.lines] == [*outlying, others[1], others[0]]
+    assert [line.outlier for line in found.lines] == [True, True, False, False]
+    assert [line.distance for line in found.lines[:2]] == [line.distance for line in plain.lines]
+    for line in found.lines:
+        assert line.distance is not None and line.distance >= 0
+        assert line_points(line) == line_points(by_label[line.label])
+    if run == BIG:
+        assert [(s.epoch, s.generation) for s in found.lines[2].segments] == [(1, 1), (2, 2)]
+    asked_only = await charted.envelope(
+        run, "loss", points=points, outliers=0, all_lines_up_to=2, shown=others
+    )
+    assert asked_only is not None and [line.label for line in asked_only.lines] == others
+    assert not any(line.outlier for line in asked_only.lines)
+
+
+async def test_stragglers_of_a_short_run_are_read_as_stored(charted: Store) -> None:
+    """100 steps: a column per step (the first has no time: nothing logged before it), or per
+    4 steps in at most 32 columns; the slow label found either way."""
+    for buckets, width in ((128, 1), (32, 4)):
+        found = await charted.stragglers(SHORT, "loss", buckets=buckets)
+        assert found is not None and found.derived and found.width == width
+        assert len(found.buckets) == SHORT_STEPS // width and found.buckets[1] == (width, 2 * width - 1)
+        timed = sum(1 for m in found.median if m is not None)
+        slow = found.labels[0]
+        assert (slow.label, slow.kind, slow.slow_buckets) == (SHORT_SLOW, "chronic", timed)
+        assert slow.mean_ratio == pytest.approx(1.5)
+        assert 0.5 * (SHORT_STEPS - 1) - 1e-6 <= slow.seconds_behind <= 0.5 * SHORT_STEPS + 1e-6
+        assert all(s.kind == "normal" for s in found.labels[1:])
+        assert found.median[1:] == pytest.approx([1.0] * (len(found.buckets) - 1))
+    assert (await charted.stragglers(SHORT, "loss", buckets=128)).median[0] is None  # type: ignore[union-attr]
+    logged = await charted.stragglers(SHORT, "step_time", time_key=True, start=10, end=49, buckets=16)
+    assert logged is not None and not logged.derived and logged.width == 4
+    assert logged.buckets == [(10, 11), *((step, step + 3) for step in range(12, 48, 4)), (48, 49)]
+    assert logged.labels[0].label == SHORT_SLOW and logged.labels[0].mean_ratio == pytest.approx(1.5)
 
 
 async def test_stragglers_chronic_and_one_off(charted: Store) -> None:
@@ -741,6 +816,71 @@ async def test_the_keys_stragglers_and_labels_endpoints(chart_api: TestClient) -
     assert "hunter2hunter2" not in orjson.dumps(labels).decode()
     assert first["hardware"]["argv"][:3] == ["train.py", "--lr", "3e-4"]
     assert [(g["count"], g["gpus"][0]["name"]) for g in labels["hardware"]] == [(16, "H100"), (4, "A100")]
+
+
+async def test_the_envelope_endpoint_draws_the_labels_asked_for(chart_api: TestClient) -> None:
+    path = f"/api/runs/{BIG}/metrics/envelope"
+    plain = await get_json(chart_api, path, key="loss", points="200")
+    outlying = [line["label"] for line in plain["lines"]]
+    assert outlying[0] == OUTLIER and all(line["outlier"] for line in plain["lines"])
+    others = [f"rank{n:02d}" for n in range(LABELS) if f"rank{n:02d}" not in outlying][:2]
+    asked = [("key", "loss"), ("points", "200"), ("label", "")]
+    asked += [("label", name) for name in (others[0], OUTLIER, "nobody", others[1])]
+    response = await chart_api.get(path, params=asked)
+    assert response.status == 200, await response.text()
+    doc = orjson.loads(await response.read())
+    assert doc["band"] == plain["band"] and doc["width"] == plain["width"] == 128
+    assert [(line["label"], line["outlier"]) for line in doc["lines"]] == [
+        *((name, True) for name in outlying),
+        (others[0], False),
+        (others[1], False),
+    ]
+    for line in doc["lines"][3:]:
+        assert isinstance(line["distance"], float) and line["distance"] >= 0
+        assert [(s["epoch"], s["generation"]) for s in line["segments"]] == [(1, 1), (2, 2)]
+        rows = [row for s in line["segments"] for row in s["rows"]]
+        assert all(len(row) == len(doc["line_columns"]) for row in rows)
+        assert sum(row[-1] for row in rows) == RESTART + STEPS - RESUME
+    # Values as stored (SMALL, past `lines`): the label's every value, a row a step.
+    small = await chart_api.get(
+        f"/api/runs/{SMALL}/metrics/envelope",
+        params=[("key", "loss"), ("lines", "2"), ("outliers", "1"), ("label", "rank1"), ("label", "rank2")],
+    )
+    small_doc = orjson.loads(await small.read())
+    assert small_doc["exact"] and not small_doc["all_lines"]
+    assert [(line["label"], line["outlier"]) for line in small_doc["lines"]] == [
+        ("rank0", True),
+        ("rank1", False),
+        ("rank2", False),
+    ]
+    rank1 = small_doc["lines"][1]["segments"][0]["rows"]
+    assert rank1 == [[step, 100.0 + step, 100.0 + step, 100.0 + step, 100.0 + step, 1] for step in range(50)]
+    assert small_doc["lines"][2]["distance"] == 0  # rank2 is the median
+
+
+@pytest.mark.parametrize(
+    ("labels", "reason"),
+    [
+        ([f"rank{n}" for n in range(65)], "label must be given at most 64 times, got 65"),
+        (["rank1", "not a label"], "invalid label 'not a label'"),
+        (["../rank1"], "invalid label"),
+    ],
+)
+async def test_labels_asked_of_an_envelope_are_checked(
+    chart_api: TestClient, labels: list[str], reason: str
+) -> None:
+    params = [("key", "loss"), *(("label", name) for name in labels)]
+    response = await chart_api.get(f"/api/runs/{BIG}/metrics/envelope", params=params)
+    assert response.status == 400
+    assert reason in orjson.loads(await response.read())["error"]
+
+
+async def test_the_stragglers_of_a_short_run_have_a_column_per_few_steps(chart_api: TestClient) -> None:
+    doc = await get_json(chart_api, f"/api/runs/{SHORT}/stragglers", key="loss")
+    assert doc["width"] == 4 and len(doc["buckets"]) == len(doc["median"]) == SHORT_STEPS // 4
+    assert doc["total"] == SHORT_LABELS and doc["labels"][0]["label"] == SHORT_SLOW
+    assert doc["labels"][0]["kind"] == "chronic" and doc["labels"][0]["mean_ratio"] == pytest.approx(1.5)
+    assert len(doc["labels"][0]["step_time"]) == len(doc["buckets"])
 
 
 @pytest.mark.parametrize(

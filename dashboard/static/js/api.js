@@ -43,10 +43,13 @@ function release() {
   else running -= 1;
 }
 
+// GET `path` with `params` (an array value: the parameter once per item; empty ones left out).
 export async function api(path, params = {}) {
   const url = new URL(path, location.origin);
   for (const [name, value] of Object.entries(params)) {
-    if (value !== undefined && value !== null && value !== '') url.searchParams.set(name, String(value));
+    for (const item of Array.isArray(value) ? value : [value]) {
+      if (item !== undefined && item !== null && item !== '') url.searchParams.append(name, String(item));
+    }
   }
   const headers = token ? { Authorization: 'Bearer ' + token } : {};
   await acquire();

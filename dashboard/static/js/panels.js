@@ -24,6 +24,7 @@ export class PanelGrid {
     this.visible = new Set();
     this.loaded = new Set();
     this.pending = new Map();
+    this.latest = new Map();      // key -> the number of its latest load
     this.sectionsOpen = new Map();
     this.shape = null;
     this.element = el('div', { class: 'sections' });
@@ -104,11 +105,15 @@ export class PanelGrid {
     const panel = this.panels.get(key);
     if (!panel) return;
     this.loaded.add(key);
+    // Loads of a key overlap (a label turned on, then another): only the latest one is shown.
+    const number = (this.latest.get(key) || 0) + 1;
+    this.latest.set(key, number);
+    const current = () => this.panels.get(key) === panel && this.latest.get(key) === number;
     try {
       const { parts, info } = await this.fetch(key);
-      if (this.panels.get(key) === panel) panel.show(parts, info);
+      if (current()) panel.show(parts, info);
     } catch (error) {
-      if (this.panels.get(key) === panel) panel.failed('could not load: ' + error.message);
+      if (current()) panel.failed('could not load: ' + error.message);
     }
   }
 

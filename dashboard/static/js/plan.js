@@ -26,10 +26,8 @@ export function envelopesOf(part) {
 }
 
 // The x the chart can draw: the one asked for if every line has it, else steps, else wall time.
-// Lines fetched on the side (labels turned on over an envelope) do not decide it; one without
-// that x is left out.
 export function xKindFor(parts, wanted) {
-  const sources = parts.flatMap((part) => [...part.lines.filter((line) => !line.extra), ...envelopesOf(part)]);
+  const sources = parts.flatMap((part) => [...part.lines, ...envelopesOf(part)]);
   const has = (kind) => sources.every((s) => (kind === 'step' ? s.step : s.ts));
   if (has(wanted)) return wanted;
   return has('step') ? 'step' : 'wall';

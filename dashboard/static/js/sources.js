@@ -3,8 +3,8 @@
 // here costs a fixed number of requests, whatever the run's size:
 //
 //   keyPage       GET /metrics/keys (a page), or /metrics (every key) for a regular expression
-//   metricChart   GET /metrics/envelope: every label's line up to MAX_LINES labels, else the band
-//                 and its outlying labels (+ one /metrics/series per label the user turned on)
+//   metricChart   GET /metrics/envelope: every label's line up to MAX_LINES labels, else the band,
+//                 its outlying labels and the labels the user turned on (`label=`, each once)
 //   systemCharts  GET /system: lines, or the envelope computed here past MAX_LINES series
 //   stragglers    GET /stragglers: step times per label and step bucket, slowest labels first
 //   labelHardware GET /labels: each label's host, hardware and command line (redacted)
@@ -20,6 +20,7 @@ const SERIES_POINTS = 2000;
 const SYSTEM_ROWS = 60_000;   // system points asked for in one answer, across labels and figures
 const HEAT_BUCKETS = 120;
 const MIN_DISTANCE = 0.05;    // band widths from the median: closer is no outlier
+const MAX_SHOWN = 64;         // labels turned on that a chart asks for (the API's bound)
 const LABELS_PAGE = 1000;
 const LITERAL = /^[^.*+?()[\]{}|\\^$]*$/;
 
@@ -106,6 +107,7 @@ function linesFromEnvelope(doc) {
         lo: segment.rows.map((row) => num(row[col.min])),
         hi: segment.rows.map((row) => num(row[col.max])),
         downsampled: segment.rows.some((row) => row[col.n] > 1),
+        outlier: Boolean(line.outlier),
       });
     }
   }
@@ -119,9 +121,9 @@ function bounds(range, xMode, t0) {
   return { start: range.range[0] + shift, end: range.range[1] + shift };
 }
 
-async function envelopeDoc(runId, key, { xMode = 'step', range = null, t0 = null, lines = MAX_LINES, outliers = OUTLIERS } = {}) {
+async function envelopeDoc(runId, key, { xMode = 'step', range = null, t0 = null, lines = MAX_LINES, outliers = OUTLIERS, labels = [] } = {}) {
   return api(runPath(runId, '/metrics/envelope'), {
-    key, x: xMode === 'step' ? 'step' : 'ts', lines, outliers, ...bounds(range, xMode, t0),
+    key, x: xMode === 'step' ? 'step' : 'ts', lines, outliers, ...bounds(range, xMode, t0), label: labels,
   });
 }
 
@@ -131,30 +133,19 @@ function describeDoc(doc) {
 }
 
 // The drawing of one metric key: every label a line up to MAX_LINES labels, else the envelope
-// (median, p10-p90, min-max) with its outlier labels and the labels the user turned on.
-// Returns {parts, info}.
+// (median, p10-p90, min-max) with its outlier labels and the labels the user turned on, all in
+// one request. Returns {parts, info}.
 export async function metricChart(runId, key, { run: runDoc, shown = new Set(), xMode = 'step', range = null } = {}) {
   const t0 = runDoc?.started_ts ?? null;
-  const doc = await envelopeDoc(runId, key, { xMode, range, t0 });
+  const labels = [...shown].sort(byName).slice(0, MAX_SHOWN);
+  const doc = await envelopeDoc(runId, key, { xMode, range, t0, labels });
   const lines = linesFromEnvelope(doc);
-  if (doc.labels <= MAX_LINES) return { parts: [{ lines, t0 }], info: describeDoc(doc) };
+  if (doc.all_lines) return { parts: [{ lines, t0 }], info: describeDoc(doc) };
   // An outlier as close to the median as the rest (every line alike) is none.
-  let outliers = lines.filter((line) => line.distance !== null && line.distance !== undefined && line.distance > MIN_DISTANCE);
-  if (!outliers.length && lines.length && lines.every((line) => line.distance === null || line.distance === undefined)) {
-    // Every line came back: the outliers are those furthest from the median, reckoned here.
-    const names = envelopeOf(lines).outliers;
-    outliers = lines.filter((line) => names.includes(line.name));
-  }
-  const outlierLabels = [...new Set(outliers.map((line) => line.label))];
-  const wanted = [...shown].filter((label) => !outlierLabels.includes(label));
-  const extra = await Promise.all(wanted.map((label) => {
-    const present = lines.filter((line) => line.label === label);
-    if (present.length) return present;
-    return api(runPath(runId, '/metrics/series'), { key, label, points: SERIES_POINTS })
-      .then((series) => linesFromSeriesDoc(series).map((line) => ({ ...line, extra: true })), () => []);
-  }));
+  const outliers = [...new Set(lines.filter((line) => line.outlier && line.distance > MIN_DISTANCE).map((line) => line.label))];
+  const drawn = lines.filter((line) => outliers.includes(line.label) || shown.has(line.label));
   return {
-    parts: [{ lines: [...outliers, ...extra.flat()], envelope: doc.band.map((segment) => envelopeFromBand(doc, segment)), outliers: outlierLabels, t0 }],
+    parts: [{ lines: drawn, envelope: doc.band.map((segment) => envelopeFromBand(doc, segment)), outliers, t0 }],
     info: describeDoc(doc) + ' · envelope',
   };
 }
