@@ -296,11 +296,54 @@ def missing_store(url: str) -> StoreMissing:
     return StoreMissing(f"no runbus store at {safe_url(url)}; `runbus ingest` creates it")
 
 
-class Store(Protocol):
+class RollupReader(Protocol):
+    """The reads of stored values and rollups that the chart reads (storage/charts.py) are built
+    on; a part of Store."""
+
+    async def point_page(
+        self,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        after: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None = None,
+    ) -> list[Point]:
+        """Up to `limit` of one label's values in `table` (of one `key` if given), in (key, epoch,
+        seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
+        run read a page at a time, each page a range of the table's primary key."""
+
+    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+        """Every stored value of a metric key: (label, epoch, seq, step, ts, value), each label's
+        in (epoch, seq) order, the labels in no order (a lean read for small keys' exact charts)."""
+
+    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
+        """A metric key's spans per axis and generation, and its labels; None if never logged."""
+
+    async def run_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+    ) -> list[RunBucket]:
+        """A key's run_rollups buckets lo..hi at `width` on `axis`, every generation's, slots
+        merged, in (generation, bucket) order."""
+
+    async def label_buckets(
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """A key's label_rollups buckets lo..hi at `width` on `axis`, of `labels` (all if None)."""
+
+    async def open_buckets(
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+    ) -> list[LabelBucket]:
+        """Each label epoch's highest 128-step bucket of a key on `axis` (of `labels`, all if
+        None): the open ones, not yet in the wider rows nor the sketch (storage/rollups.py)."""
+
+
+class Store(RollupReader, Protocol):
     """What the ingester writes through and the CLI and API read through.
 
     A backend is built as `Backend(url, create=True)`; with `create=False` (the readers'), connect()
-    creates and migrates nothing and raises StoreMissing where no runbus store exists.
+    creates and migrates nothing and raises StoreMissing where no runbus store exists. The
+    RollupReader reads are a Store's too.
     """
 
     url: str
@@ -353,19 +396,6 @@ class Store(Protocol):
     ) -> list[LogLine]:
         """Log lines ordered by ts (then label, epoch, seq), filtered and paged."""
 
-    async def point_page(
-        self,
-        table: PointTable,
-        run_id: str,
-        label: str,
-        after: tuple[str, int, int] | None,
-        limit: int,
-        key: str | None = None,
-    ) -> list[Point]:
-        """Up to `limit` of one label's values in `table` (of one `key` if given), in (key, epoch,
-        seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
-        run read a page at a time, each page a range of the table's primary key."""
-
     async def log_page(
         self,
         run_id: str,
@@ -388,30 +418,6 @@ class Store(Protocol):
     ) -> KeyPage:
         """A page of the run's metric keys that start with `prefix` and hold `contains` (ASCII
         letters in any case), in code point order, with how many match in all."""
-
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
-        """Every stored value of a metric key: (label, epoch, seq, step, ts, value), each label's
-        in (epoch, seq) order, the labels in no order (a lean read for small keys' exact charts)."""
-
-    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
-        """A metric key's spans per axis and generation, and its labels; None if never logged."""
-
-    async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
-    ) -> list[RunBucket]:
-        """A key's run_rollups buckets lo..hi at `width` on `axis`, every generation's, slots
-        merged, in (generation, bucket) order."""
-
-    async def label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
-    ) -> list[LabelBucket]:
-        """A key's label_rollups buckets lo..hi at `width` on `axis`, of `labels` (all if None)."""
-
-    async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
-    ) -> list[LabelBucket]:
-        """Each label epoch's highest 128-step bucket of a key on `axis` (of `labels`, all if
-        None): the open ones, not yet in the wider rows nor the sketch (storage/rollups.py)."""
 
     async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Each label's latest start event data (host, rank, hardware with GPUs, driver, CUDA,

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 from operator import itemgetter
-from typing import Literal, Protocol
+from typing import Literal
 
 from runbus.storage import rollups
 from runbus.storage.base import (
@@ -25,12 +25,11 @@ from runbus.storage.base import (
     BandBucket,
     BandSegment,
     Envelope,
-    KeyExtent,
     LabelBucket,
     Line,
     LinePoint,
     LineSegment,
-    Point,
+    RollupReader,
     RunBucket,
     Span,
     StragglerLabel,
@@ -67,42 +66,6 @@ SLOW = 1.05
 
 
 # -- what backends read ----------------------------------------------------------------------------
-
-
-class RollupReader(Protocol):
-    """The row reads a backend gives the chart reads."""
-
-    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
-        """The key's spans and labels from its widest rollups; None if the run never logged it."""
-
-    async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
-    ) -> list[RunBucket]:
-        """Every generation's run_rollups buckets lo..hi at `width`, slots merged."""
-
-    async def label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
-    ) -> list[LabelBucket]:
-        """The label_rollups buckets lo..hi at `width` of `labels` (every label if None)."""
-
-    async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
-    ) -> list[LabelBucket]:
-        """Each label epoch's open 128-step bucket, as Store.open_buckets."""
-
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
-        """Every stored value of a key, as Store.key_values."""
-
-    async def point_page(
-        self,
-        table: Literal["metrics", "system"],
-        run_id: str,
-        label: str,
-        after: tuple[str, int, int] | None,
-        limit: int,
-        key: str | None = None,
-    ) -> list[Point]:
-        """A page of one label's values, as Store.point_page."""
 
 
 def merge_slots(rows: Iterable[tuple[int, int, Partial, bytes | None]]) -> list[RunBucket]:

@@ -1266,29 +1266,6 @@ class SQLiteStore:
             )
         }
 
-    async def envelope(
-        self,
-        run_id: str,
-        key: str,
-        x: base.XUnit | None = None,
-        start: float | None = None,
-        end: float | None = None,
-        points: int = base.DEFAULT_POINTS,
-        outliers: int = base.DEFAULT_OUTLIERS,
-        all_lines_up_to: int = base.ALL_LINES_UP_TO,
-        shown: Sequence[str] = (),
-    ) -> base.Envelope | None:
-        return await charts.envelope(
-            self, run_id, key, x, start, end, points, outliers, all_lines_up_to, shown
-        )
-
-    async def stragglers(
-        self,
-        run_id: str,
-        key: str,
-        time_key: bool = False,
-        start: int | None = None,
-        end: int | None = None,
-        buckets: int = base.DEFAULT_HEAT_BUCKETS,
-    ) -> base.Stragglers | None:
-        return await charts.stragglers(self, run_id, key, time_key, start, end, buckets)
+    # The chart reads, one implementation over this backend's rollup reads.
+    envelope = charts.envelope
+    stragglers = charts.stragglers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +12,8 @@ import redis
 
 from runbus.ingester import decoding
 from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
+from runbus.storage import Store, open_store
+from tests.helpers import OpenStore
 from tests.pgserver import LocalPostgres, PostgresNotFound, create_database, drop_database
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -175,3 +177,27 @@ def postgres_url(postgres_dsn: str) -> Iterator[str]:
         yield url
     finally:
         asyncio.run(drop_database(postgres_dsn, url))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
+    """A fresh, empty store of each backend in turn."""
+    if request.param == "sqlite":
+        return store_url
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+async def open_stores(any_store_url: str) -> AsyncIterator[OpenStore]:
+    """Open and connect a store (on the test's URL unless told), closed after the test."""
+    opened: list[Store] = []
+
+    async def open_(url: str = any_store_url) -> Store:
+        store = open_store(url)
+        opened.append(store)
+        await store.connect()
+        return store
+
+    yield open_
+    for store in opened:
+        await store.close()

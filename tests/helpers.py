@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -13,6 +14,9 @@ import redis
 
 from runbus import storage, wire
 from runbus.ingester.worker import Worker, WorkerSettings
+
+# The open_stores fixture's (tests/conftest.py): open and connect a store, closed after the test.
+OpenStore = Callable[..., Awaitable[storage.Store]]
 
 
 def ingest(redis_url: str, store_url: str, **settings: Any):

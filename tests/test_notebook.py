@@ -626,11 +626,6 @@ def test_export_to_a_reader_that_leaves_early_ends_quietly(store_url):
 # -- the store's page reads ------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
-    return store_url if request.param == "sqlite" else request.getfixturevalue("postgres_url")
-
-
 def write(url: str, events: list[Event]) -> None:
     async def writing() -> None:
         store = open_store(url)

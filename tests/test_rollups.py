@@ -13,7 +13,7 @@ import math
 import random
 import sqlite3
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import astuple
 from typing import Any
 
@@ -31,38 +31,12 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
-from tests.helpers import ingest, xadd_event
+from tests.helpers import OpenStore, ingest, xadd_event
 from tests.pgserver import create_database, drop_database
 
 T0 = 1_700_000_000.0
 KEYS = ("a", "b")
 WIDEST = 1 << 62
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
-    """A fresh, empty store of each backend in turn."""
-    if request.param == "sqlite":
-        return store_url
-    return request.getfixturevalue("postgres_url")
-
-
-OpenStore = Callable[..., Awaitable[Store]]
-
-
-@pytest.fixture
-async def open_stores(any_store_url: str) -> AsyncIterator[OpenStore]:
-    opened: list[Store] = []
-
-    async def open_(url: str = any_store_url) -> Store:
-        store = open_store(url)
-        opened.append(store)
-        await store.connect()
-        return store
-
-    yield open_
-    for store in opened:
-        await store.close()
 
 
 def start(run: str, label: str, epoch: int, restarts: int | None = None, ts: float = T0) -> Event:

@@ -9,7 +9,7 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import asyncpg
 import pytest
@@ -20,36 +20,11 @@ from runbus.storage import LogLine, RunSummary, Store, open_store
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.wire import Event
+from tests.helpers import OpenStore
 from tests.pgserver import LocalPostgres, create_database, public_tables
 
 RUN = "run-1"
 T0 = 1_700_000_000.0
-
-OpenStore = Callable[..., Awaitable[Store]]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
-    """A fresh, empty store of each backend in turn."""
-    if request.param == "sqlite":
-        return store_url
-    return request.getfixturevalue("postgres_url")
-
-
-@pytest.fixture
-async def open_stores(any_store_url: str) -> AsyncIterator[OpenStore]:
-    """Open and connect a store (on the test's URL unless told), closed after the test."""
-    opened: list[Store] = []
-
-    async def open_(url: str = any_store_url) -> Store:
-        store = open_store(url)
-        opened.append(store)
-        await store.connect()
-        return store
-
-    yield open_
-    for store in opened:
-        await store.close()
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ apart, in the label's (epoch, seq) order whatever order they arrive in, and merg
 run's view (the primary's value wins, else the latest any other label set), through writers
 racing each other and a store migrated from the schema before run metadata."""
 
-# The storage conformance fixtures (a store of each backend) are imported from test_storage.py,
-# and test arguments of the same names then redefine them: that is how pytest passes them.
+# The storage conformance `store` fixture (a store of each backend) is imported from
+# test_storage.py, and test arguments of the same name then redefine it: that is how pytest passes it.
 # ruff: noqa: F811
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import SetBy
 from runbus.wire import Event
+from tests.helpers import OpenStore
 from tests.test_storage import (  # noqa: F401 - fixtures among them
     RUN,
     T0,
-    OpenStore,
-    any_store_url,
     event,
     finish,
     metric,
-    open_stores,
     schema_version,
     scrambled,
     start,
