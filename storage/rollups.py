@@ -657,3 +657,22 @@ def _fold_rows(out: dict[FineKey, Partial], group: list[Sequence[Any]]) -> None:
         xs = [r[4] if axis == STEP_AXIS else int(r[5]) for r in mine]
         for bucket, part in fold(xs, [r[3] for r in mine], [r[5] for r in mine], [r[6] for r in mine]):
             _add(out, (label_id, key, epoch, axis, bucket), part)
+
+
+# -- system samples ------------------------------------------------------------------------------
+#
+# System samples (`system` events: CPU, memory, GPU figures) are rolled up by the same code into
+# the same tables, each of their keys a series of its own, on the ts axis (they have no step). A
+# run's system series are those of the run id series_run() gives: no run id holds ':'
+# (wire.NAME_PATTERN), so they never meet its metric keys, nor show in its metric key lists.
+
+
+def series_run(run_id: str, table: str) -> str:
+    """The `series` run id under which `table`'s ("metrics" or "system") keys of a run are kept."""
+    return run_id if table == "metrics" else f"{run_id}:{table}"
+
+
+def fold_system(system_rows: Iterable[Sequence[Any]]) -> dict[FineKey, Partial]:
+    """The 128-second partials of `system` rows (label id, key, epoch, seq, ts, value), in any order."""
+    ordered = sorted(system_rows, key=itemgetter(0, 1, 2, 3))
+    return fine_partials_from_rows((r[0], r[1], r[2], r[3], None, r[4], r[5]) for r in ordered)
