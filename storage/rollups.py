@@ -554,12 +554,9 @@ def merged_run_row(
 ) -> tuple[Partial, bytes, int]:
     """A run_rollups row (this writer's slot) with a batch's delta: (partial, sketch, samples)."""
     if stored is None:
-        if delta.part is None:
-            # Only the sketch changes, in a bucket this slot never wrote: a row of counts that
-            # add nothing, its bins the change (they may be negative: slots are summed).
-            part = [0, 0, 0, 0.0, None, None, None, 0, _NO_X, -_NO_X, math.inf, -math.inf, 0]
-        else:
-            part = delta.part
+        # Where only the sketch changes, in a bucket this slot never wrote: a row of counts that
+        # add nothing, its bins the change (they may be negative: slots are summed).
+        part = empty_part() if delta.part is None else delta.part
         bins = dict(delta.bins)
     else:
         part = stored[0] if delta.part is None else merge(stored[0], delta.part)
@@ -569,6 +566,11 @@ def merged_run_row(
 
 # x bounds of a row that holds no value (the largest 64-bit integers): merged, any other's win.
 _NO_X = (1 << 63) - 1
+
+
+def empty_part() -> Partial:
+    """The partial of no value: merged with another, it is the other's."""
+    return [0, 0, 0, 0.0, None, None, None, 0, _NO_X, -_NO_X, math.inf, -math.inf, 0]
 
 
 def generation_of(epoch: int, known: Mapping[int, int], restart_count: int | None) -> int:
