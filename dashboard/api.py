@@ -17,6 +17,9 @@ each with `{"error": REASON}`. Non-finite numbers are written as the CLI writes 
   step times per label and step bucket, the labels slowest first
 - `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware and command line
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
+- `/api/runs/RUN/system/keys`: the system figures (keys, GPU indices together) and their keys
+- `/api/runs/RUN/system/envelope?key=FIGURE&host=H&start=&end=&points=1500&outliers=3&lines=16`:
+  a figure's band across labels and GPUs (or one host's) and its lines over ts, from the rollups
 - `/api/runs/RUN/logs?label=L&level=WARNING&grep=TEXT&limit=500&offset=0`: log lines, paged
 """
 
@@ -35,7 +38,7 @@ from runbus import storage, wire
 from runbus.dashboard import downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, InvalidName, StoreRejected
-from runbus.storage import base, documents
+from runbus.storage import base, documents, system_charts
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
@@ -48,6 +51,7 @@ DEFAULT_KEYS = 100
 MAX_KEYS = 1000
 MAX_SEARCH = 256
 MAX_KEY = 256  # the longest metric name the wire takes
+MAX_HOST = 256
 DEFAULT_LABELS = 1000
 MAX_LABELS = 100_000
 DEFAULT_STRAGGLERS = 2048
@@ -256,6 +260,38 @@ async def system(request: web.Request) -> web.Response:
     )
 
 
+async def system_keys(request: web.Request) -> web.Response:
+    summary = await _known_run(request)
+    found = system_charts.figures(await request.app[STORE].system_keys(summary.run_id))
+    return _json(
+        {
+            "run_id": summary.run_id,
+            "keys": list(found),
+            "figures": [{"key": figure, "keys": keys} for figure, keys in found.items()],
+        }
+    )
+
+
+async def system_envelope(request: web.Request) -> web.Response:
+    run_id = _run_id(request)
+    key = _text(request, "key", MAX_KEY)
+    if not key:
+        raise BadParameter("key is required")
+    host = _text(request, "host", MAX_HOST)
+    start, end = _x_bound(request, "start"), _x_bound(request, "end")
+    if start is not None and end is not None and end < start:
+        raise BadParameter("end must not be before start")
+    points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
+    outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
+    lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    store = request.app[STORE]
+    found = await system_charts.system_envelope(store, run_id, key, host, start, end, points, outliers, lines)
+    if found is None:
+        on_host = "" if host is None else f" on host {host!r}"
+        raise await _unknown(request, f"system figure {key!r}{on_host}")
+    return _json(envelopes.envelope_document(found))
+
+
 async def logs(request: web.Request) -> web.Response:
     label, level = _label(request), _level(request)
     grep = request.query.get("grep") or None
@@ -450,6 +486,8 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.router.add_get("/api/runs/{run}/stragglers", stragglers)
     app.router.add_get("/api/runs/{run}/labels", labels)
     app.router.add_get("/api/runs/{run}/system", system)
+    app.router.add_get("/api/runs/{run}/system/keys", system_keys)
+    app.router.add_get("/api/runs/{run}/system/envelope", system_envelope)
     app.router.add_get("/api/runs/{run}/logs", logs)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
     return app

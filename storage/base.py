@@ -313,26 +313,39 @@ class RollupReader(Protocol):
         seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
         run read a page at a time, each page a range of the table's primary key."""
 
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
-        """Every stored value of a metric key: (label, epoch, seq, step, ts, value), each label's
+    # The reads below read a metric key's rollups, or with `table` "system" a system sample
+    # key's (rollups.series_run).
+
+    async def key_values(
+        self, run_id: str, key: str, table: PointTable = "metrics"
+    ) -> list[tuple[str, int, int, int | None, float, float]]:
+        """Every stored value of a key: (label, epoch, seq, step, ts, value), each label's
         in (epoch, seq) order, the labels in no order (a lean read for small keys' exact charts)."""
 
-    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
-        """A metric key's spans per axis and generation, and its labels; None if never logged."""
+    async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> KeyExtent | None:
+        """A key's spans per axis and generation, and its labels; None if never logged."""
 
     async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
     ) -> list[RunBucket]:
         """A key's run_rollups buckets lo..hi at `width` on `axis`, every generation's, slots
         merged, in (generation, bucket) order."""
 
     async def label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+        self,
+        run_id: str,
+        key: str,
+        axis: int,
+        width: int,
+        lo: int,
+        hi: int,
+        labels: Sequence[str] | None,
+        table: PointTable = "metrics",
     ) -> list[LabelBucket]:
         """A key's label_rollups buckets lo..hi at `width` on `axis`, of `labels` (all if None)."""
 
     async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[LabelBucket]:
         """Each label epoch's highest 128-step bucket of a key on `axis` (of `labels`, all if
         None): the open ones, not yet in the wider rows nor the sketch (storage/rollups.py)."""
@@ -378,6 +391,9 @@ class Store(RollupReader, Protocol):
 
     async def metric_keys(self, run_id: str) -> list[str]:
         """The metric names logged in a run."""
+
+    async def system_keys(self, run_id: str) -> list[str]:
+        """The system sample keys of a run (`gpu.0.util`, `proc.rss_mb` ...), from its rollups."""
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """Metric values ordered by label, key, step (then epoch, seq)."""

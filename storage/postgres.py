@@ -208,6 +208,9 @@ MIGRATIONS: list[str] = [
     ALTER TABLE runs ADD COLUMN set_by JSON;
     """,
     ROLLUPS_SCHEMA,
+    # System samples' rollups, in the rollup tables (rollups.series_run); DATA_MIGRATIONS[7]
+    # rolls up the samples already stored.
+    "",
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -217,14 +220,25 @@ MIGRATION_PAGE = 100_000
 async def _roll_up_stored_metrics(con: asyncpg.Connection) -> None:
     """Migration 6's data: every stored metric rolled up, a page of rows at a time (the migration
     holds the migration lock: no batch is written meanwhile)."""
+    await _roll_up_stored(con, "metrics")
+
+
+async def _roll_up_stored_system(con: asyncpg.Connection) -> None:
+    """Migration 7's data: every stored system sample rolled up, as _roll_up_stored_metrics."""
+    await _roll_up_stored(con, "system")
+
+
+async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
+    """Every stored value of `table` rolled up, a page of rows at a time."""
     labels = {
         row["id"]: (row["run_id"], row["start_epoch"], row["start_data"])
         for row in await con.fetch("SELECT id, run_id, start_epoch, start_data FROM labels")
     }
+    step = "step, " if table == "metrics" else ""
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
         page = await con.fetch(
-            "SELECT label_id, key, epoch, seq, step, ts, value FROM metrics "
+            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
             "WHERE (label_id, key, epoch, seq) > ($1, $2, $3, $4) "
             "ORDER BY label_id, key, epoch, seq LIMIT $5",
             *after,
@@ -233,13 +247,14 @@ async def _roll_up_stored_metrics(con: asyncpg.Connection) -> None:
         if not page:
             return
         after = tuple(page[-1][:4])
-        fine = rollups.fine_partials_from_rows(page)
+        fine = rollups.fine_partials_from_rows(page) if table == "metrics" else rollups.fold_system(page)
         ids = {label_id for label_id, *_ in fine}
         starts = {
             i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
             for i in ids
         }
-        await _roll_up(con, fine, {i: labels[i][0] for i in ids}, starts, Known(), Known())
+        run_of = {i: rollups.series_run(labels[i][0], table) for i in ids}
+        await _roll_up(con, fine, run_of, starts, Known(), Known())
 
 
 # label_values rows (rows.setting_rows) replace the stored value of their key only if later in
@@ -659,7 +674,8 @@ class PostgresStore:
                     f"this runbus knows ({len(MIGRATIONS)}): upgrade runbus"
                 )
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                await con.execute(script)
+                if script:  # a data migration may change no table (PostgreSQL refuses an empty query)
+                    await con.execute(script)
                 if number in DATA_MIGRATIONS:
                     await DATA_MIGRATIONS[number](con)
                 await con.execute("INSERT INTO schema_version (version) VALUES ($1)", number)
@@ -769,6 +785,9 @@ class PostgresStore:
             if fine:
                 run_of = {label_id: key[0] for key, label_id in ids.items()}
                 await _roll_up(con, fine, run_of, starts, self._known, learned)
+            if system_rows:
+                run_of = {label_id: rollups.series_run(key[0], "system") for key, label_id in ids.items()}
+                await _roll_up(con, rollups.fold_system(system_rows), run_of, starts, self._known, learned)
             await _store_settings(con, rows.setting_rows((ids[key], mine) for key, mine in fresh.items()))
             await self._update_runs(con, runs, by_label, holders)
             return sum(map(len, fresh.values()))
@@ -922,6 +941,9 @@ class PostgresStore:
         found = await self._call(lambda con: con.fetch(query, run_id))
         return [row[0] for row in found]
 
+    async def system_keys(self, run_id: str) -> list[str]:
+        return await self.metric_keys(rollups.series_run(run_id, "system"))
+
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._points("metrics", run_id, key, label)
 
@@ -1050,19 +1072,25 @@ class PostgresStore:
 
         return await self._call(read)
 
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+    async def key_values(
+        self, run_id: str, key: str, table: PointTable = "metrics"
+    ) -> list[tuple[str, int, int, int | None, float, float]]:
+        table = point_table(table)
+        step = "m.step" if table == "metrics" else "NULL::bigint"
         query = (
-            "SELECT l.label, m.epoch, m.seq, m.step, m.ts, m.value FROM labels l JOIN metrics m "
+            f"SELECT l.label, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l JOIN {table} m "
             "ON m.label_id = l.id WHERE l.run_id = $1 AND m.key = $2"
         )
         found = await self._call(lambda con: con.fetch(query, run_id, rows.storable_text(key)))
         return [(row[0], row[1], row[2], row[3], row[4], row[5]) for row in found]
 
-    async def key_extent(self, run_id: str, key: str) -> base.KeyExtent | None:
+    async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         async def read(con: asyncpg.Connection) -> base.KeyExtent | None:
             async with con.transaction(isolation="repeatable_read", readonly=True):
                 found = await con.fetchval(
-                    "SELECT id FROM series WHERE run_id = $1 AND key = $2", run_id, rows.storable_text(key)
+                    "SELECT id FROM series WHERE run_id = $1 AND key = $2",
+                    rollups.series_run(run_id, table),
+                    rows.storable_text(key),
                 )
                 if found is None:
                     return None
@@ -1092,11 +1120,11 @@ class PostgresStore:
         return await self._call(read)
 
     async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[base.LabelBucket]:
-        chosen = "" if labels is None else " AND l.label = ANY($5::text[])"
+        chosen = "" if labels is None else " AND l.label = ANY($6::text[])"
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $1 AND key = $2) "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $5 AND key = $2) "
             "SELECT l.label, e.epoch, e.generation, r.bucket, "
             f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
             "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id CROSS JOIN LATERAL ("
@@ -1104,15 +1132,22 @@ class PostgresStore:
             "AND x.label_id = l.id AND x.epoch = e.epoch ORDER BY x.bucket DESC LIMIT 1) r "
             f"WHERE l.run_id = $1{chosen}"
         )
-        args: list[Any] = [run_id, rows.storable_text(key), rollups.FINE_WIDTH, axis]
+        args: list[Any] = [
+            run_id,
+            rows.storable_text(key),
+            rollups.FINE_WIDTH,
+            axis,
+            rollups.series_run(run_id, table),
+        ]
         if labels is not None:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
 
     async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
     ) -> list[base.RunBucket]:
+        series = rollups.series_run(run_id, table)
         query = (
             "WITH k AS (SELECT id FROM series WHERE run_id = $1 AND key = $2) "
             "SELECT r.generation, r.bucket, r.n, r.nan, r.inf, r.total, r.lo, r.hi, r.x_lo, r.x_hi, "
@@ -1123,7 +1158,7 @@ class PostgresStore:
         )
         found = await self._call(
             lambda con: con.fetch(
-                query, run_id, rows.storable_text(key), width, axis, rollups.WIDTHS[-1], lo, hi
+                query, series, rows.storable_text(key), width, axis, rollups.WIDTHS[-1], lo, hi
             )
         )
         return charts.merge_slots((row[0], row[1], rollups.run_part(row[2:12]), row[12]) for row in found)
@@ -1137,10 +1172,11 @@ class PostgresStore:
         lo: int,
         hi: int,
         labels: Sequence[str] | None,
+        table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        chosen = "" if labels is None else " AND l.label = ANY($7::text[])"
+        chosen = "" if labels is None else " AND l.label = ANY($8::text[])"
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $1 AND key = $2) "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $7 AND key = $2) "
             "SELECT l.label, r.epoch, e.generation, r.bucket, "
             f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
             "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id JOIN label_rollups r "
@@ -1148,7 +1184,15 @@ class PostgresStore:
             f"WHERE l.run_id = $1{chosen} AND r.key_id = k.id AND r.width = $3 AND r.axis = $4 "
             "AND r.bucket BETWEEN $5 AND $6"
         )
-        args: list[Any] = [run_id, rows.storable_text(key), width, axis, lo, hi]
+        args: list[Any] = [
+            run_id,
+            rows.storable_text(key),
+            width,
+            axis,
+            lo,
+            hi,
+            rollups.series_run(run_id, table),
+        ]
         if labels is not None:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
@@ -1224,6 +1268,7 @@ _STARTED_RUNS = (
 DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     5: _start_configs_to_settings,
     6: _roll_up_stored_metrics,
+    7: _roll_up_stored_system,
 }
 
 

@@ -554,12 +554,9 @@ def merged_run_row(
 ) -> tuple[Partial, bytes, int]:
     """A run_rollups row (this writer's slot) with a batch's delta: (partial, sketch, samples)."""
     if stored is None:
-        if delta.part is None:
-            # Only the sketch changes, in a bucket this slot never wrote: a row of counts that
-            # add nothing, its bins the change (they may be negative: slots are summed).
-            part = [0, 0, 0, 0.0, None, None, None, 0, _NO_X, -_NO_X, math.inf, -math.inf, 0]
-        else:
-            part = delta.part
+        # Where only the sketch changes, in a bucket this slot never wrote: a row of counts that
+        # add nothing, its bins the change (they may be negative: slots are summed).
+        part = empty_part() if delta.part is None else delta.part
         bins = dict(delta.bins)
     else:
         part = stored[0] if delta.part is None else merge(stored[0], delta.part)
@@ -569,6 +566,11 @@ def merged_run_row(
 
 # x bounds of a row that holds no value (the largest 64-bit integers): merged, any other's win.
 _NO_X = (1 << 63) - 1
+
+
+def empty_part() -> Partial:
+    """The partial of no value: merged with another, it is the other's."""
+    return [0, 0, 0, 0.0, None, None, None, 0, _NO_X, -_NO_X, math.inf, -math.inf, 0]
 
 
 def generation_of(epoch: int, known: Mapping[int, int], restart_count: int | None) -> int:
@@ -657,3 +659,22 @@ def _fold_rows(out: dict[FineKey, Partial], group: list[Sequence[Any]]) -> None:
         xs = [r[4] if axis == STEP_AXIS else int(r[5]) for r in mine]
         for bucket, part in fold(xs, [r[3] for r in mine], [r[5] for r in mine], [r[6] for r in mine]):
             _add(out, (label_id, key, epoch, axis, bucket), part)
+
+
+# -- system samples ------------------------------------------------------------------------------
+#
+# System samples (`system` events: CPU, memory, GPU figures) are rolled up by the same code into
+# the same tables, each of their keys a series of its own, on the ts axis (they have no step). A
+# run's system series are those of the run id series_run() gives: no run id holds ':'
+# (wire.NAME_PATTERN), so they never meet its metric keys, nor show in its metric key lists.
+
+
+def series_run(run_id: str, table: str) -> str:
+    """The `series` run id under which `table`'s ("metrics" or "system") keys of a run are kept."""
+    return run_id if table == "metrics" else f"{run_id}:{table}"
+
+
+def fold_system(system_rows: Iterable[Sequence[Any]]) -> dict[FineKey, Partial]:
+    """The 128-second partials of `system` rows (label id, key, epoch, seq, ts, value), in any order."""
+    ordered = sorted(system_rows, key=itemgetter(0, 1, 2, 3))
+    return fine_partials_from_rows((r[0], r[1], r[2], r[3], None, r[4], r[5]) for r in ordered)

@@ -216,6 +216,9 @@ MIGRATIONS: list[str] = [
     ALTER TABLE runs ADD COLUMN set_by TEXT
     """,
     ROLLUPS_SCHEMA,
+    # System samples' rollups, in the rollup tables (rollups.series_run); DATA_MIGRATIONS[7]
+    # rolls up the samples already stored.
+    "",
 ]
 
 
@@ -342,27 +345,41 @@ MIGRATION_PAGE = 100_000
 
 def _roll_up_stored_metrics(con: sqlite3.Connection) -> None:
     """Migration 6's data: every stored metric rolled up, a page of rows at a time."""
+    _roll_up_stored(con, "metrics")
+
+
+def _roll_up_stored_system(con: sqlite3.Connection) -> None:
+    """Migration 7's data: every stored system sample rolled up, a page of rows at a time."""
+    _roll_up_stored(con, "system")
+
+
+def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
+    """Every stored value of `table` rolled up, a page of rows at a time."""
     labels = {
         row[0]: (row[1], row[2], row[3])
         for row in con.execute("SELECT id, run_id, start_epoch, start_data FROM labels")
     }
+    step = "step, " if table == "metrics" else ""
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
         page = con.execute(
-            "SELECT label_id, key, epoch, seq, step, ts, value FROM metrics "
+            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
             "WHERE (label_id, key, epoch, seq) > (?, ?, ?, ?) ORDER BY label_id, key, epoch, seq LIMIT ?",
             (*after, MIGRATION_PAGE),
         ).fetchall()
         if not page:
             return
         after = tuple(page[-1][:4])
-        fine = rollups.fine_partials_from_rows((*r[:6], _unreal(r[6])) for r in page)
+        if table == "metrics":
+            fine = rollups.fine_partials_from_rows((*r[:6], _unreal(r[6])) for r in page)
+        else:
+            fine = rollups.fold_system((*r[:5], _unreal(r[5])) for r in page)
         ids = {label_id for label_id, *_ in fine}
         starts = {
             i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
             for i in ids
         }
-        _roll_up(con, fine, {i: labels[i][0] for i in ids}, starts)
+        _roll_up(con, fine, {i: rollups.series_run(labels[i][0], table) for i in ids}, starts)
 
 
 def _roll_up(
@@ -621,6 +638,7 @@ _STARTED_RUNS = (
 DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     5: _start_configs_to_settings,
     6: _roll_up_stored_metrics,
+    7: _roll_up_stored_system,
 }
 
 
@@ -823,6 +841,13 @@ class SQLiteStore:
                 {label_id: key[0] for label_id, key in ids.items()},
                 {label_id: _latest_start(labels[key]) for label_id, key in ids.items()},
             )
+        if system_rows:
+            _roll_up(
+                con,
+                rollups.fold_system(system_rows),
+                {label_id: rollups.series_run(key[0], "system") for label_id, key in ids.items()},
+                {label_id: _latest_start(labels[key]) for label_id, key in ids.items()},
+            )
         settings = rows.setting_rows((stored[key]["id"], new) for key, new in fresh.items())
         _insert(con, _SETTINGS_TABLE, 7, settings, verb="INSERT", tail=_LATER_SETTING)
         for run in runs:
@@ -953,6 +978,9 @@ class SQLiteStore:
         # The rollups' list of the run's keys (its index), not a scan of every value.
         query = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
         return [row[0] for row in self._db().execute(query, (run_id,))]
+
+    async def system_keys(self, run_id: str) -> list[str]:
+        return await self._call(self._metric_keys, rollups.series_run(run_id, "system"))
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         return await self._call(self._points, "metrics", run_id, key, label)
@@ -1121,12 +1149,17 @@ class SQLiteStore:
         ]
         return KeyPage(total, offset, keys)
 
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
-        return await self._call(self._key_values, run_id, key)
+    async def key_values(
+        self, run_id: str, key: str, table: PointTable = "metrics"
+    ) -> list[tuple[str, int, int, int | None, float, float]]:
+        return await self._call(self._key_values, run_id, key, point_table(table))
 
-    def _key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+    def _key_values(
+        self, run_id: str, key: str, table: PointTable
+    ) -> list[tuple[str, int, int, int | None, float, float]]:
+        step = "m.step" if table == "metrics" else "NULL"
         query = (
-            "SELECT l.label, m.epoch, m.seq, m.step, m.ts, m.value FROM labels l CROSS JOIN metrics m "
+            f"SELECT l.label, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l CROSS JOIN {table} m "
             "WHERE l.run_id = ? AND m.label_id = l.id AND m.key = ?"
         )
         return [
@@ -1136,13 +1169,14 @@ class SQLiteStore:
             )
         ]
 
-    async def key_extent(self, run_id: str, key: str) -> base.KeyExtent | None:
-        return await self._call(self._key_extent, run_id, key)
+    async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
+        return await self._call(self._key_extent, run_id, key, table)
 
-    def _key_extent(self, run_id: str, key: str) -> base.KeyExtent | None:
+    def _key_extent(self, run_id: str, key: str, table: PointTable) -> base.KeyExtent | None:
         con = self._db()
         found = con.execute(
-            "SELECT id FROM series WHERE run_id = ? AND key = ?", (run_id, rows.storable_text(key))
+            "SELECT id FROM series WHERE run_id = ? AND key = ?",
+            (rollups.series_run(run_id, table), rows.storable_text(key)),
         ).fetchone()
         if found is None:
             return None
@@ -1171,12 +1205,12 @@ class SQLiteStore:
         return base.KeyExtent(spans, labels)
 
     async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[base.LabelBucket]:
-        return await self._call(self._open_buckets, run_id, key, axis, labels)
+        return await self._call(self._open_buckets, run_id, key, axis, labels, table)
 
     def _open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable
     ) -> list[base.LabelBucket]:
         chosen = ""
         if labels is not None:
@@ -1197,19 +1231,26 @@ class SQLiteStore:
             "AND r.key_id = k.id AND r.width = ? AND r.axis = ? AND r.label_id = t.label_id "
             "AND r.epoch = t.epoch AND r.bucket = t.bucket"
         )
-        args: list[Any] = [run_id, rows.storable_text(key), width, axis, run_id, *(labels or [])]
+        args: list[Any] = [
+            rollups.series_run(run_id, table),
+            rows.storable_text(key),
+            width,
+            axis,
+            run_id,
+            *(labels or []),
+        ]
         return [
             base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:]))
             for row in self._db().execute(query, [*args, width, axis])
         ]
 
     async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
     ) -> list[base.RunBucket]:
-        return await self._call(self._run_buckets, run_id, key, axis, width, lo, hi)
+        return await self._call(self._run_buckets, run_id, key, axis, width, lo, hi, table)
 
     def _run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable
     ) -> list[base.RunBucket]:
         # The generations first, each then a range of the primary key.
         query = (
@@ -1220,7 +1261,8 @@ class SQLiteStore:
             "SELECT DISTINCT generation FROM run_rollups, k WHERE key_id = k.id AND width = ? AND axis = ?) "
             "AND r.bucket BETWEEN ? AND ? ORDER BY r.generation, r.bucket"
         )
-        args = (run_id, rows.storable_text(key), width, axis, rollups.WIDTHS[-1], axis, lo, hi)
+        series = rollups.series_run(run_id, table)
+        args = (series, rows.storable_text(key), width, axis, rollups.WIDTHS[-1], axis, lo, hi)
         found = []
         for row in self._db().execute(query, args):
             part = rollups.run_part(row[2:12])
@@ -1229,16 +1271,32 @@ class SQLiteStore:
         return charts.merge_slots(found)
 
     async def label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+        self,
+        run_id: str,
+        key: str,
+        axis: int,
+        width: int,
+        lo: int,
+        hi: int,
+        labels: Sequence[str] | None,
+        table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        return await self._call(self._label_buckets, run_id, key, axis, width, lo, hi, labels)
+        return await self._call(self._label_buckets, run_id, key, axis, width, lo, hi, labels, table)
 
     def _label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+        self,
+        run_id: str,
+        key: str,
+        axis: int,
+        width: int,
+        lo: int,
+        hi: int,
+        labels: Sequence[str] | None,
+        table: PointTable,
     ) -> list[base.LabelBucket]:
         # Each label epoch's rows are a range of the primary key: labels, then epochs, drive the join.
         chosen = ""
-        args: list[Any] = [run_id, rows.storable_text(key), run_id]
+        args: list[Any] = [rollups.series_run(run_id, table), rows.storable_text(key), run_id]
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
             args += list(labels)

@@ -335,14 +335,15 @@ async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, an
 
 
 async def make_old(url: str) -> None:
-    """The store as runbus left it before rollups: their tables gone, its version one lower."""
+    """The store as runbus left it before rollups: their tables gone, its version the one before."""
     tables = ("series", "label_epochs", "label_rollups", "run_rollups")
+    before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA)
     if url.startswith("sqlite"):
         con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
         try:
             for table in tables:
                 con.execute(f"DROP TABLE {table}")
-            con.execute(f"PRAGMA user_version = {len(sqlite_backend.MIGRATIONS) - 1}")
+            con.execute(f"PRAGMA user_version = {before}")
         finally:
             con.close()
         return
@@ -350,7 +351,7 @@ async def make_old(url: str) -> None:
     try:
         for table in tables:
             await pg.execute(f"DROP TABLE {table}")
-        await pg.execute("DELETE FROM schema_version WHERE version = $1", len(postgres_backend.MIGRATIONS))
+        await pg.execute("DELETE FROM schema_version WHERE version > $1", before)
     finally:
         await pg.close()
 

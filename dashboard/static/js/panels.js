@@ -15,11 +15,12 @@ export function sectionOf(key) {
 }
 
 export class PanelGrid {
-  // fetch(key) -> Promise<{parts, info}>; titleOf(key) -> text
-  constructor(page, fetch, { titleOf = (key) => key } = {}) {
+  // fetch(key) -> Promise<{parts, info}>; titleOf(key) -> text; panel: each Panel's options
+  constructor(page, fetch, { titleOf = (key) => key, panel = {} } = {}) {
     this.page = page;
     this.fetch = fetch;
     this.titleOf = titleOf;
+    this.panelOptions = panel;
     this.panels = new Map();
     this.visible = new Set();
     this.loaded = new Set();
@@ -63,7 +64,7 @@ export class PanelGrid {
       for (const key of sectionKeys) {
         let panel = this.panels.get(key);
         if (!panel) {
-          panel = new Panel(key, this.titleOf(key), this.page);
+          panel = new Panel(key, this.titleOf(key), this.page, this.panelOptions);
           this.panels.set(key, panel);
           this.observer.observe(panel.element);
         }
@@ -123,6 +124,12 @@ export class PanelGrid {
     const inView = [...this.panels.keys()].filter((key) => this.visible.has(key)).slice(0, REFRESH_LIMIT);
     for (const key of this.loaded) if (!this.visible.has(key)) this.loaded.delete(key);
     await Promise.all(inView.map((key) => this.load(key)));
+  }
+
+  // Every panel fetched again as it is next in view (what they show has changed).
+  async reload() {
+    this.loaded.clear();
+    await this.refresh();
   }
 
   rerender() {

@@ -5,7 +5,9 @@
 //   keyPage       GET /metrics/keys (a page), or /metrics (every key) for a regular expression
 //   metricChart   GET /metrics/envelope: every label's line up to MAX_LINES labels, else the band,
 //                 its outlying labels and the labels the user turned on (`label=`, each once)
-//   systemCharts  GET /system: lines, or the envelope computed here past MAX_LINES series
+//   systemFigures GET /system/keys: the system figures (GPU indices together), from the rollups
+//   systemChart   GET /system/envelope: a figure's lines up to MAX_LINES, else its band and
+//                 outlying lines, across every label or one host's
 //   stragglers    GET /stragglers: step times per label and step bucket, slowest labels first
 //   labelHardware GET /labels: each label's host, hardware and command line (redacted)
 //   compare*      the same, once per run compared
@@ -17,7 +19,6 @@ import { byName, envelopeOf, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './s
 
 export const KEYS_PER_PAGE = 60;
 const SERIES_POINTS = 2000;
-const SYSTEM_ROWS = 60_000;   // system points asked for in one answer, across labels and figures
 const HEAT_BUCKETS = 120;
 const MIN_DISTANCE = 0.05;    // band widths from the median: closer is no outlier
 const MAX_SHOWN = 64;         // labels turned on that a chart asks for (the API's bound)
@@ -150,36 +151,33 @@ export async function metricChart(runId, key, { run: runDoc, shown = new Set(), 
   };
 }
 
-// System figures (GPU figures of every index together), for labels on `host` ('' for all):
-// a line each up to MAX_LINES series, else the envelope and its outliers. One request.
-export async function systemCharts(runId, { run: runDoc, host = '', shown = new Set() } = {}) {
-  const hosts = new Map((runDoc?.labels || []).map((lab) => [lab.label, lab.host ?? '']));
-  const picked = host ? [...hosts].filter(([, h]) => h === host).map(([label]) => label) : null;
-  const labelCount = picked ? picked.length : Math.max(1, hosts.size);
-  const points = Math.max(10, Math.min(600, Math.floor(SYSTEM_ROWS / (labelCount * 8))));
-  const doc = await api(runPath(runId, '/system'), { points, label: picked && picked.length === 1 ? picked[0] : null });
-  const groups = new Map();
-  for (const { key, series } of doc.keys) {
-    const gpu = key.match(/^gpu\.(\d+)\.(.+)$/);
-    const figure = gpu ? 'gpu.' + gpu[2] : key;
-    const mine = picked ? series.filter((s) => picked.includes(s.label)) : series;
-    if (!mine.length) continue;
-    const lines = linesFromSeriesDoc({ ...doc, series: mine }, (label) => {
-      const where = hosts.get(label);
-      const base = host || !where || hosts.size <= MAX_LINES ? label : where + ' · ' + label;
-      return gpu ? base + ' · gpu' + gpu[1] : base;
-    });
-    if (!groups.has(figure)) groups.set(figure, []);
-    groups.get(figure).push(...lines);
-  }
+// The system figures a run sampled (GPU figures of every index together). One request.
+export async function systemFigures(runId) {
+  const doc = await api(runPath(runId, '/system/keys'));
+  return doc.keys;
+}
+
+// One system figure over time, across every label's GPUs (or those of `host`, '' for all):
+// every line up to MAX_LINES, else the envelope and its outlying lines. A line is one label's
+// key: `rank3`, or `rank3 · gpu0` in a GPU figure. One request.
+export async function systemChart(runId, figure, { run: runDoc, host = '' } = {}) {
+  const doc = await api(runPath(runId, '/system/envelope'), { key: figure, host, lines: MAX_LINES, outliers: OUTLIERS });
   const t0 = runDoc?.started_ts ?? null;
-  return [...groups].map(([figure, lines]) => {
-    const names = new Set(lines.map((line) => line.name));
-    if (names.size <= MAX_LINES) return { key: figure, parts: [{ lines, t0 }], info: names.size + ' series' };
-    const envelope = envelopeOf(lines);
-    const drawn = lines.filter((line) => envelope.outliers.includes(line.name) || shown.has(line.label));
-    return { key: figure, parts: [{ lines: drawn, envelope, outliers: envelope.outliers, t0 }], info: names.size + ' series · envelope' };
-  });
+  // Labels hold no space: the label is the name's first word.
+  const lines = linesFromEnvelope(doc).map((line) => ({ ...line, label: line.name.split(' ')[0] }));
+  const buckets = doc.exact ? '' : ' · ' + doc.width.toLocaleString('en-US') + '-second buckets';
+  const info = doc.labels.toLocaleString('en-US') + ' series' + buckets;
+  if (doc.all_lines) return { parts: [{ lines, t0 }], info };
+  const outliers = lines.filter((line) => line.distance !== null && line.distance !== undefined && line.distance > MIN_DISTANCE);
+  return {
+    parts: [{
+      lines: outliers,
+      envelope: doc.band.map((segment) => envelopeFromBand(doc, segment)),
+      outliers: [...new Set(outliers.map((line) => line.label))],
+      t0,
+    }],
+    info: info + ' · envelope',
+  };
 }
 
 // Seconds per step of every label and step bucket, from when `key` was logged (or, with

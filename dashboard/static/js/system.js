@@ -1,9 +1,11 @@
-// The system card of a run page: one chart per figure (GPU figures of every index together), a
-// line per label and GPU, or the envelope past MAX_LINES; a host picker narrows it to one host.
-// Fetched (one request) only while the card is in view.
+// The system card of a run page: one chart per figure (GPU figures of every index together),
+// read from the rollups: every label a line up to MAX_LINES series, else the envelope across
+// labels and its outliers; a host picker narrows it to one host's labels. The figures are
+// listed (one request) only while the card is in view, and each chart is fetched (one request)
+// only while it is in view (js/panels.js).
 
-import { Panel } from './chart.js';
 import { el } from './dom.js';
+import { PanelGrid } from './panels.js';
 import * as sources from './sources.js';
 
 const TITLES = {
@@ -34,13 +36,16 @@ function rank(key) {
 export function systemCard(runId, page) {
   const note = el('span', { class: 'muted' });
   const hostSelect = el('select', { class: 'input', id: 'system-host', 'aria-label': 'Host' }, el('option', { value: '' }, 'All hosts'));
-  const grid = el('div', { class: 'grid' });
+  const empty = el('p', { class: 'empty', hidden: true }, 'No system samples (the producer samples every 15 s).');
+  let runDoc = null;
+  const grid = new PanelGrid(page, (figure) => sources.systemChart(runId, figure, { run: runDoc, host: hostSelect.value }), {
+    titleOf: (figure) => TITLES[figure] || figure,
+    panel: { timed: true },
+  });
   const element = el('section', { class: 'card', id: 'system' },
     el('div', { class: 'card-head' }, el('h2', null, 'System'), note),
-    el('div', { class: 'toolbar' }, hostSelect), grid);
-  const panels = new Map();
+    el('div', { class: 'toolbar' }, hostSelect), empty, grid.element);
   let inView = false;
-  let runDoc = null;
   let hosts = [];
   const observer = new IntersectionObserver((entries) => {
     const was = inView;
@@ -48,32 +53,16 @@ export function systemCard(runId, page) {
     if (inView && !was && runDoc) refresh();
   }, { rootMargin: '200px 0px' });
   observer.observe(element);
-  hostSelect.addEventListener('change', () => {
-    for (const panel of panels.values()) panel.destroy();
-    panels.clear();
-    grid.replaceChildren();
-    refresh();
-  });
+  hostSelect.addEventListener('change', () => grid.reload());
 
   async function refresh() {
     if (!inView || !runDoc) return;
-    const charts = await sources.systemCharts(runId, { run: runDoc, host: hostSelect.value, shown: page.settings.shown });
-    charts.sort((a, b) => rank(a.key) - rank(b.key) || (a.key < b.key ? -1 : 1));
-    note.textContent = charts.length ? 'sampled per label' : '';
-    if (!charts.length) {
-      grid.replaceChildren(el('p', { class: 'empty' }, 'No system samples (the producer samples every 15 s).'));
-      return;
-    }
-    if (!panels.size) grid.replaceChildren();
-    for (const chart of charts) {
-      let panel = panels.get(chart.key);
-      if (!panel) {
-        panel = new Panel(chart.key, TITLES[chart.key] || chart.key, page, { timed: true });
-        panels.set(chart.key, panel);
-        grid.append(panel.element);
-      }
-      panel.show(chart.parts, chart.info);
-    }
+    const figures = await sources.systemFigures(runId);
+    figures.sort((a, b) => rank(a) - rank(b) || (a < b ? -1 : 1));
+    note.textContent = figures.length ? 'sampled per label' : '';
+    empty.hidden = figures.length > 0;
+    grid.setKeys(figures);
+    await grid.refresh();
   }
 
   return {
@@ -91,11 +80,11 @@ export function systemCard(runId, page) {
     },
     refresh,
     rerender() {
-      for (const panel of panels.values()) panel.render();
+      grid.rerender();
     },
     stop() {
       observer.disconnect();
-      for (const panel of panels.values()) panel.destroy();
+      grid.destroy();
     },
   };
 }
