@@ -62,7 +62,7 @@ def line_suffix(key: str) -> str:
 class FigureRollups:
     """One figure's rollups read as one key's (charts.RollupReader): its keys' rows together, a
     line per label and key. `labels`: only these labels' (all if None). Every read ignores the
-    key it is given: it is the figure."""
+    key and table it is given: it is the figure, in the system table."""
 
     store: Store
     keys: Sequence[str]
@@ -87,7 +87,7 @@ class FigureRollups:
                 return key, name[: len(name) - len(suffix)]
         raise ValueError(f"no line of this figure is named {name!r}")
 
-    async def key_extent(self, run_id: str, key: str) -> KeyExtent | None:
+    async def key_extent(self, run_id: str, key: str, table: PointTable = "system") -> KeyExtent | None:
         extents = [await self.store.key_extent(run_id, mine, "system") for mine in self.keys]
         found = [extent for extent in extents if extent is not None]
         if not found:
@@ -106,7 +106,7 @@ class FigureRollups:
         return KeyExtent([spans[place] for place in sorted(spans)], labels)
 
     async def run_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int
+        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "system"
     ) -> list[RunBucket]:
         if self.labels is not None:
             return await self._labels_run_buckets(run_id, key, axis, width, lo, hi)
@@ -139,7 +139,15 @@ class FigureRollups:
         return [found[place] for place in sorted(found)]
 
     async def label_buckets(
-        self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, labels: Sequence[str] | None
+        self,
+        run_id: str,
+        key: str,
+        axis: int,
+        width: int,
+        lo: int,
+        hi: int,
+        labels: Sequence[str] | None,
+        table: PointTable = "system",
     ) -> list[LabelBucket]:
         found: list[LabelBucket] = []
         for mine in self.keys:
@@ -150,7 +158,7 @@ class FigureRollups:
         return found
 
     async def open_buckets(
-        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None
+        self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "system"
     ) -> list[LabelBucket]:
         found: list[LabelBucket] = []
         for mine in self.keys:
@@ -160,7 +168,9 @@ class FigureRollups:
                 found += [self._named(row, mine) for row in rows]
         return found
 
-    async def key_values(self, run_id: str, key: str) -> list[tuple[str, int, int, int | None, float, float]]:
+    async def key_values(
+        self, run_id: str, key: str, table: PointTable = "system"
+    ) -> list[tuple[str, int, int, int | None, float, float]]:
         found: list[tuple[str, int, int, int | None, float, float]] = []
         chosen = None if self.labels is None else set(self.labels)
         for mine in self.keys:
