@@ -112,7 +112,11 @@ class Supervisor:
         self.slots = [
             Slot(
                 index=i,
-                settings=dataclasses.replace(worker, consumer=f"{worker.consumer}-{i}"),
+                settings=dataclasses.replace(
+                    worker,
+                    consumer=f"{worker.consumer}-{i}",
+                    share=(i, self.settings.workers) if self.settings.workers > 1 else None,
+                ),
                 http=(self.settings.http[0], self.settings.http[1] + i)
                 if self.settings.http and self.settings.http[1]
                 else self.settings.http,

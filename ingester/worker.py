@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,9 @@ class WorkerSettings:
     max_backoff: float = 5.0
     handle_signals: bool = True
     only_runs: frozenset[str] | None = None  # read only these runs' streams (the demo's worker)
+    # (index, count) under `--workers N`: this worker reads new entries of its share of the
+    # streams first (stream_share), and the others' only when its own have none.
+    share: tuple[int, int] | None = None
 
 
 def decode_batch(
@@ -187,6 +191,17 @@ def _raw_reply(response, **options):
 @functools.lru_cache(maxsize=65536)
 def _slot(key: str) -> int:
     return key_slot(key.encode())
+
+
+@functools.lru_cache(maxsize=65536)
+def stream_share(key: str, count: int) -> int:
+    """Which of `count` workers' shares the stream `key` is in (a hash of the key).
+
+    Workers reading the same label's stream write the same label's row, and on PostgreSQL the
+    second waits for the first's commit: with each label read mostly by one worker, they write
+    side by side. A share is a preference, not a claim: a worker whose streams have nothing new
+    reads every stream, so a share whose worker is down or behind is still read."""
+    return zlib.crc32(key.encode("utf-8", "surrogateescape")) % count
 
 
 def read_chunks(streams: Sequence[str], by_slot: bool = False) -> list[list[str]]:
@@ -536,9 +551,22 @@ class Worker:
             if not self.settings.burst:
                 await asyncio.sleep(self.settings.block_ms / 1000)
             return []
+        share = self.settings.share
+        if share is not None and start_id == ">":
+            index, count = share
+            mine = [key for key in streams if stream_share(key, count) == index]
+            if mine and len(mine) < len(streams):
+                entries = await self._read_streams(mine, start_id, wait=False)
+                if entries:
+                    return entries
+        return await self._read_streams(list(streams), start_id, wait=True)
+
+    async def _read_streams(self, streams: Sequence[str], start_id: str, wait: bool) -> Entries:
+        """One read of `streams`; with `wait`, a read that finds nothing new takes block_ms."""
         chunks = read_chunks(streams, by_slot=is_cluster(self.settings.redis_url))
         # Only a lone chunk may block: with several, a block on one would starve the others.
-        block = None if self.settings.burst or start_id == "0" or len(chunks) > 1 else self.settings.block_ms
+        lone = len(chunks) == 1 and wait
+        block = None if self.settings.burst or start_id == "0" or not lone else self.settings.block_ms
         entries: Entries = []
         for chunk in chunks:
             try:
@@ -558,7 +586,7 @@ class Worker:
             for key, items in read.items() if isinstance(read, dict) else read or []:
                 if items:
                     entries.append((reply_text(key), items))
-        if not entries and block is None and len(chunks) > 1 and not self.settings.burst:
+        if not entries and wait and block is None and len(chunks) > 1 and not self.settings.burst:
             await asyncio.sleep(self.settings.block_ms / 1000)
         return entries
 

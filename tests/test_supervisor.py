@@ -7,10 +7,12 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
 import urllib.request
+from collections import Counter
 
 import pytest
 import redis
@@ -18,7 +20,7 @@ import redis
 from runbus import wire
 from runbus.ingester.localredis import free_port
 from runbus.ingester.supervisor import Supervisor, SupervisorSettings
-from runbus.ingester.worker import WorkerSettings
+from runbus.ingester.worker import WorkerSettings, stream_share
 from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
 from tests.test_faults import assert_every_event_once, finish_producers, start_producer
 
@@ -168,3 +170,35 @@ def test_burst_workers_exit_zero_when_everything_is_stored(redis_url, store_url)
 def test_workers_must_be_positive(redis_url, store_url):
     result = run_cli("--store", store_url, "ingest", "--redis", redis_url, "--workers", "0", check=False)
     assert result.returncode == 1 and "--workers must be at least 1" in result.stderr
+
+
+def test_each_supervised_worker_has_a_share_of_the_streams(redis_url, store_url):
+    worker = WorkerSettings(redis_url=redis_url, store_url=store_url, consumer="w")
+    slots = Supervisor(worker, SupervisorSettings(workers=3)).slots
+    assert [slot.settings.share for slot in slots] == [(0, 3), (1, 3), (2, 3)]
+    assert Supervisor(worker, SupervisorSettings(workers=1)).slots[0].settings.share is None
+    keys = [wire.stream_key("run", f"rank{n}") for n in range(64)]
+    shares = Counter(stream_share(key, 3) for key in keys)
+    assert set(shares) == {0, 1, 2} and min(shares.values()) >= 10  # a hash: roughly even
+    assert all(stream_share(key, 3) == stream_share(key, 3) for key in keys)
+
+
+def test_a_worker_reads_its_share_first_and_the_rest_when_its_own_have_nothing(redis_url, tmp_path):
+    # Alone, with share 0 of 2: the other share's streams (no worker of their own here) are all
+    # stored too, but only once its own have nothing new, so its own labels were written first.
+    store_url = f"sqlite:///{tmp_path / 'runbus.db'}"
+    labels = [f"rank{n}" for n in range(8)]
+    mine = {label for label in labels if stream_share(wire.stream_key("shared", label), 2) == 0}
+    assert 0 < len(mine) < len(labels)
+    with redis.Redis.from_url(redis_url) as client:
+        for label in labels:
+            xadd_event(client, "shared", label, "start", 1, 1, {"primary": label == "rank0"})
+            for seq in range(2, 42):
+                xadd_event(client, "shared", label, "metric", 1, seq, {"x": 1.0}, step=seq)
+    ingest(redis_url, store_url, share=(0, 2), batch_size=10)
+    assert read_store(store_url, "run", "shared").counts["metric"] == 8 * 40
+    with sqlite3.connect(tmp_path / "runbus.db") as db:
+        last_write = dict(db.execute("SELECT label, seen_at FROM labels WHERE run_id = 'shared'"))
+    assert max(last_write[label] for label in mine) < min(
+        last_write[label] for label in labels if label not in mine
+    )
