@@ -278,12 +278,7 @@ async def system_envelope(request: web.Request) -> web.Response:
     if not key:
         raise BadParameter("key is required")
     host = _text(request, "host", MAX_HOST)
-    start, end = _x_bound(request, "start"), _x_bound(request, "end")
-    if start is not None and end is not None and end < start:
-        raise BadParameter("end must not be before start")
-    points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
-    outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
-    lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    start, end, points, outliers, lines = _chart_view(request)
     store = request.app[STORE]
     found = await system_charts.system_envelope(store, run_id, key, host, start, end, points, outliers, lines)
     if found is None:
@@ -337,6 +332,17 @@ def _x_bound(request: web.Request, name: str) -> float | None:
     return value
 
 
+def _chart_view(request: web.Request) -> tuple[float | None, float | None, int, int, int]:
+    """An envelope's view: start, end, points, outliers and lines, each checked."""
+    start, end = _x_bound(request, "start"), _x_bound(request, "end")
+    if start is not None and end is not None and end < start:
+        raise BadParameter("end must not be before start")
+    points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
+    outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
+    lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    return start, end, points, outliers, lines
+
+
 async def _unknown(request: web.Request, what: str) -> web.HTTPNotFound:
     """404 for a run that does not exist, else for `what` the run does not have."""
     run_id = _run_id(request)
@@ -373,12 +379,7 @@ async def envelope(request: web.Request) -> web.Response:
     x = request.query.get("x") or None
     if x not in (None, "step", "ts"):
         raise BadParameter(f"x must be step or ts, got {x[:40]!r}")
-    start, end = _x_bound(request, "start"), _x_bound(request, "end")
-    if start is not None and end is not None and end < start:
-        raise BadParameter("end must not be before start")
-    points = _integer(request, "points", base.DEFAULT_POINTS, downsample.MIN_POINTS, base.MAX_POINTS)
-    outliers = _integer(request, "outliers", base.DEFAULT_OUTLIERS, 0, base.MAX_OUTLIERS)
-    lines = _integer(request, "lines", base.ALL_LINES_UP_TO, 0, base.MAX_LINES_UP_TO)
+    start, end, points, outliers, lines = _chart_view(request)
     shown = _labels(request, base.MAX_SHOWN)
     found = await request.app[STORE].envelope(
         run_id,

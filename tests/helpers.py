@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import redis
+from aiohttp.test_utils import TestClient
 
 from runbus import storage, wire
 from runbus.ingester.worker import Worker, WorkerSettings
@@ -102,3 +103,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None, check: bool = True, c
 def ingest_command(redis_url: str, store_url: str, *args: str) -> list[str]:
     """The argv of `runbus ingest` against this Redis and store, as its own process."""
     return [sys.executable, "-m", "runbus", "--store", store_url, "ingest", "--redis", redis_url, *args]
+
+
+async def get_json(client: TestClient, path: str, status: int = 200, **params: Any) -> Any:
+    """GET `path` from an aiohttp test client: its JSON body, once the status is `status`."""
+    response = await client.get(path, params=params)
+    body = await response.read()
+    assert response.status == status, body
+    assert response.content_type == "application/json"
+    return orjson.loads(body)

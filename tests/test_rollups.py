@@ -31,7 +31,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
-from tests.helpers import OpenStore, ingest, xadd_event
+from tests.helpers import OpenStore, get_json, ingest, xadd_event
 from tests.pgserver import create_database, drop_database
 
 T0 = 1_700_000_000.0
@@ -733,14 +733,6 @@ def test_sketch_quantiles_are_within_alpha_of_exact(values: list[float]) -> None
 async def chart_api(charted_url: str) -> AsyncIterator[TestClient]:
     async with TestClient(TestServer(create_app(charted_url))) as client:
         yield client
-
-
-async def get_json(client: TestClient, path: str, status: int = 200, **params: Any) -> Any:
-    response = await client.get(path, params=params)
-    body = await response.read()
-    assert response.status == status, body
-    assert response.content_type == "application/json"
-    return orjson.loads(body)
 
 
 async def test_the_envelope_endpoint_shape(chart_api: TestClient) -> None:

@@ -11,10 +11,8 @@ import random
 import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
 
 import asyncpg
-import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -24,6 +22,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Envelope
 from runbus.wire import Event
+from tests.helpers import get_json
 from tests.test_rollups import T0, WIDEST, as_batches, expected_rows, same, start
 
 RUN = "sys"
@@ -31,14 +30,6 @@ SAMPLES = 200  # every 15 s: 3,000 s, about 24 buckets of 128 s
 HOSTS = {"rank0": "node0", "rank1": "node0", "rank2": "node1", "rank3": "node1"}
 # The GPUs each label charts: rank0 owns two (one process for a whole host), the others one.
 GPUS = {"rank0": (0, 1), "rank1": (1,), "rank2": (0,), "rank3": (1,)}
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def any_store_url(request: pytest.FixtureRequest, store_url: str) -> str:
-    """A fresh, empty store of each backend in turn."""
-    if request.param == "sqlite":
-        return store_url
-    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture
@@ -284,14 +275,6 @@ async def api(any_store_url: str) -> AsyncIterator[TestClient]:
     await filled.close()
     async with TestClient(TestServer(create_app(any_store_url))) as client:
         yield client
-
-
-async def get_json(client: TestClient, path: str, status: int = 200, **params: Any) -> Any:
-    response = await client.get(path, params=params)
-    body = await response.read()
-    assert response.status == status, body
-    assert response.content_type == "application/json"
-    return orjson.loads(body)
 
 
 async def test_the_system_keys_and_envelope_endpoints(api: TestClient) -> None:
