@@ -26,6 +26,7 @@ log = logging.getLogger("runbus.ingester")
 
 # Unreadable keys remembered (each logged once); past this many they are skipped unlogged.
 MAX_SKIPPED = 10_000
+ABSENT_RETRY = 30.0  # seconds a registered stream that does not exist yet is looked for
 
 
 def is_event_stream(key: str) -> bool:
@@ -64,6 +65,7 @@ class Discovery:
         self._known: set[str] = set()
         self._skipped: set[bytes] = set()
         self._not_streams: set[bytes] = set()  # of the skipped: those of another type
+        self._absent: dict[str, float] = {}  # registered keys found missing, since when
         self._registry_size = -1
         self._registry_unreadable = False
         self._next_registry = 0.0
@@ -144,17 +146,33 @@ class Discovery:
 
     async def ensure_group(self, key: str) -> bool:
         """Create the group on `key` (from id 0: a group made after the first entries still
-        reads them all); False, logged once, if `key` holds something other than a stream."""
+        reads them all); False, logged once, if `key` holds something other than a stream, and
+        False if there is no `key` (yet): the key is never created here, so a stream deleted
+        meanwhile (the demo's, removed while a worker discovers it) stays deleted."""
         try:
-            await self.redis.xgroup_create(key, self.group, id="0", mkstream=True)
+            await self.redis.xgroup_create(key, self.group, id="0")
         except ResponseError as exc:
             if "BUSYGROUP" in str(exc):
                 return True
+            if "requires the key to exist" in str(exc):
+                self._absent_now(key)
+                return False
             if "WRONGTYPE" not in str(exc):
                 raise
             self.not_a_stream(key)
             return False
+        self._absent.pop(key, None)
         return True
+
+    def _absent_now(self, key: str) -> None:
+        """`key` is registered but missing: announced before its first entry, or deleted. The
+        registry is read again at its next check, for ABSENT_RETRY seconds; after that only
+        a change of the registry or a scan finds the stream."""
+        now = time.monotonic()
+        if now - self._absent.setdefault(key, now) < ABSENT_RETRY:
+            self._registry_size = -1
+        elif len(self._absent) > MAX_SKIPPED:
+            self._absent.clear()
 
     def not_a_stream(self, key: str) -> None:
         """Stop reading `key`, which holds another type now (logged once); a scan finds it

@@ -205,6 +205,7 @@ async def test_discovery_logs_each_unreadable_key_once_however_often_it_polls(re
     client = async_client(redis_url)
     try:
         await client.execute_command("XADD", b"runbus:{caf\xe9}:rank0", "*", "v", "1")
+        await client.xadd(wire.stream_key("ok", "rank0"), {"v": "1"})
         await client.set("runbus:{str}:rank0", "x")
         await client.sadd(wire.REGISTRY_KEY, b"\xff", "runbus:{str}:rank0", wire.stream_key("ok", "rank0"))
         discovery = Discovery(client, "g", registry_interval=0.0, scan_interval=0.0)
@@ -228,6 +229,31 @@ async def test_discovery_logs_each_unreadable_key_once_however_often_it_polls(re
         assert "runbus:{str}:rank0" in discovery.streams
         assert sum("cannot be read" in r.getMessage() for r in caplog.records) == 1
     finally:
+        await client.aclose()
+
+
+async def test_a_registered_stream_is_never_created_by_discovery(redis_url):
+    # A producer registers its stream before its first entry, and the demo deletes its streams
+    # while workers may be discovering them: making the group must not create the key (which
+    # left an empty stream of a removed run behind), and the stream is read once it exists.
+    from runbus.ingester.discovery import Discovery
+    from runbus.redis import async_client
+
+    client = async_client(redis_url)
+    key = wire.stream_key("announced", "rank0")
+    try:
+        await client.sadd(wire.REGISTRY_KEY, key)
+        discovery = Discovery(client, "g", registry_interval=0.0, scan_interval=3600.0)
+        await discovery.refresh(force=True)
+        assert (discovery.streams, await client.exists(key)) == ([], 0)
+        await discovery.refresh()  # the registry has not changed: it is read again all the same
+        assert await client.exists(key) == 0
+        await client.xadd(key, {"v": "1"})
+        assert await discovery.refresh() == [key]
+        assert await client.xinfo_groups(key) != []
+    finally:
+        await client.delete(key)
+        await client.srem(wire.REGISTRY_KEY, key)
         await client.aclose()
 
 
@@ -262,8 +288,9 @@ async def test_a_stream_deleted_or_replaced_while_read_is_let_go(redis_url, stor
         await until(lambda: running.done() or worker.stats.stored >= 1)
         assert not running.done(), running.exception()
         assert worker.discovery is not None
-        # The registry still names both: the deleted one is made again (empty), the other skipped.
-        assert sorted(worker.discovery.streams) == [gone, later]
+        # The registry still names both: the deleted one is not made again, the other is skipped.
+        assert sorted(worker.discovery.streams) == [later]
+        assert await client.exists(gone) == 0
     finally:
         worker.request_stop()
         await running
