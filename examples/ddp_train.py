@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import os
 import time
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(args, device, backend)
     finally:
+        # The DDP model held the process group: its reducer's cycles collected now, or gloo's
+        # threads are torn down at interpreter exit, where they can abort the rank.
+        gc.collect()
         dist.destroy_process_group()
 
 

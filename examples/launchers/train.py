@@ -22,6 +22,7 @@ A linear model fits a noisy linear map on synthetic data; each rank logs its los
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -68,21 +69,29 @@ def main() -> None:
             ident = run.identity
             fields = ("run_id", "label", "rank", "world_size", "launcher", "run_id_from", "primary")
             print(json.dumps({name: getattr(ident, name) for name in fields}), flush=True)
-        torch.manual_seed(0)
-        model: nn.Module = nn.Linear(8, 1)
-        if world > 1:
-            model = DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        data = torch.Generator().manual_seed(rank)
-        for step in range(args.steps):
-            x = torch.randn(32, 8, generator=data)
-            loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            run.log({"loss": loss.detach()}, step=step)
+        train(run, args.steps, rank, world)
     if world > 1:
+        # The DDP model held the process group: freed now (its reducer's cycles collected), or
+        # gloo's threads are torn down at interpreter exit, where they abort the rank.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def train(run: runbus.Run, steps: int, rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = nn.Linear(8, 1)
+    if world > 1:
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=data)
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        run.log({"loss": loss.detach()}, step=step)
 
 
 if __name__ == "__main__":
