@@ -559,7 +559,7 @@ class Worker:
                 entries = await self._read_streams(mine, start_id, wait=False)
                 if entries:
                     return entries
-        return await self._read_streams(list(streams), start_id, wait=True)
+        return await self._read_streams(streams, start_id, wait=True)
 
     async def _read_streams(self, streams: Sequence[str], start_id: str, wait: bool) -> Entries:
         """One read of `streams`; with `wait`, a read that finds nothing new takes block_ms."""
