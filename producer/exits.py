@@ -63,7 +63,9 @@ _guarded: set[CodeType] = set()
 _deferred: int | None = None  # a signal that interrupted guarded code, handled at its safe point
 _ending = False  # a signal is being handled: another one waits for the first to re-raise it
 _ended_by: BaseException | None = None  # what left the main thread's outermost frame, where seen
-_exit_raised: tuple[SystemExit, FrameType] | None = None  # sys.exit's (Python 3.11): see exits_with
+# sys.exit's last code (Python 3.11), with the frame it must leave to end the process: see
+# ending_code. The code, not the SystemExit: a caught one's traceback is not kept alive.
+_exit_raised: tuple[int, FrameType] | None = None
 _real_exit = os._exit
 _real_sys_exit = sys.exit
 
@@ -148,7 +150,7 @@ def ending_code() -> int:
     if _ended_by is not None:
         return exit_code_of(_ended_by)
     if _exit_raised is not None and not _returned(_exit_raised[1]):
-        return exit_code_of(_exit_raised[0])
+        return _exit_raised[0]
     return 0
 
 
@@ -187,7 +189,7 @@ def _on_unwind(code: CodeType, offset: int, exc: BaseException) -> None:
         _ended_by = exc
 
 
-def _sys_exit(*status: object) -> NoReturn:
+def _sys_exit(*status: Any) -> NoReturn:
     """sys.exit on Python 3.11: remembers the SystemExit it raises, and the frame it must leave
     to end the process."""
     global _exit_raised
@@ -197,7 +199,7 @@ def _sys_exit(*status: object) -> NoReturn:
         if threading.current_thread() is threading.main_thread():
             outermost = _outermost(sys._getframe(1))
             if outermost is not None:
-                _exit_raised = (exc, outermost)
+                _exit_raised = (exit_code_of(exc), outermost)
         raise
     raise AssertionError("unreachable: sys.exit returned")
 
