@@ -141,7 +141,8 @@ def test_every_ending_is_stored_as_the_process_ended(outcomes, mode, name):
     assert outcome.returncode == ending.returncode
     assert outcome.label == ending.stored
     assert outcome.run == ending.stored
-    assert "started" in outcome.logs  # the console of the rank, before its end
+    if name != "SIGKILL":  # under runbus run its line may still be in the keeper: not stored
+        assert "started" in outcome.logs  # the console of the rank, before its end
 
 
 @pytest.mark.parametrize("mode", MODES)
