@@ -312,7 +312,7 @@ def stored_run(store_url: str, run_id: str) -> RunSummary | None:
 
 
 def tail(settings: TailSettings) -> int:
-    """Follow a run until its primary finishes: 0; Redis unreachable at the start: 1."""
+    """Follow a run until it ends (see the module doc): 0; Redis unreachable at the start: 1."""
     try:
         return Tail(settings).run()
     except (RedisConnectionError, RedisTimeoutError) as exc:
