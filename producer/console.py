@@ -58,7 +58,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from runbus.config import CONSOLE_ENV
-from runbus.redact import LineRedactor, redact_line
 
 if TYPE_CHECKING:
     from runbus.producer.bootstrap import FdCapture
@@ -512,9 +511,6 @@ class ConsoleCapture:
         self._repointed: list[tuple[logging.StreamHandler, _TextTee | _MarkingTee]] = []
         self._fd_capture: FdCapture | None = None
         self._tracebacks: list[str] = []  # to store after the keeper's lines, in fd mode
-        # Each stream's lines reach put_line in order, from one thread at a time: under its tee's
-        # lock, or from the keeper's feed (fd mode). A record's text is whole: redact_line.
-        self._redactors = {"stdout": LineRedactor(), "stderr": LineRedactor()}
 
     @classmethod
     def start_for(cls, run: Run, mode: str) -> ConsoleCapture | None:
@@ -536,12 +532,8 @@ class ConsoleCapture:
         return capture
 
     def put_line(self, stream: str, level: str, text: str) -> None:
-        """One line (or a record's text) to ship, its secrets redacted (runbus.redact): stdout's
-        and stderr's lines in order, through their stream's LineRedactor."""
-        redactor = self._redactors.get(stream)
-        text = clean_text(text)
-        text = redact_line(text) if redactor is None else redactor(text)
-        self.run._put("log", None, {"stream": stream, "level": level, "text": text})
+        # Its secrets are redacted by the shipper, off this thread.
+        self.run._put("log", None, {"stream": stream, "level": level, "text": clean_text(text)})
 
     def put_record(self, level: str, text: str) -> None:
         """A logging record's line: in fd mode through the keeper, in order with stderr."""

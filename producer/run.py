@@ -28,7 +28,6 @@ from runbus.producer.environment import Identity
 from runbus.producer.metadata import RunValues, checked_name, checked_tags
 from runbus.producer.outbox import Outbox
 from runbus.producer.shipper import Shipper, ShipperOptions, encode_data
-from runbus.redact import redact_line
 
 if TYPE_CHECKING:
     from runbus.producer.child import ChildLabel
@@ -379,7 +378,7 @@ class Run:
             raise TypeError(f"log_text() takes a str, not {type(text).__name__}")
         if stream not in wire.LOG_STREAMS:
             raise ValueError(f"stream must be one of {sorted(wire.LOG_STREAMS)}, not {stream!r}")
-        data = {"stream": stream, "level": str(level), "text": redact_line(str.__str__(text))}
+        data = {"stream": stream, "level": str(level), "text": str.__str__(text)}
         if not (text.isascii() and data["level"].isascii()) or 6 * (len(text) + len(data["level"])) > (
             wire.MAX_DATA_BYTES - 64
         ):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -63,6 +64,7 @@ _HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _WORD_SEPARATORS = re.compile(r"[^A-Za-z0-9]+")
 
 
+@functools.lru_cache(maxsize=4096)  # log lines name the same few keys (loss=, lr=) again and again
 def secret_name(name: str) -> bool:
     """Whether a key or option called `name` holds a secret (the rule is in the module docstring)."""
     words = [w for w in _WORD_SEPARATORS.split(_HUMP.sub("_", name).lower()) if w]
@@ -181,47 +183,54 @@ def redact_text(text: str, known: Iterable[str] = ()) -> str:
     the module docstring), and every string in `known` too (see `url_secrets`)."""
     for secret in known:
         text = text.replace(secret, MARKER)
-    if "://" in text:
-        text = _URL.sub(lambda m: safe_url(m[0]), text)
-    if "=" in text:
-        text = _PAIR.sub(_masked_pair, text)
-    if ":" in text:
-        text = _QUOTED_PAIR.sub(_masked_pair, text)
-    text = _TOKEN.sub(MARKER, text)
-    text = _BEARER.sub(_masked_bearer, text)
-    text = _BASIC.sub(_masked_basic, text)
-    if "-----BEGIN" in text:
-        text = _PEM.sub(MARKER, text)
-    return text
-
-
-# Every text that redact_text changes holds one of these, lower-cased (what its patterns start
-# with or need). Most log lines hold none: a few substring checks then stand for the patterns.
-_SHAPE_MARKS = (
-    "://", "-----begin", "bearer", "basic", "hf_", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_",
-    "github_pat_", "glpat-", "xox", "akia", "eyj",
-)  # fmt: skip
-# A secret NAME=VALUE pair needs `=` or `:`, and a name holding one of these (each _STRONG word,
-# last word and ending holds one) once `_`, `-` and `.`, which split a name's words, are removed.
-_NAME_STEMS = ("secret", "pass", "credential", "sig", "key", "token", "auth", "pwd", "cookie")
-
-
-def _may_hold_secret(text: str) -> bool:
-    low = text.lower()
-    for mark in _SHAPE_MARKS:
-        if mark in low:
-            return True
-    if "=" not in text and ":" not in text:
-        return False
-    joined = low.replace("_", "").replace("-", "").replace(".", "")
-    return any(stem in joined for stem in _NAME_STEMS)
+    return _redacted_shapes(text, every_pair=True)
 
 
 def redact_line(text: str) -> str:
-    """`text` as redact_text shows it, for a log line: a line without a mark of any secret's shape
-    is returned after a few substring checks (a secret word broken by a character other than `_`,
-    `-` or `.` in a NAME=VALUE pair, `pass/word=x`, is not looked for in log lines)."""
-    return redact_text(text) if _may_hold_secret(text) else text
+    """`text` as redact_text shows it, for a log line: NAME=VALUE and "NAME": "VALUE" pairs are
+    read only where a secret word stands whole in the line once `_`, `-` and `.` are taken out
+    (a word broken by another character, `pass/word=x`, is not looked for in log lines)."""
+    return _redacted_shapes(text, every_pair=False)
+
+
+# Substrings each pattern needs: most lines hold none, and a few substring checks cost far less
+# than running the patterns over them.
+_TOKEN_MARKS = (
+    "hf_", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "xox", "AKIA", "eyJ",
+)  # fmt: skip
+# Every _STRONG word, last word and ending holds one of these.
+_NAME_STEMS = ("secret", "pass", "credential", "sig", "key", "token", "auth", "pwd", "cookie")
+
+
+def _may_name_a_secret(text: str) -> bool:
+    joined = text.lower().replace("_", "").replace("-", "").replace(".", "")
+    return any(stem in joined for stem in _NAME_STEMS)
+
+
+def _redacted_shapes(text: str, every_pair: bool) -> str:
+    """`text` through each pattern whose marks it holds; its pairs only where a secret word
+    stands whole (_may_name_a_secret) unless `every_pair`."""
+    if "://" in text:
+        text = _URL.sub(lambda m: safe_url(m[0]), text)
+    equals = "=" in text
+    quoted = ":" in text and ('"' in text or "'" in text)
+    if (equals or quoted) and (every_pair or _may_name_a_secret(text)):
+        if equals:
+            text = _PAIR.sub(_masked_pair, text)
+        if quoted:
+            text = _QUOTED_PAIR.sub(_masked_pair, text)
+    for mark in _TOKEN_MARKS:
+        if mark in text:
+            text = _TOKEN.sub(MARKER, text)
+            break
+    low = text.lower()
+    if "bearer" in low:
+        text = _BEARER.sub(_masked_bearer, text)
+    if "basic" in low:
+        text = _BASIC.sub(_masked_basic, text)
+    if "-----BEGIN" in text:
+        text = _PEM.sub(MARKER, text)
+    return text
 
 
 _PEM_BEGIN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
