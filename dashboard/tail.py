@@ -253,7 +253,6 @@ class Tail:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
 
-
     def _redacted(self, event: wire.Event) -> str:
         """The event's text, through its label's stream's LineRedactor."""
         where = (event.label, str(event.data.get("stream")))
