@@ -13,8 +13,9 @@ The primary is the one the ingesters decide (runbus.storage.rules.decide_primary
 decision where the store has the run, else the label holding the producers' live claim, else the
 earliest start claiming it. A stray start claiming the role from another label cannot end a tail.
 A run with no stream in Redis is looked up in the store: unknown there too, it is an error unless
-`wait` asks to wait for it to start. Log text is printed through `runbus.terminal.printable`:
-escape sequences in it are shown, not obeyed.
+`wait` asks to wait for it to start. Log text is printed redacted (`runbus.redact`: an entry
+written by hand or by an older runbus) and through `runbus.terminal.printable`: escape sequences
+in it are shown, not obeyed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import wire
 from runbus.config import safe_url
 from runbus.errors import CommandError, InvalidEntry, StoreMissing
-from runbus.redact import redact_text, url_secrets
+from runbus.redact import LineRedactor, redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
 from runbus.storage import RunSummary, open_store
 from runbus.storage.rules import decide_primary, primary_claims
@@ -94,6 +95,7 @@ class Tail:
     _next_check: float = field(default=0.0, init=False)
     _store_failed: bool = field(default=False, init=False)
     _lost: bool = field(default=False, init=False)
+    _redactors: dict[tuple[str, str], LineRedactor] = field(default_factory=dict, init=False)
 
     def run(self) -> int:
         client = sync_client(self.settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
@@ -283,11 +285,19 @@ class Tail:
             if wire.level_number(str(event.data.get("level", "INFO"))) < self.settings.min_level:
                 continue
             color = self._color_for(event.label) if self.settings.color else None
-            for text in event.data["text"].splitlines() or [""]:
+            for text in self._redacted(event).splitlines() or [""]:
                 lines.append(format_line(event.label, self._width, text, color))
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
+
+    def _redacted(self, event: wire.Event) -> str:
+        """The event's text, through its label's stream's LineRedactor."""
+        where = (event.label, str(event.data.get("stream")))
+        redactor = self._redactors.get(where)
+        if redactor is None:
+            redactor = self._redactors[where] = LineRedactor()
+        return redactor(event.data["text"])
 
 
 def _shown(message: str, redis_url: str) -> str:

@@ -5,7 +5,8 @@ runbus.producer.lease; announcing the stream), batched pipelined XADDs, heartbea
 reconnecting with capped, jittered backoff. Nothing here runs on the training thread, and nothing
 here raises into it: while Redis is away, or refuses the credentials, events are buffered and the
 problem is logged once. A handshake done late (Redis was away at init) that finds the label in
-use, or a run this job may not join, stops shipping instead, with one error.
+use, or a run this job may not join, stops shipping instead, with one error. Log lines have their
+secrets redacted here, as they are encoded (runbus.redact).
 
 While Redis answers, the shipper takes from the outbox only what the backlog has room for, so
 nothing is dropped: a full outbox makes `log()` wait (back-pressure) instead. While Redis is away
@@ -31,6 +32,7 @@ from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
 from runbus.producer.outbox import Outbox, Pending
+from runbus.redact import LineRedactor
 
 if TYPE_CHECKING:
     from redis.commands.core import Script
@@ -148,6 +150,7 @@ class Shipper(threading.Thread):
             spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
         self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
         self._held_start: Pending | None = None
+        self._redactors: dict[str, LineRedactor] = {}  # per log stream: its lines come in order
         self._orphans_checked = False
         self._client: SyncClient | None = None
         self._xadd_many: Script | None = None
@@ -469,6 +472,8 @@ class Shipper(threading.Thread):
                     log.warning("runbus: cannot describe the hardware: %s", exc)
         elif kind == "finish":
             data = {**data, **self.outbox.drops.report()}
+        elif kind == "log":
+            data = self._redacted_log(data)
         try:
             blob = encode_data(kind, data)
         except Exception as exc:
@@ -479,6 +484,16 @@ class Shipper(threading.Thread):
             log.error("runbus: event seq %d (%s) could not be encoded: %s", seq, kind, exc)
             return None
         return Record(kind, self.epoch or 0, seq, ts, step, blob)
+
+    def _redacted_log(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A log event's data, its text's secrets redacted (runbus.redact) before it leaves the
+        process: here, off the thread that printed or logged it."""
+        stream = data["stream"]
+        redactor = self._redactors.get(stream)
+        if redactor is None:
+            redactor = self._redactors[stream] = LineRedactor()
+        text = redactor(data["text"])
+        return data if text is data["text"] else {**data, "text": text}
 
     def _hardware(self) -> dict:
         # Here, not in init(): NVML can take a second to start on a big host.

@@ -43,6 +43,10 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STORE_FILE = "runbus.db"
 # The ingester's stream decoders: its fast path (the default), and runbus.wire's reference.
 DECODERS = ("fast", "reference")
+# How long runbus's HTTP servers (`runbus serve`, `runbus ingest --http`) keep a connection that
+# has not sent a whole request head: from its opening, or from the end of its last response
+# (keep-alive). A client that never finishes its request (half-open, slowloris) is closed then.
+HTTP_IDLE_TIMEOUT = 15.0
 
 
 def redis_url(env: Mapping[str, str] | None = None) -> str:
