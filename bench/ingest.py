@@ -55,7 +55,9 @@ def preload(url: str, run_id: str, events: int) -> None:
                 )
                 for seq in range(first, min(per_label, first + PRELOAD_BATCH - 1) + 1)
             ]
-            script(keys=[wire.stream_key(run_id, label)], args=wire.xadd_many_args(run_id, label, entries))
+            script(
+                keys=[wire.stream_key(run_id, label)], args=wire.xadd_many_args(run_id, label, entries, {})
+            )
     client.close()
 
 

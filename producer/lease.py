@@ -65,9 +65,11 @@ local function token_at(key)
 end
 """
 
-# KEYS: lease, epoch counter, primary, finished marker, created marker.
+# KEYS: lease, epoch counter, primary, finished marker, created marker, seals.
 # ARGV: token, token of a holder known to be gone (or ''), lease TTL ms, resume mode, restart
-# count, '1' to claim the primary role, label, primary TTL s, then the holder's field/value pairs.
+# count, '1' to claim the primary role, label, primary TTL s, the process's seal secret (hex),
+# the seals' TTL s, then the holder's field/value pairs. The new epoch is sealed with the secret
+# (HSETNX: a seal is never replaced by runbus).
 # Checks everything before it writes anything: a refused claim leaves no trace. "never" refuses a
 # label that has logged into the run before (its epoch counter exists) once the run finished: a
 # rank of the same job starting late, or a child's new label, still joins.
@@ -90,17 +92,21 @@ if ARGV[6] == '1' then
   if primary and primary ~= ARGV[7] then return {'primary', primary} end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+redis.call('HSET', KEYS[1], unpack(ARGV, 11))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if ARGV[6] == '1' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[8]) end
 local epoch, now, odd, last = next_epoch(KEYS[2])
 redis.call('SET', KEYS[5], string.format('%.0f', now), 'NX')
+redis.call('HSETNX', KEYS[6], string.format('%.0f', epoch), ARGV[9])
+redis.call('EXPIRE', KEYS[6], ARGV[10])
 return {'ok', epoch, odd, last}
 """
 )
 
-# KEYS: lease, primary. ARGV: token, lease TTL ms, '1' if primary, label, primary TTL s, then
-# the holder's field/value pairs (to take a lapsed lease again). Replies {lease, primary}: lease
+# KEYS: lease, primary, seals. ARGV: token, lease TTL ms, '1' if primary, label, primary TTL s,
+# the epoch, its seal secret (hex), the seals' TTL s, then the holder's field/value pairs (to take
+# a lapsed lease again; its epoch is sealed again, for a Redis that lost its data). Replies
+# {lease, primary}: lease
 # 'renewed', 'retaken' (it had lapsed and nobody took it) or 'lost' (then the holder's fields);
 # primary '' or the label holding the primary role instead.
 RENEW_SCRIPT = (
@@ -114,8 +120,10 @@ elseif held then
   return {'lost', redis.call('HGETALL', KEYS[1])}
 else
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 9))
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('HSETNX', KEYS[3], ARGV[6], ARGV[7])
+  redis.call('EXPIRE', KEYS[3], ARGV[8])
   status = 'retaken'
 end
 local other = ''
@@ -148,14 +156,25 @@ return 1
 """
 )
 
-# KEYS: epoch counter. An epoch for events of an earlier process that never reached Redis.
+# KEYS: epoch counter, seals. ARGV: seal secret (hex), the seals' TTL s. An epoch for events of
+# an earlier process that never reached Redis, sealed with this process's secret.
 EPOCH_SCRIPT = (
     _NEXT_EPOCH
     + """
 local epoch, now, odd = next_epoch(KEYS[1])
+redis.call('HSETNX', KEYS[2], string.format('%.0f', epoch), ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {epoch, odd}
 """
 )
+
+# KEYS: seals. ARGV: epoch, seal secret (hex), the seals' TTL s. Seals a spare epoch (one between
+# the label's last and this process's own, given out by this process alone).
+SEAL_SCRIPT = """
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
 
 
 def _read(path: str) -> str:
@@ -289,6 +308,10 @@ class LabelLease:
     primary_ttl: float
     redis_url: str = field(default="", repr=False)
     holder: Holder | None = None
+    # This process's seal secret: it seals (wire.seal) the entries of every epoch it writes.
+    # Only its hex, per epoch, goes to Redis (wire.seal_key), for ingesters to check seals with.
+    secret: bytes = field(default_factory=wire.new_seal_secret, repr=False)
+    epoch: int = 0  # this process's own epoch, once claimed
     # Epochs between the label's last one and ours, never given out: for events of earlier
     # processes that never reached Redis, so they order before this process's (highest first).
     _spare: tuple[int, int] = (0, 0)
@@ -325,6 +348,7 @@ class LabelLease:
                 self.holder = me
                 epoch, odd = int(reply[1]), reply_text(reply[2])
                 self._spare = (int(reply[3]), epoch)
+                self.epoch = epoch
                 if odd:
                     log.warning(
                         "runbus: %s held %r, not an epoch; replaced",
@@ -383,6 +407,7 @@ class LabelLease:
             wire.primary_key(run),
             wire.finished_key(run),
             wire.created_key(run),
+            wire.seal_key(run, label),
         ]
 
     def _claim_args(self, me: Holder, gone_token: str, primary: bool) -> list[Any]:
@@ -395,6 +420,8 @@ class LabelLease:
             "1" if primary else "0",
             self.label,
             max(1, round(self.primary_ttl)),
+            self.secret.hex(),
+            wire.FINISHED_TTL,
             *me.fields(),
         ]
 
@@ -435,13 +462,17 @@ class LabelLease:
         label (this one was away longer than the lease)."""
         holder = self.holder
         assert holder is not None, "renew() after a claim"
-        keys = [wire.lease_key(self.run_id, self.label), wire.primary_key(self.run_id)]
+        run, label = self.run_id, self.label
+        keys = [wire.lease_key(run, label), wire.primary_key(run), wire.seal_key(run, label)]
         args = [
             holder.token,
             self._ttl_ms(),
             "1" if primary else "0",
             self.label,
             max(1, round(self.primary_ttl)),
+            self.epoch,
+            self.secret.hex(),
+            wire.FINISHED_TTL,
             *holder.fields(),
         ]
         status, other = self._call(client, RENEW_SCRIPT, keys, args)
@@ -477,8 +508,11 @@ class LabelLease:
         """An epoch of this label for events of an earlier process that never reached Redis:
         below this process's own and above every other given out (one after it if none is left)."""
         last, mine = self._spare
+        seals = wire.seal_key(self.run_id, self.label)
         if mine - 1 > last:
             self._spare = (last, mine - 1)
+            self._call(client, SEAL_SCRIPT, [seals], [mine - 1, self.secret.hex(), wire.FINISHED_TTL])
             return mine - 1
-        epoch, _ = self._call(client, EPOCH_SCRIPT, [wire.epoch_key(self.run_id, self.label)], [])
+        keys = [wire.epoch_key(self.run_id, self.label), seals]
+        epoch, _ = self._call(client, EPOCH_SCRIPT, keys, [self.secret.hex(), wire.FINISHED_TTL])
         return int(epoch)
