@@ -65,11 +65,9 @@ local function token_at(key)
 end
 """
 
-# KEYS: lease, epoch counter, primary, finished marker, created marker, seals.
+# KEYS: lease, epoch counter, primary, finished marker, created marker.
 # ARGV: token, token of a holder known to be gone (or ''), lease TTL ms, resume mode, restart
-# count, '1' to claim the primary role, label, primary TTL s, the process's seal secret (hex),
-# the seals' TTL s, then the holder's field/value pairs. The new epoch is sealed with the secret
-# (HSETNX: a seal is never replaced by runbus).
+# count, '1' to claim the primary role, label, primary TTL s, then the holder's field/value pairs.
 # Checks everything before it writes anything: a refused claim leaves no trace. "never" refuses a
 # label that has logged into the run before (its epoch counter exists) once the run finished: a
 # rank of the same job starting late, or a child's new label, still joins.
@@ -92,21 +90,17 @@ if ARGV[6] == '1' then
   if primary and primary ~= ARGV[7] then return {'primary', primary} end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 11))
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if ARGV[6] == '1' then redis.call('SET', KEYS[3], ARGV[7], 'EX', ARGV[8]) end
 local epoch, now, odd, last = next_epoch(KEYS[2])
 redis.call('SET', KEYS[5], string.format('%.0f', now), 'NX')
-redis.call('HSETNX', KEYS[6], string.format('%.0f', epoch), ARGV[9])
-redis.call('EXPIRE', KEYS[6], ARGV[10])
 return {'ok', epoch, odd, last}
 """
 )
 
-# KEYS: lease, primary, seals. ARGV: token, lease TTL ms, '1' if primary, label, primary TTL s,
-# the epoch, its seal secret (hex), the seals' TTL s, then the holder's field/value pairs (to take
-# a lapsed lease again; its epoch is sealed again, for a Redis that lost its data). Replies
-# {lease, primary}: lease
+# KEYS: lease, primary. ARGV: token, lease TTL ms, '1' if primary, label, primary TTL s, then
+# the holder's field/value pairs (to take a lapsed lease again). Replies {lease, primary}: lease
 # 'renewed', 'retaken' (it had lapsed and nobody took it) or 'lost' (then the holder's fields);
 # primary '' or the label holding the primary role instead.
 RENEW_SCRIPT = (
@@ -120,10 +114,8 @@ elseif held then
   return {'lost', redis.call('HGETALL', KEYS[1])}
 else
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 6))
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('HSETNX', KEYS[3], ARGV[6], ARGV[7])
-  redis.call('EXPIRE', KEYS[3], ARGV[8])
   status = 'retaken'
 end
 local other = ''
@@ -156,25 +148,14 @@ return 1
 """
 )
 
-# KEYS: epoch counter, seals. ARGV: seal secret (hex), the seals' TTL s. An epoch for events of
-# an earlier process that never reached Redis, sealed with this process's secret.
+# KEYS: epoch counter. An epoch for events of an earlier process that never reached Redis.
 EPOCH_SCRIPT = (
     _NEXT_EPOCH
     + """
 local epoch, now, odd = next_epoch(KEYS[1])
-redis.call('HSETNX', KEYS[2], string.format('%.0f', epoch), ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {epoch, odd}
 """
 )
-
-# KEYS: seals. ARGV: epoch, seal secret (hex), the seals' TTL s. Seals a spare epoch (one between
-# the label's last and this process's own, given out by this process alone).
-SEAL_SCRIPT = """
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
 
 
 def _read(path: str) -> str:
@@ -349,6 +330,7 @@ class LabelLease:
                 epoch, odd = int(reply[1]), reply_text(reply[2])
                 self._spare = (int(reply[3]), epoch)
                 self.epoch = epoch
+                self._seal(client, epoch)
                 if odd:
                     log.warning(
                         "runbus: %s held %r, not an epoch; replaced",
@@ -407,7 +389,6 @@ class LabelLease:
             wire.primary_key(run),
             wire.finished_key(run),
             wire.created_key(run),
-            wire.seal_key(run, label),
         ]
 
     def _claim_args(self, me: Holder, gone_token: str, primary: bool) -> list[Any]:
@@ -420,8 +401,6 @@ class LabelLease:
             "1" if primary else "0",
             self.label,
             max(1, round(self.primary_ttl)),
-            self.secret.hex(),
-            wire.FINISHED_TTL,
             *me.fields(),
         ]
 
@@ -462,17 +441,13 @@ class LabelLease:
         label (this one was away longer than the lease)."""
         holder = self.holder
         assert holder is not None, "renew() after a claim"
-        run, label = self.run_id, self.label
-        keys = [wire.lease_key(run, label), wire.primary_key(run), wire.seal_key(run, label)]
+        keys = [wire.lease_key(self.run_id, self.label), wire.primary_key(self.run_id)]
         args = [
             holder.token,
             self._ttl_ms(),
             "1" if primary else "0",
             self.label,
             max(1, round(self.primary_ttl)),
-            self.epoch,
-            self.secret.hex(),
-            wire.FINISHED_TTL,
             *holder.fields(),
         ]
         status, other = self._call(client, RENEW_SCRIPT, keys, args)
@@ -480,6 +455,7 @@ class LabelLease:
         if status == "lost":
             raise self.in_use(Holder.from_reply(other))
         if status == "retaken":
+            self._seal(client, self.epoch)  # a Redis that lost its data lost the seal too
             log.warning(
                 "runbus: the lease of %s/%s had lapsed (Redis away longer than %.0fs, or it lost "
                 "its data); taken again",
@@ -508,11 +484,23 @@ class LabelLease:
         """An epoch of this label for events of an earlier process that never reached Redis:
         below this process's own and above every other given out (one after it if none is left)."""
         last, mine = self._spare
-        seals = wire.seal_key(self.run_id, self.label)
         if mine - 1 > last:
             self._spare = (last, mine - 1)
-            self._call(client, SEAL_SCRIPT, [seals], [mine - 1, self.secret.hex(), wire.FINISHED_TTL])
-            return mine - 1
-        keys = [wire.epoch_key(self.run_id, self.label), seals]
-        epoch, _ = self._call(client, EPOCH_SCRIPT, keys, [self.secret.hex(), wire.FINISHED_TTL])
-        return int(epoch)
+            epoch = mine - 1
+        else:
+            epoch = int(self._call(client, EPOCH_SCRIPT, [wire.epoch_key(self.run_id, self.label)], [])[0])
+        self._seal(client, epoch)
+        return epoch
+
+    def _seal(self, client: SyncClient, epoch: int) -> None:
+        """Store this process's secret as `epoch`'s seal, for ingesters (wire.seal_key).
+
+        Not in the claim script: a script must be granted read access to every key it names,
+        and under the README's ACLs producers may only write seals. The epoch is this process's
+        alone, so a value found there was written by hand: it is replaced. Nothing of the epoch
+        is shipped before this returns."""
+        key = wire.seal_key(self.run_id, self.label)
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, str(epoch), self.secret.hex())
+        pipe.expire(key, wire.FINISHED_TTL)
+        pipe.execute()

@@ -142,10 +142,11 @@ def claim_holder(held: bytes | str | None) -> str | None:
 
 
 def seal_key(run: str, label: str) -> str:
-    """A hash of the label's sealed epochs: field EPOCH holds the hex secret its producer stamps
-    that epoch's entries with (written once, by the claim; kept FINISHED_TTL). Under the README's
-    ACLs only ingesters may read it."""
-    return f"{PREFIX}:{{{run}}}:seal:{label}"
+    """A hash of the label's sealed epochs: field EPOCH holds the hex secret its producer seals
+    that epoch's entries with (written by its claim; kept FINISHED_TTL). Outside the
+    `runbus:{RUN}:*` keys (though in the run's slot: `{run}` is its hash tag), so that ACLs can let
+    producers write seals without reading them (README, Operations)."""
+    return f"{PREFIX}:seal:{{{run}}}:{label}"
 
 
 def lease_key(run: str, label: str) -> str:

@@ -1,0 +1,182 @@
+"""Entries fenced by their epoch's lease: hand-written entries, with the live epoch read from Redis,
+seals copied from real entries or forged into another label's stream, never decide a run. Real
+Redis, live producer processes, and a real ingester (`runbus ingest --burst`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import redis
+
+from runbus import wire
+from tests.helpers import T0, read_store, run_cli, xadd_event
+
+# A rank that logs, says when everything is in Redis, then finishes when told (a line on stdin).
+RANK = textwrap.dedent(
+    """
+    import json, os, sys, time, runbus
+    say = lambda doc: os.write(1, (json.dumps(doc) + "\\n").encode())  # never captured by runbus
+    run = runbus.init(system_interval=None, hardware=False, console="off")
+    for step in range(5):
+        run.log({"loss": float(step)}, step=step)
+    while run.buffered:
+        time.sleep(0.01)
+    say({"shipped": True, "epoch": run.epoch, "label": run.label, "primary": run.primary})
+    sys.stdin.readline()
+    say({"finished": run.finish(timeout=30)})
+    """
+)
+
+
+def start_rank(redis_url: str, run_id: str, rank: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k != "RANK"}
+    return subprocess.Popen(
+        [sys.executable, "-c", RANK],
+        env={**variables, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "RANK": str(rank), **(env or {})},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def said(proc: subprocess.Popen) -> dict:
+    assert proc.stdout is not None
+    text = proc.stdout.readline()
+    assert text, f"the rank ended: {proc.wait(30)}, {proc.stderr.read()[-2000:] if proc.stderr else ''}"
+    return json.loads(text)
+
+
+def finish(proc: subprocess.Popen) -> bool:
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    done = said(proc)["finished"]
+    assert proc.wait(60) == 0
+    return done
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_url) as c:
+        yield c
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def ingest(redis_url: str, store_url: str) -> None:
+    run_cli("--store", store_url, "ingest", "--redis", redis_url, "--burst")
+
+
+def dead_letters(client: redis.Redis) -> dict[bytes, str]:
+    """The dead letters by their source entry id: the reason."""
+    return {f[b"source_id"]: f[b"reason"].decode() for _, f in client.xrange(wire.DEAD_LETTER_KEY)}
+
+
+def live_epoch(client: redis.Redis, run_id: str, label: str) -> int:
+    """The label's epoch as anyone reading Redis finds it."""
+    return int(client.get(wire.epoch_key(run_id, label)))
+
+
+def test_a_hand_written_finish_of_the_live_epoch_is_dead_lettered_and_the_real_finish_decides(
+    redis_url, client, store_url, ranks
+):
+    ranks.append(rank := start_rank(redis_url, "forged", 0))
+    shipped = said(rank)
+    epoch = live_epoch(client, "forged", "rank0")
+    assert epoch == shipped["epoch"]
+    real = client.xrange(wire.stream_key("forged", "rank0"))[-1][1]
+    # The issue's attack: one XADD of a finish (exit code 7, seq 10**9) with the live epoch.
+    plain = xadd_event(client, "forged", "rank0", "finish", epoch, 10**9, {"exit_code": 7})
+    # The same with the seal of a real entry copied onto it, and at the seq right after the last.
+    copied = client.xadd(
+        wire.stream_key("forged", "rank0"),
+        {
+            **wire.encode_fields("finish", "forged", "rank0", epoch, 7, T0, orjson.dumps({"exit_code": 7}), None),
+            "seal": real.get(b"seal", b"0" * 32),
+        },
+    )
+    ingest(redis_url, store_url)
+
+    dead = dead_letters(client)
+    assert "carries no seal: not written by its lease holder" in dead[plain]
+    assert "seal does not match epoch" in dead[copied]
+    run = read_store(store_url, "run", "forged")
+    assert (run.state, run.exit_code, run.labels[0].missing) == ("running", None, 0)
+
+    # The real finish(0), which returns True, decides, and leaves no gap.
+    assert finish(rank) is True
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "forged")
+    (label,) = run.labels
+    assert (run.state, run.exit_code) == ("finished", 0)
+    assert (label.state, label.epoch, label.missing, label.gaps) == ("finished", epoch, 0, [])
+
+
+def test_a_hand_written_start_of_a_far_epoch_does_not_revive_a_finished_run(redis_url, client, store_url, ranks):
+    ranks.append(rank := start_rank(redis_url, "revived", 0))
+    epoch = said(rank)["epoch"]
+    assert finish(rank) is True
+    ingest(redis_url, store_url)
+    assert read_store(store_url, "run", "revived").state == "finished"
+
+    forged = xadd_event(client, "revived", "rank0", "start", 99999999999999, 1, {"primary": True})
+    ingest(redis_url, store_url)
+
+    assert "epoch 99999999999999 was never issued to this label" in dead_letters(client)[forged]
+    run = read_store(store_url, "run", "revived")
+    assert (run.state, run.exit_code, run.labels[0].epoch) == ("finished", 0, epoch)
+
+
+def test_entries_forged_into_another_label_s_stream_are_dead_lettered(redis_url, client, store_url, ranks):
+    ranks.append(primary := start_rank(redis_url, "other", 0))
+    ranks.append(worker := start_rank(redis_url, "other", 1))
+    said(primary)
+    said(worker)
+    # rank1's real, sealed entries written again into rank0's stream as rank0's, with rank0's
+    # live epoch: a finish, and one copied unchanged (its seal is rank1's epoch's).
+    epoch0 = live_epoch(client, "other", "rank0")
+    sealed = client.xrange(wire.stream_key("other", "rank1"))[-1][1]
+    as_rank0 = {**sealed, b"label": b"rank0", b"epoch": str(epoch0).encode()}
+    moved = client.xadd(wire.stream_key("other", "rank0"), as_rank0)
+    as_finish = {k: v for k, v in as_rank0.items() if k != b"step"}
+    ended = client.xadd(
+        wire.stream_key("other", "rank0"), {**as_finish, b"kind": b"finish", b"data": b'{"exit_code": 7}'}
+    )
+    # And a finish of rank1's own live epoch, by hand, into rank1's stream.
+    epoch1 = live_epoch(client, "other", "rank1")
+    worker_end = xadd_event(client, "other", "rank1", "finish", epoch1, 6, {"exit_code": 3})
+    ingest(redis_url, store_url)
+
+    dead = dead_letters(client)
+    assert all("seal does not match" in dead[entry] for entry in (moved, ended)), dead
+    assert "carries no seal" in dead[worker_end]
+    run = read_store(store_url, "run", "other")
+    assert run.state == "running"
+    assert {lab.label: (lab.state, lab.missing) for lab in run.labels} == {
+        "rank0": ("running", 0),
+        "rank1": ("running", 0),
+    }
+    assert finish(worker) is True and finish(primary) is True
+    ingest(redis_url, store_url)
+    run = read_store(store_url, "run", "other")
+    assert (run.state, run.exit_code) == ("finished", 0)
+    assert {lab.label: lab.state for lab in run.labels} == {"rank0": "finished", "rank1": "finished"}
