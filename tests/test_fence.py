@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shlex
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
 import redis
 
 from runbus import wire
+from runbus.ingester.localredis import LocalRedis
+from tests.conftest import private_redis
 from tests.helpers import T0, read_store, run_cli, xadd_event
 
 # A rank that logs, says when everything is in Redis, then finishes when told (a line on stdin).
@@ -39,7 +44,13 @@ def start_rank(redis_url: str, run_id: str, rank: int, env: dict[str, str] | Non
     variables = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k != "RANK"}
     return subprocess.Popen(
         [sys.executable, "-c", RANK],
-        env={**variables, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "RANK": str(rank), **(env or {})},
+        env={
+            **variables,
+            "RUNBUS_REDIS_URL": redis_url,
+            "RUNBUS_RUN_ID": run_id,
+            "RANK": str(rank),
+            **(env or {}),
+        },
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -86,9 +97,15 @@ def ingest(redis_url: str, store_url: str) -> None:
     run_cli("--store", store_url, "ingest", "--redis", redis_url, "--burst")
 
 
-def dead_letters(client: redis.Redis) -> dict[bytes, str]:
-    """The dead letters by their source entry id: the reason."""
-    return {f[b"source_id"]: f[b"reason"].decode() for _, f in client.xrange(wire.DEAD_LETTER_KEY)}
+def dead_letters(client: redis.Redis, run_id: str, label: str) -> dict[bytes, str]:
+    """The dead letters of one label's stream by their source entry id: the reason (ids of two
+    streams may be equal)."""
+    key = wire.stream_key(run_id, label).encode()
+    return {
+        f[b"source_id"]: f[b"reason"].decode()
+        for _, f in client.xrange(wire.DEAD_LETTER_KEY)
+        if f[b"source_stream"] == key
+    }
 
 
 def live_epoch(client: redis.Redis, run_id: str, label: str) -> int:
@@ -110,13 +127,15 @@ def test_a_hand_written_finish_of_the_live_epoch_is_dead_lettered_and_the_real_f
     copied = client.xadd(
         wire.stream_key("forged", "rank0"),
         {
-            **wire.encode_fields("finish", "forged", "rank0", epoch, 7, T0, orjson.dumps({"exit_code": 7}), None),
+            **wire.encode_fields(
+                "finish", "forged", "rank0", epoch, 7, T0, orjson.dumps({"exit_code": 7}), None
+            ),
             "seal": real.get(b"seal", b"0" * 32),
         },
     )
     ingest(redis_url, store_url)
 
-    dead = dead_letters(client)
+    dead = dead_letters(client, "forged", "rank0")
     assert "carries no seal: not written by its lease holder" in dead[plain]
     assert "seal does not match epoch" in dead[copied]
     run = read_store(store_url, "run", "forged")
@@ -131,7 +150,9 @@ def test_a_hand_written_finish_of_the_live_epoch_is_dead_lettered_and_the_real_f
     assert (label.state, label.epoch, label.missing, label.gaps) == ("finished", epoch, 0, [])
 
 
-def test_a_hand_written_start_of_a_far_epoch_does_not_revive_a_finished_run(redis_url, client, store_url, ranks):
+def test_a_hand_written_start_of_a_far_epoch_does_not_revive_a_finished_run(
+    redis_url, client, store_url, ranks
+):
     ranks.append(rank := start_rank(redis_url, "revived", 0))
     epoch = said(rank)["epoch"]
     assert finish(rank) is True
@@ -141,7 +162,10 @@ def test_a_hand_written_start_of_a_far_epoch_does_not_revive_a_finished_run(redi
     forged = xadd_event(client, "revived", "rank0", "start", 99999999999999, 1, {"primary": True})
     ingest(redis_url, store_url)
 
-    assert "epoch 99999999999999 was never issued to this label" in dead_letters(client)[forged]
+    assert (
+        "epoch 99999999999999 was never issued to this label"
+        in dead_letters(client, "revived", "rank0")[forged]
+    )
     run = read_store(store_url, "run", "revived")
     assert (run.state, run.exit_code, run.labels[0].epoch) == ("finished", 0, epoch)
 
@@ -166,9 +190,9 @@ def test_entries_forged_into_another_label_s_stream_are_dead_lettered(redis_url,
     worker_end = xadd_event(client, "other", "rank1", "finish", epoch1, 6, {"exit_code": 3})
     ingest(redis_url, store_url)
 
-    dead = dead_letters(client)
+    dead = dead_letters(client, "other", "rank0")
     assert all("seal does not match" in dead[entry] for entry in (moved, ended)), dead
-    assert "carries no seal" in dead[worker_end]
+    assert "carries no seal" in dead_letters(client, "other", "rank1")[worker_end]
     run = read_store(store_url, "run", "other")
     assert run.state == "running"
     assert {lab.label: (lab.state, lab.missing) for lab in run.labels} == {
@@ -180,3 +204,51 @@ def test_entries_forged_into_another_label_s_stream_are_dead_lettered(redis_url,
     run = read_store(store_url, "run", "other")
     assert (run.state, run.exit_code) == ("finished", 0)
     assert {lab.label: lab.state for lab in run.labels} == {"rank0": "finished", "rank1": "finished"}
+
+
+# -- the README's Redis ACLs ---------------------------------------------------------------------
+
+
+def readme_acl(passwords: dict[str, str]) -> list[list[str]]:
+    """The README's ACL SETUSER lines (Operations), with these passwords, as argv lists."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    lines = [text for text in readme.splitlines() if text.startswith("ACL SETUSER runbus-")]
+    assert [shlex.split(text)[2] for text in lines] == ["runbus-producer", "runbus-ingester"]
+    for placeholder, password in passwords.items():
+        lines = [text.replace(placeholder, password) for text in lines]
+    return [shlex.split(text) for text in lines]
+
+
+@pytest.fixture
+def acl_redis() -> Iterator[LocalRedis]:
+    yield from private_redis()
+
+
+def test_the_readme_s_acl_users_run_a_producer_and_an_ingester(acl_redis, store_url, ranks):
+    passwords = {"PRODUCER_PASSWORD": secrets.token_hex(8), "INGESTER_PASSWORD": secrets.token_hex(8)}
+    with redis.Redis.from_url(acl_redis.url) as admin:
+        for argv in readme_acl(passwords):
+            assert admin.execute_command(*argv) in (b"OK", "OK", True)
+    host = acl_redis.url.removeprefix("redis://")
+    producer_url = f"redis://runbus-producer:{passwords['PRODUCER_PASSWORD']}@{host}"
+    ingester_url = f"redis://runbus-ingester:{passwords['INGESTER_PASSWORD']}@{host}"
+
+    ranks.append(rank := start_rank(producer_url, "acl", 0))
+    epoch = said(rank)["epoch"]
+    with redis.Redis.from_url(producer_url) as producer:
+        # A producer's password writes seals but reads none, and no other dangerous command.
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.hgetall(wire.seal_key("acl", "rank0"))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.keys("*")
+        forged = xadd_event(producer, "acl", "rank0", "finish", epoch, 6, {"exit_code": 7})
+    assert finish(rank) is True
+    ingest(ingester_url, store_url)
+
+    run = read_store(store_url, "run", "acl")
+    assert (run.state, run.exit_code, run.counts["metric"], run.labels[0].missing) == ("finished", 0, 5, 0)
+    with redis.Redis.from_url(ingester_url) as ingester:
+        assert "carries no seal" in dead_letters(ingester, "acl", "rank0")[forged]
+        assert set(ingester.hgetall(wire.seal_key("acl", "rank0"))) == {str(epoch).encode()}
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            ingester.eval("return 1", 0)

@@ -8,6 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runbus import wire
 from runbus.storage.rules import (
     CRASHED,
     FAILED,
@@ -35,7 +36,6 @@ from runbus.storage.rules import (
     standing_settings,
     take_new,
 )
-from runbus import wire
 from runbus.wire import Event, Fence
 
 
@@ -435,7 +435,9 @@ def test_an_epoch_s_seal_covers_its_entry():
     assert "carries no seal" in (wire.fence_reason(entry, data, b"", sealed, False) or "")
     # An epoch never issued (above the counter), or not sealed in a label that seals, is refused.
     late = entry._replace(epoch=99999999999999)
-    assert "epoch 99999999999999 was never issued" in (wire.fence_reason(late, data, stamp, sealed, False) or "")
+    assert "epoch 99999999999999 was never issued" in (
+        wire.fence_reason(late, data, stamp, sealed, False) or ""
+    )
     assert "was not sealed" in (wire.fence_reason(late, data, stamp, Fence({7: secret}, None), False) or "")
 
 

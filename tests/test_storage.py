@@ -876,7 +876,9 @@ async def test_data_beyond_the_store_s_integers_is_rejected_and_the_batch_left_o
 
 
 @pytest.mark.parametrize("seq", [3 + SEQ_REACH, 2**63 - 1])
-async def test_a_seq_far_beyond_the_label_s_is_rejected_and_the_batch_left_out(store: Store, seq: int) -> None:
+async def test_a_seq_far_beyond_the_label_s_is_rejected_and_the_batch_left_out(
+    store: Store, seq: int
+) -> None:
     # No producer numbers an event that far ahead (it reports what it drops): stored, it would
     # leave a gap of that many missing events forever. (At 2**63-1 the store's integers would
     # also overflow on its neighbour.)
