@@ -18,10 +18,11 @@ import orjson
 import pytest
 import redis
 
+import runbus
 from runbus import wire
 from runbus.ingester.localredis import LocalRedis
 from tests.conftest import private_redis
-from tests.helpers import T0, read_store, run_cli, xadd_event
+from tests.helpers import QUIET, T0, read_store, run_cli, xadd_event
 
 # A rank that logs, says when everything is in Redis, then finishes when told (a line on stdin).
 RANK = textwrap.dedent(
@@ -252,3 +253,52 @@ def test_the_readme_s_acl_users_run_a_producer_and_an_ingester(acl_redis, store_
         assert set(ingester.hgetall(wire.seal_key("acl", "rank0"))) == {str(epoch).encode()}
         with pytest.raises(redis.exceptions.NoPermissionError):
             ingester.eval("return 1", 0)
+
+
+# -- spools: a dead process's entries sealed by the process that ships them ---------------------
+
+DIES_IN_AN_OUTAGE = textwrap.dedent(
+    """
+    import os, sys, time, runbus
+    run = runbus.init(run_id="spooled", label="rank0", system_interval=None, hardware=False,
+                      console="off", max_buffer_bytes=10_000, spool_dir=sys.argv[1], finish_timeout=1)
+    run.log({"before": 1.0})
+    while run.buffered:
+        time.sleep(0.01)
+    os.write(1, f"{run.epoch}\\n".encode())
+    sys.stdin.readline()  # Redis is killed meanwhile
+    for step in range(300):
+        run.log({"loss": float(step)}, step=step)
+    run.finish()  # Redis is down: gives up after 1 s and leaves the rest in the spool
+    os._exit(0)
+    """
+)
+
+
+def test_a_dead_process_s_spool_is_shipped_with_its_own_epoch_s_seals(local_redis, store_url, tmp_path):
+    spool = tmp_path / "spool"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k != "RANK"}
+    dying = subprocess.Popen(
+        [sys.executable, "-c", DIES_IN_AN_OUTAGE, str(spool)],
+        env={**env, "RUNBUS_REDIS_URL": local_redis.url},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    epoch = int(dying.stdout.readline())
+    local_redis.kill()
+    dying.communicate("\n", timeout=60)
+    (left,) = spool.iterdir()
+    assert left.stat().st_mode & 0o777 == 0o600  # it holds the process's seal secret
+    local_redis.start()
+    with runbus.init(
+        run_id="spooled", label="rank0", redis_url=local_redis.url, spool_dir=str(spool), **QUIET
+    ):
+        pass
+    ingest(local_redis.url, store_url)
+
+    with redis.Redis.from_url(local_redis.url) as client:
+        assert dead_letters(client, "spooled", "rank0") == {}
+    stored = read_store(store_url, "run", "spooled")
+    assert (stored.state, stored.counts["metric"], stored.labels[0].missing) == ("finished", 301, 0)
+    assert {p.epoch for p in read_store(store_url, "metrics", "spooled", key="loss")} == {epoch}
