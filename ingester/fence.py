@@ -9,7 +9,12 @@ epoch the record cannot judge arrives. What fails is dead-lettered with the reas
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 from collections.abc import Iterable
+from itertools import chain, groupby, repeat
+from operator import attrgetter, itemgetter, methodcaller
 from typing import TYPE_CHECKING
 
 from runbus import wire
@@ -24,6 +29,11 @@ FENCES_REMEMBERED = 65536
 # Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
 Source = tuple[str, bytes, dict[bytes, bytes] | wire.FlatEntry]
 LabelKey = tuple[str, str]
+_RUN, _LABEL, _EPOCH = attrgetter("run"), attrgetter("label"), attrgetter("epoch")
+_KEY, _FIELDS = itemgetter(0), itemgetter(2)
+_DIGEST = methodcaller("digest")
+_LISTS = frozenset({list})
+_NUL = b"\0"
 
 
 def fence_of(seals: dict[bytes, bytes] | None, counter: bytes | None) -> wire.Fence:
@@ -54,29 +64,71 @@ class Fences:
     ) -> tuple[list[wire.Event], list[Source]]:
         """The events (and their sources) their epochs' lease holders wrote; the others join
         `dead` with the reason."""
+        places = set(zip(map(_RUN, events), map(_LABEL, events), map(_EPOCH, events), strict=True))
         unknown = {
-            (e.run, e.label)
-            for e in events
-            if (fence := self._known.get((e.run, e.label))) is None or not fence.knows(e.epoch)
+            (run, label)
+            for run, label, epoch in places
+            if (fence := self._known.get((run, label))) is None or not fence.knows(epoch)
         }
         if unknown:
             await self._read(redis, unknown)
         kept: list[wire.Event] = []
         kept_sources: list[Source] = []
-        for event, source in zip(events, sources, strict=True):
-            reason = self._reason(event, source)
-            if reason is None:
-                kept.append(event)
-                kept_sources.append(source)
-            else:
-                key, entry_id, fields = source
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
+        for stretch in _stretches(sources):
+            mine, theirs = events[stretch], sources[stretch]
+            if self._all_sealed(mine, theirs):
+                kept += mine
+                kept_sources += theirs
+                continue
+            for event, source in zip(mine, theirs, strict=True):
+                reason = self._reason(event, source)
+                if reason is None:
+                    kept.append(event)
+                    kept_sources.append(source)
+                else:
+                    key, entry_id, fields = source
+                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
         return kept, kept_sources
+
+    def _all_sealed(self, events: list[wire.Event], sources: list[Source]) -> bool:
+        """Whether one stream's events, all of one sealed epoch and in the producers' field
+        order, all carry their epoch's seal: checked a column at a time (the common case, and the
+        ingester's hot path). False sends them one by one, which finds the reasons."""
+        epoch = events[0].epoch
+        fence = self._known.get((events[0].run, events[0].label))
+        secret = None if fence is None else fence.seals.get(epoch)
+        if secret is None or epoch != max(map(_EPOCH, events)) or epoch != min(map(_EPOCH, events)):
+            return False
+        columns = _columns(list(map(_FIELDS, sources)))
+        if columns is None:
+            return False
+        width, cells = columns
+        count = len(events)
+        steps = cells[15::width] if width == _WITH_STEP else repeat(b"", count)
+        parts = zip(
+            cells[3::width],
+            cells[9::width],
+            cells[11::width],
+            cells[13::width],
+            steps,
+            cells[width - 3 :: width],
+            strict=True,
+        )
+        stamps = cells[width - 1 :: width]
+        if set(map(len, stamps)) != {wire.SEAL_LENGTH}:
+            return False
+        mac = functools.partial(hashlib.blake2b, key=secret, digest_size=wire.SEAL_LENGTH // 2)
+        computed = b"".join(map(_DIGEST, map(mac, map(_NUL.join, parts))))
+        try:
+            given = bytes.fromhex(b"".join(stamps).decode())
+        except (ValueError, UnicodeDecodeError):
+            return False
+        return hmac.compare_digest(computed, given)
 
     def _reason(self, event: wire.Event, source: Source) -> str | None:
         fence = self._known.get((event.run, event.label), wire.Fence({}, None))
-        data, stamp = _data_and_seal(source[2])
-        return wire.fence_reason(event, data, stamp, fence, self.require_seal)
+        sealed, stamp = sealed_fields(source[2])
+        return wire.fence_reason(event, sealed, stamp, fence, self.require_seal)
 
     async def _read(self, redis: AsyncClient, labels: Iterable[LabelKey]) -> None:
         labels = list(labels)
@@ -92,19 +144,55 @@ class Fences:
             self._known[key] = fence_of(replies[2 * at], replies[2 * at + 1])
 
 
+def _columns(flats: list) -> tuple[int, list[bytes]] | None:
+    """(width, cells) of entries all flat, of one width, in the producers' field order with a
+    seal (their cells one after another); None otherwise."""
+    if not _LISTS.issuperset(map(type, flats)):
+        return None
+    widths = set(map(len, flats))
+    width = widths.pop() if len(widths) == 1 else 0
+    if width not in (_WITH_STEP, _WITHOUT_STEP):
+        return None
+    cells = list(chain.from_iterable(flats))
+    names = [*_AT.items(), (b"data", width - 4), (wire.SEAL_FIELD, width - 2)]
+    if width == _WITH_STEP:
+        names.append((b"step", 14))
+    if any(cells[at::width].count(name) != len(flats) for name, at in names):
+        return None
+    return width, cells
+
+
+def _stretches(sources: list[Source]) -> list[slice]:
+    """The stretches of `sources` from one stream each (a batch holds each stream's together)."""
+    stretches, start = [], 0
+    for _, group in groupby(map(_KEY, sources)):
+        end = start + sum(1 for _ in group)
+        stretches.append(slice(start, end))
+        start = end
+    return stretches
+
+
 def _as_dict(fields: dict[bytes, bytes] | wire.FlatEntry) -> dict[bytes, bytes]:
     return fields if isinstance(fields, dict) else wire.fields_dict(fields)
 
 
-def _data_and_seal(fields: dict[bytes, bytes] | wire.FlatEntry) -> tuple[bytes, bytes | None]:
-    """An entry's raw `data` and `seal` (None without one): by position in the producers' order
-    (data, then seal, last), else by name."""
+# Where a producer's entry holds the fields its seal covers (wire.XADD_MANY_SCRIPT's order, flat).
+_AT = {b"kind": 2, b"epoch": 8, b"seq": 10, b"ts": 12}
+_WITH_STEP, _WITHOUT_STEP = 20, 18
+
+
+def sealed_fields(fields: dict[bytes, bytes] | wire.FlatEntry) -> tuple[list[bytes], bytes | None]:
+    """An entry's wire.SEALED_FIELDS as read (a missing one as b"") and its `seal` (None without
+    one): by position in the producers' order, else by name."""
     if (
         isinstance(fields, list)
-        and len(fields) >= 4
+        and len(fields) in (_WITH_STEP, _WITHOUT_STEP)
         and fields[-2] == wire.SEAL_FIELD
         and fields[-4] == b"data"
+        and all(fields[at] == name for name, at in _AT.items())
+        and (len(fields) == _WITHOUT_STEP or fields[14] == b"step")
     ):
-        return fields[-3], fields[-1]
+        step = fields[15] if len(fields) == _WITH_STEP else b""
+        return [fields[3], fields[9], fields[11], fields[13], step, fields[-3]], fields[-1]
     named = _as_dict(fields)
-    return named.get(b"data", b""), named.get(wire.SEAL_FIELD)
+    return [named.get(name, b"") for name in wire.SEALED_FIELDS], named.get(wire.SEAL_FIELD)

@@ -282,7 +282,7 @@ def xadd_many_args(run: str, label: str, entries, secrets_by_epoch: dict[int, by
     for kind, epoch, seq, ts, step, data in entries:
         raw = data if isinstance(data, bytes) else data.encode()
         secret = secrets_by_epoch.get(epoch)
-        stamp = "" if secret is None else seal(secret, kind, epoch, seq, ts, step, raw)
+        stamp = b"" if secret is None else seal_event(secret, kind, epoch, seq, ts, step, raw)
         args += (kind, epoch, seq, repr(ts), "" if step is None else step, raw, stamp)
     return args
 
@@ -290,8 +290,9 @@ def xadd_many_args(run: str, label: str, entries, secrets_by_epoch: dict[int, by
 # -- fencing: which entries an epoch's lease holder wrote ------------------------------------------
 
 SEAL_FIELD = b"seal"
-# Seals are HMAC-SHA256 over the entry's fields, cut to 128 bits (32 hex digits).
-SEAL_LENGTH = 32
+# The fields a seal covers, in this order (a step-less entry's step as b"").
+SEALED_FIELDS = (b"kind", b"epoch", b"seq", b"ts", b"step", b"data")
+SEAL_LENGTH = 32  # hex digits: 128 bits
 
 
 def new_seal_secret() -> bytes:
@@ -300,12 +301,20 @@ def new_seal_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def seal(secret: bytes, kind: str, epoch: int, seq: int, ts: float, step: int | None, data: bytes) -> str:
-    """The `seal` field of an entry: an HMAC of its kind, epoch, seq, ts, step and data under
-    its epoch's secret. Numbers are sealed as Python writes them (ts by repr), so an entry
-    decoded and sealed again gives the same seal."""
-    head = f"{kind}\0{epoch}\0{seq}\0{ts!r}\0{'' if step is None else step}\0".encode()
-    return hmac.digest(secret, head + data, hashlib.sha256)[: SEAL_LENGTH // 2].hex()
+def seal(secret: bytes, fields: Iterable[bytes]) -> bytes:
+    """The `seal` field of an entry: keyed BLAKE2b (a MAC; 128 bits, as 32 hex digits) under its
+    epoch's secret of its SEALED_FIELDS' bytes as written, joined by NUL (`data`, last, is the only
+    one that may hold a NUL). The run and label are the stream's, the epoch is the secret's."""
+    mac = hashlib.blake2b(b"\0".join(fields), key=secret, digest_size=SEAL_LENGTH // 2)
+    return mac.hexdigest().encode()
+
+
+def seal_event(
+    secret: bytes, kind: str, epoch: int, seq: int, ts: float, step: int | None, data: bytes
+) -> bytes:
+    """seal() of an entry as encode_fields and XADD_MANY_SCRIPT write it (ts by repr)."""
+    head = f"{kind}\0{epoch}\0{seq}\0{ts!r}\0{'' if step is None else step}".encode()
+    return seal(secret, (head, data))
 
 
 class Fence(NamedTuple):
@@ -328,10 +337,10 @@ class Fence(NamedTuple):
 
 
 def fence_reason(
-    event: Event, data: bytes, stamp: bytes | None, fence: Fence, require_seal: bool
+    event: Event, sealed: Iterable[bytes], stamp: bytes | None, fence: Fence, require_seal: bool
 ) -> str | None:
-    """Why `event` (its raw `data` and `seal` field as read) is not its epoch's lease holder's,
-    or None if it may be stored.
+    """Why `event` (decoded from an entry whose SEALED_FIELDS and `seal` field read `sealed` and
+    `stamp`) is not its epoch's lease holder's, or None if it may be stored.
 
     An epoch the label's producers sealed takes only entries with that epoch's seal. An epoch
     above the label's counter was never issued. An unsealed entry is taken (as from an older
@@ -342,8 +351,7 @@ def fence_reason(
     if secret is not None:
         if stamp is None or not stamp:
             return f"entry of sealed epoch {event.epoch} carries no seal: not written by its lease holder"
-        expected = seal(secret, event.kind, event.epoch, event.seq, event.ts, event.step, data)
-        if not hmac.compare_digest(expected.encode(), stamp):
+        if not hmac.compare_digest(seal(secret, sealed), stamp):
             return f"seal does not match epoch {event.epoch}'s lease: not written by its lease holder"
         return None
     if fence.counter is not None and event.epoch > fence.counter:

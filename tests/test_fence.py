@@ -17,9 +17,13 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import runbus
 from runbus import wire
+from runbus.ingester import decoding
+from runbus.ingester.fence import Fences
 from runbus.ingester.localredis import LocalRedis
 from tests.conftest import private_redis
 from tests.helpers import QUIET, T0, read_store, run_cli, xadd_event
@@ -302,3 +306,54 @@ def test_a_dead_process_s_spool_is_shipped_with_its_own_epoch_s_seals(local_redi
     stored = read_store(store_url, "run", "spooled")
     assert (stored.state, stored.counts["metric"], stored.labels[0].missing) == ("finished", 301, 0)
     assert {p.epoch for p in read_store(store_url, "metrics", "spooled", key="loss")} == {epoch}
+
+
+# -- the ingester's two ways of checking seals ---------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.booleans(),
+    st.sampled_from(["none", "data", "seq", "seal", "kind", "ts", "short seal", "not hex"]),
+    st.data(),
+)
+def test_seals_checked_a_column_at_a_time_agree_with_one_by_one(count, with_step, hazard, draw):
+    """A stream's entries all sealed are taken a column at a time; one entry changed after it was
+    sealed (same fields, same widths) makes the columns refuse, and one by one finds it alone."""
+    secret, epoch = wire.new_seal_secret(), 1795725326806
+    key = wire.stream_key("cols", "rank0")
+    with_step = with_step and hazard != "kind"  # a system figure has no step
+    flats = []
+    for seq in range(1, count + 1):
+        data = orjson.dumps({"loss": seq / 7})
+        step = seq if with_step else None
+        fields = wire.encode_fields("metric", "cols", "rank0", epoch, seq, T0 + seq, data, step)
+        stamp = wire.seal_event(secret, "metric", epoch, seq, T0 + seq, step, data)
+        flats.append(
+            [
+                p
+                for k, v in fields.items()
+                for p in (k.encode(), v if isinstance(v, bytes) else str(v).encode())
+            ]
+        )
+        flats[-1] += [wire.SEAL_FIELD, stamp]
+    changed = draw.draw(st.integers(0, count - 1))
+    at = {"data": -3, "seq": 11, "seal": -1, "kind": 3, "ts": 13, "short seal": -1, "not hex": -1}.get(hazard)
+    if at is not None:
+        value = {
+            "data": b'{"loss":7.0}',
+            "seq": str(count + 5).encode(),
+            "kind": b"system",
+            "ts": b"1700000000.25",
+        }
+        value |= {"seal": b"0" * 32, "short seal": flats[changed][-1][:31], "not hex": b"z" * 32}
+        flats[changed][at] = value[hazard]
+    events = decoding.decode_stream_fast(key, flats)
+    assert all(isinstance(e, wire.Event) for e in events)
+    sources = [(key, b"%d-0" % n, flat) for n, flat in enumerate(flats)]
+    fences = Fences()
+    fences._known[("cols", "rank0")] = wire.Fence({epoch: secret}, epoch)
+    one_by_one = [fences._reason(e, s) for e, s in zip(events, sources, strict=True)]
+    assert fences._all_sealed(events, sources) == (hazard == "none")
+    assert [n for n, why in enumerate(one_by_one) if why] == ([] if hazard == "none" else [changed])

@@ -329,8 +329,12 @@ def streams(draw) -> tuple[str, list[list[bytes] | None]]:
         fields = wire.encode_fields(kind, RUN, LABEL, epoch, seq, ts, data, step)
         flat = draw(broken(as_read(fields))) if seq - 1 in bad else as_read(fields)
         if flat is not None and sealing != "none":
-            stamp = {"seal": wire.seal(secret, kind, epoch, seq, ts, step, data), "empty": "", "junk": "x;"}
-            flat += [wire.SEAL_FIELD, stamp[sealing].encode()]
+            stamp = {
+                "seal": wire.seal_event(secret, kind, epoch, seq, ts, step, data),
+                "empty": b"",
+                "junk": b"x;",
+            }
+            flat += [wire.SEAL_FIELD, stamp[sealing]]
         flats.append(flat)
     keys = [wire.stream_key(RUN, LABEL), wire.stream_key("other", LABEL), "runbus:{bad run}:rank0"]
     return draw(st.sampled_from(keys)) if draw(st.integers(0, 19)) == 0 else keys[0], flats
@@ -378,9 +382,7 @@ def test_sealed_streams_are_decoded_by_columns():
         data = orjson.dumps({"loss": 0.5, "n": seq})
         flat = as_read(wire.encode_fields("metric", RUN, LABEL, 1, seq, 1e9 + seq, data, seq))
         flats.append(flat)
-        sealed.append(
-            [*flat, wire.SEAL_FIELD, wire.seal(b"k", "metric", 1, seq, 1e9 + seq, seq, data).encode()]
-        )
+        sealed.append([*flat, wire.SEAL_FIELD, wire.seal_event(b"k", "metric", 1, seq, 1e9 + seq, seq, data)])
     names = decoding._key_names(key)
     assert names is not None
     assert decoding._decode_by_columns(key, names, list(map(decoding._unsealed, sealed))) is not None

@@ -422,33 +422,35 @@ def test_an_epoch_s_seal_covers_its_entry():
     secret = wire.new_seal_secret()
     entry = ev("rank0", "finish", 7, 3, exit_code=0)
     data = b'{"exit_code":0}'
-    stamp = wire.seal(secret, "finish", 7, 3, entry.ts, None, data).encode()
+    fields = [b"finish", b"7", b"3", repr(entry.ts).encode(), b"", data]
+    stamp = wire.seal_event(secret, "finish", 7, 3, entry.ts, None, data)
+    assert stamp == wire.seal(secret, fields) and len(stamp) == 32
     sealed = Fence({7: secret}, 7)
-    assert wire.fence_reason(entry, data, stamp, sealed, require_seal=False) is None
-    # Another exit code, seq or epoch under the same seal, or no seal at all, is refused.
-    for other, raw in [
-        (entry._replace(seq=10**9), data),
-        (entry._replace(data={"exit_code": 7}), b'{"exit_code":7}'),
-    ]:
-        assert "seal does not match epoch 7" in (wire.fence_reason(other, raw, stamp, sealed, False) or "")
-    assert "carries no seal" in (wire.fence_reason(entry, data, None, sealed, False) or "")
-    assert "carries no seal" in (wire.fence_reason(entry, data, b"", sealed, False) or "")
+    assert wire.fence_reason(entry, fields, stamp, sealed, require_seal=False) is None
+    # Another exit code, seq or kind under the same seal, or another epoch's secret, is refused;
+    # so is no seal at all.
+    for at, value in [(5, b'{"exit_code":7}'), (2, b"1000000000"), (0, b"start")]:
+        other = [*fields[:at], value, *fields[at + 1 :]]
+        assert "seal does not match epoch 7" in (wire.fence_reason(entry, other, stamp, sealed, False) or "")
+    elsewhere = Fence({7: wire.new_seal_secret()}, 7)
+    assert "seal does not match" in (wire.fence_reason(entry, fields, stamp, elsewhere, False) or "")
+    assert "carries no seal" in (wire.fence_reason(entry, fields, None, sealed, False) or "")
+    assert "carries no seal" in (wire.fence_reason(entry, fields, b"", sealed, False) or "")
     # An epoch never issued (above the counter), or not sealed in a label that seals, is refused.
     late = entry._replace(epoch=99999999999999)
-    assert "epoch 99999999999999 was never issued" in (
-        wire.fence_reason(late, data, stamp, sealed, False) or ""
-    )
-    assert "was not sealed" in (wire.fence_reason(late, data, stamp, Fence({7: secret}, None), False) or "")
+    never = wire.fence_reason(late, fields, stamp, sealed, False)
+    assert "epoch 99999999999999 was never issued" in (never or "")
+    assert "was not sealed" in (wire.fence_reason(late, fields, stamp, Fence({7: secret}, None), False) or "")
 
 
 def test_unsealed_entries_are_taken_only_where_no_producer_sealed_yet():
     entry = ev("rank0", "metric", 3, 1, x=1)
     # A label written by an older runbus or by hand (no seals) takes them, up to its counter.
-    assert wire.fence_reason(entry, b"{}", None, Fence({}, None), False) is None
-    assert wire.fence_reason(entry, b"{}", None, Fence({}, 3), False) is None
-    assert "never issued" in (wire.fence_reason(entry, b"{}", None, Fence({}, 2), False) or "")
+    assert wire.fence_reason(entry, [], None, Fence({}, None), False) is None
+    assert wire.fence_reason(entry, [], None, Fence({}, 3), False) is None
+    assert "never issued" in (wire.fence_reason(entry, [], None, Fence({}, 2), False) or "")
     # Below the label's first sealed epoch: its history from before the upgrade.
-    assert wire.fence_reason(entry, b"{}", None, Fence({4: b"k"}, 4), False) is None
-    assert "not sealed" in (wire.fence_reason(entry, b"{}", None, Fence({2: b"k"}, 4), False) or "")
+    assert wire.fence_reason(entry, [], None, Fence({4: b"k"}, 4), False) is None
+    assert "not sealed" in (wire.fence_reason(entry, [], None, Fence({2: b"k"}, 4), False) or "")
     # Under require_seal, none.
-    assert "requires seals" in (wire.fence_reason(entry, b"{}", None, Fence({}, None), True) or "")
+    assert "requires seals" in (wire.fence_reason(entry, [], None, Fence({}, None), True) or "")
