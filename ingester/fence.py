@@ -9,12 +9,10 @@ epoch the record cannot judge arrives. What fails is dead-lettered with the reas
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
 from collections.abc import Iterable
 from itertools import chain, groupby, repeat
-from operator import attrgetter, itemgetter, methodcaller
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 from runbus import wire
@@ -31,7 +29,6 @@ Source = tuple[str, bytes, dict[bytes, bytes] | wire.FlatEntry]
 LabelKey = tuple[str, str]
 _RUN, _LABEL, _EPOCH = attrgetter("run"), attrgetter("label"), attrgetter("epoch")
 _KEY, _FIELDS = itemgetter(0), itemgetter(2)
-_DIGEST = methodcaller("digest")
 _LISTS = frozenset({list})
 _NUL = b"\0"
 
@@ -117,8 +114,14 @@ class Fences:
         stamps = cells[width - 1 :: width]
         if set(map(len, stamps)) != {wire.SEAL_LENGTH}:
             return False
-        mac = functools.partial(hashlib.blake2b, key=secret, digest_size=wire.SEAL_LENGTH // 2)
-        computed = b"".join(map(_DIGEST, map(mac, map(_NUL.join, parts))))
+        base = wire.keyed(secret)
+
+        def digest(message: bytes) -> bytes:
+            mac = base.copy()
+            mac.update(message)
+            return mac.digest()
+
+        computed = b"".join(map(digest, map(_NUL.join, parts)))
         try:
             given = bytes.fromhex(b"".join(stamps).decode())
         except (ValueError, UnicodeDecodeError):
