@@ -74,8 +74,12 @@ def quiet(env: Mapping[str, str] | None = None) -> bool:
 
 def require_seal(env: Mapping[str, str] | None = None) -> bool:
     """RUNBUS_REQUIRE_SEAL: 1/true/yes/on makes ingesters refuse every entry without its epoch's
-    seal, also of labels no sealing producer wrote (docs/wire.md, Fencing); off by default."""
-    return _flag(REQUIRE_SEAL_ENV, env)
+    seal, also of labels no sealing producer wrote (docs/wire.md, Fencing); off by default. Any
+    other value is a CommandError: `runbus ingest` says so in one line."""
+    try:
+        return _flag(REQUIRE_SEAL_ENV, env)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _flag(name: str, env: Mapping[str, str] | None) -> bool:

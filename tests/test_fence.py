@@ -21,12 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runbus
-from runbus import wire
+from runbus import config, wire
+from runbus.errors import CommandError
 from runbus.ingester import decoding
 from runbus.ingester.fence import Fences
 from runbus.ingester.localredis import LocalRedis
 from tests.conftest import private_redis
 from tests.helpers import QUIET, T0, read_store, run_cli, xadd_event
+from tests.helpers import ingest as ingest_here
 
 # A rank that logs, says when everything is in Redis, then finishes when told (a line on stdin).
 RANK = textwrap.dedent(
@@ -357,3 +359,18 @@ def test_seals_checked_a_column_at_a_time_agree_with_one_by_one(count, with_step
     one_by_one = [fences._reason(e, s) for e, s in zip(events, sources, strict=True)]
     assert fences._all_sealed(events, sources) == (hazard == "none")
     assert [n for n, why in enumerate(one_by_one) if why] == ([] if hazard == "none" else [changed])
+
+
+def test_require_seal_refuses_the_unsealed_entries_of_labels_no_producer_sealed(redis_url, client, store_url):
+    # Written by hand (no claim, no seal): taken as before, unless the ingester requires seals.
+    by_hand = [xadd_event(client, run, "rank0", "metric", 1, 1, {"x": 1.0}) for run in ("taken", "strict")]
+    ingest_here(redis_url, store_url, only_runs=frozenset({"taken"}))
+    ingest_here(redis_url, store_url, only_runs=frozenset({"strict"}), require_seal=True)
+
+    assert read_store(store_url, "run", "taken").counts["metric"] == 1
+    assert read_store(store_url, "run", "strict") is None
+    assert dead_letters(client, "taken", "rank0") == {}
+    reason = dead_letters(client, "strict", "rank0")[by_hand[1]]
+    assert reason == "entry of epoch 1 carries no seal (the ingester requires seals)"
+    with pytest.raises(CommandError, match="RUNBUS_REQUIRE_SEAL='maybe'"):
+        config.require_seal({"RUNBUS_REQUIRE_SEAL": "maybe"})
