@@ -35,6 +35,16 @@ _NAMES = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"data"]
 _NAMES_WITH_STEP = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"step", b"data"]
 _WITH_STEP = len(_NAMES_WITH_STEP) * 2  # a metric entry with a step, flat: 18 items
 _WITHOUT_STEP = len(_NAMES) * 2
+# The same, sealed (ingester/fence.py checks the seal): a trailing `seal` field.
+_SEALED_NAMES = [*_NAMES, wire.SEAL_FIELD]
+_SEALED_NAMES_WITH_STEP = [*_NAMES_WITH_STEP, wire.SEAL_FIELD]
+# The column shapes: (flat width, sealed) -> field order.
+_COLUMN_ORDERS = {
+    (_WITH_STEP, False): _NAMES_WITH_STEP,
+    (_WITHOUT_STEP, False): _NAMES,
+    (_WITH_STEP + 2, True): _SEALED_NAMES_WITH_STEP,
+    (_WITHOUT_STEP + 2, True): _SEALED_NAMES,
+}
 # Below this many entries, decoding entry by entry costs no more than by columns.
 COLUMNS_FROM = 8
 
@@ -53,7 +63,7 @@ _new_event = tuple.__new__
 def decode_stream_fast(key: str, flats: Iterable[FlatEntry]) -> list[Event | InvalidEntry]:
     """wire.decode_stream's results, errors and messages, faster."""
     names = _key_names(key)
-    flats = list(map(_unsealed, flats))
+    flats = list(flats)
     if names is not None and len(flats) >= COLUMNS_FROM:
         decoded = _decode_by_columns(key, names, flats)
         if decoded is not None:
@@ -92,7 +102,7 @@ def _decode_each(key: str, names: KeyNames | None, flats: Sequence[FlatEntry]) -
     """Entry by entry: by position when written in the producers' order, else from a dict; the
     reference for an entry that is not plainly valid."""
     decoded: list[Event | InvalidEntry] = []
-    for flat in flats:
+    for flat in map(_unsealed, flats):
         event, in_order = None, False
         if names is not None and flat:
             order = flat[0::2]
@@ -207,22 +217,31 @@ def _decode_by_columns(
         return None
     entries = cast("list[list[bytes]]", flats)
     widths = list(map(len, entries))
-    if widths.count(_WITH_STEP) == len(entries):  # the usual stream: metrics at every step
-        return _decode_columns(names, entries, _NAMES_WITH_STEP)
-    shapes = [
-        w if w == _WITH_STEP or (w == _WITHOUT_STEP and flat[3] in _TALLIED) else 0
-        for flat, w in zip(entries, widths, strict=True)
-    ]
-    decoded: dict[int, Iterator[Event | InvalidEntry]] = {}
-    for shape, order in ((_WITH_STEP, _NAMES_WITH_STEP), (_WITHOUT_STEP, _NAMES)):
+    if widths.count(_WITH_STEP + 2) == len(entries):  # the usual stream: sealed metrics at every step
+        return _decode_columns(names, entries, _SEALED_NAMES_WITH_STEP)
+    if widths.count(_WITH_STEP) == len(entries) and entries[0][-2] != wire.SEAL_FIELD:
+        return _decode_columns(names, entries, _NAMES_WITH_STEP)  # unsealed, as before seals
+    shapes = [_shape(flat, w) for flat, w in zip(entries, widths, strict=True)]
+    decoded: dict[tuple[int, bool] | None, Iterator[Event | InvalidEntry]] = {}
+    for shape, order in _COLUMN_ORDERS.items():
         mine = [flat for flat, its in zip(entries, shapes, strict=True) if its == shape]
         by_columns = _decode_columns(names, mine, order) if mine else []
         if by_columns is None:
             return None
         decoded[shape] = iter(by_columns)
-    others = [flat for flat, its in zip(entries, shapes, strict=True) if its == 0]
-    decoded[0] = iter(_decode_each(key, names, others))
+    others = [flat for flat, its in zip(entries, shapes, strict=True) if its is None]
+    decoded[None] = iter(_decode_each(key, names, others))
     return [next(decoded[shape]) for shape in shapes]
+
+
+def _shape(flat: list[bytes], width: int) -> tuple[int, bool] | None:
+    """The column shape (width, sealed) an entry goes by, or None for one by one: a metric with
+    a step, or a metric or system figure without one."""
+    shape = (width, flat[-2] == wire.SEAL_FIELD)
+    order = _COLUMN_ORDERS.get(shape)
+    if order is None or (b"step" not in order and flat[3] not in _TALLIED):
+        return None
+    return shape
 
 
 def _decode_columns(
@@ -234,11 +253,12 @@ def _decode_columns(
     cells = list(chain.from_iterable(flats))
     if not _hold_fields(cells, names, order, count):
         return None
-    kinds = _kinds_column(cells[3::width], order is _NAMES, count)
-    raws = cells[width - 1 :: width]
+    with_step = b"step" in order
+    kinds = _kinds_column(cells[3::width], not with_step, count)
+    raws = cells[2 * order.index(b"data") + 1 :: width]
     if kinds is None or max(map(len, raws)) > MAX_DATA_BYTES:
         return None
-    places = _places_columns(cells, width, order is _NAMES_WITH_STEP)
+    places = _places_columns(cells, width, with_step)
     datas = None if places is None else _data_column(raws)
     if places is None or datas is None:
         return None

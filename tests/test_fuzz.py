@@ -355,10 +355,11 @@ def test_the_fast_path_agrees_with_the_reference_on_whole_streams(stream):
     assert [outcomes(wire.decode_stream(key, [flat]))[0] for flat in flats] == reference
 
 
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
 @pytest.mark.parametrize("flavour", sorted(STREAMS))
-def test_clean_streams_are_decoded_by_columns(flavour):
+def test_clean_streams_are_decoded_by_columns(flavour, sealed):
     """The property above is not vacuous: a clean stream of tallies does take the columns path
-    (and a mixed one takes it for its metrics and system figures)."""
+    (and a mixed one takes it for its metrics and system figures), sealed or not."""
     key, flats = wire.stream_key(RUN, LABEL), []
     for seq, kind in enumerate(STREAMS[flavour] * 3, start=1):
         step = seq if kind == "metric" and flavour != "stepless" else None
@@ -366,7 +367,7 @@ def test_clean_streams_are_decoded_by_columns(flavour):
         data = {"primary": True} if kind == "start" else {"exit_code": 0} if kind == "finish" else data
         data = {"summary": {"loss": 0.5}, "tags": ["x"]} if kind == "meta" else data
         fields = wire.encode_fields(kind, RUN, LABEL, 1, seq, 1e9 + seq, orjson.dumps(data), step)
-        flats.append(as_read(fields))
+        flats.append(as_read(fields) + ([wire.SEAL_FIELD, b"0" * 32] if sealed else []))
     names = decoding._key_names(key)
     assert names is not None
     by_columns = decoding._decode_by_columns(key, names, flats)
@@ -385,7 +386,7 @@ def test_sealed_streams_are_decoded_by_columns():
         sealed.append([*flat, wire.SEAL_FIELD, wire.seal_event(b"k", "metric", 1, seq, 1e9 + seq, seq, data)])
     names = decoding._key_names(key)
     assert names is not None
-    assert decoding._decode_by_columns(key, names, list(map(decoding._unsealed, sealed))) is not None
+    assert decoding._decode_by_columns(key, names, sealed) is not None
     assert (
         decoding.decode_stream_fast(key, sealed)
         == wire.decode_stream(key, sealed)
