@@ -9,6 +9,8 @@ process of this machine that no longer runs (a SIGKILLed rank restarted at once)
 One Lua script settles a claim atomically: the lease, the run's resume rule (a new job does not
 continue a finished run), the primary claim and the epoch. An epoch is never below the Redis
 server's clock in milliseconds, so a label's epochs keep growing even after Redis lost its data.
+Each epoch a process writes is sealed with its secret (runbus.wire.seal_key): ingesters store an
+epoch's entries only with that epoch's seal (docs/wire.md, Fencing).
 """
 
 from __future__ import annotations
