@@ -629,7 +629,6 @@ class Worker:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
-        invalid = len(dead)
         try:
             try:
                 fenced = await self._screen(events, sources, dead)
