@@ -154,6 +154,9 @@ class Shipper(threading.Thread):
         self._orphans_checked = False
         self._client: SyncClient | None = None
         self._xadd_many: Script | None = None
+        # The seal secret of each epoch this process ships (wire.seal): its own, the spare
+        # epochs it gave earlier processes' events, and the epochs dead processes' spools recorded.
+        self._secrets: dict[int, bytes] = {}
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
@@ -199,8 +202,9 @@ class Shipper(threading.Thread):
         epoch = self.lease.claim(client, self.primary)
         client.sadd(wire.REGISTRY_KEY, self.key)
         self.epoch = epoch
+        self._secrets[epoch] = self.lease.secret
         if self.backlog.spool is not None:
-            self.backlog.spool.note_epoch(self.epoch)
+            self.backlog.spool.note_epoch(self.epoch, self.lease.secret)
 
     def _handshake_later(self) -> bool:
         """The handshake from this thread (Redis was away at init): another live primary demotes
@@ -507,8 +511,9 @@ class Shipper(threading.Thread):
         if xadd_many is None or xadd_many.registered_client is not client:
             xadd_many = self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
         entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
+        ident = self.identity
         xadd_many(
-            keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
+            keys=[self.key], args=wire.xadd_many_args(ident.run_id, ident.label, entries, self._secrets)
         )
 
     def _pump(self) -> bool:
@@ -544,7 +549,9 @@ class Shipper(threading.Thread):
         for spool in orphan_spools(
             self.options.spool_dir, self.identity.run_id, self.identity.label, os.getpid()
         ):
-            epoch = spool.recorded_epoch()
+            epoch, secret = spool.recorded_seal()
+            if epoch is not None and secret:
+                self._secrets.setdefault(epoch, secret)
             shipped = 0
             while True:
                 records, offset, _ = spool.read(self.options.batch_size)
@@ -553,6 +560,7 @@ class Shipper(threading.Thread):
                 if epoch is None and any(r.epoch == 0 for r in records):
                     # That process never reached Redis: its events get an epoch of their own.
                     epoch = self.lease.earlier_epoch(client)
+                    self._secrets[epoch] = self.lease.secret
                 self._send(client, records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)
