@@ -12,6 +12,7 @@ ingester whose crash detection waits its default 120 s, so the keeper's notice i
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -269,3 +270,14 @@ def test_a_sigkilled_rank_reaped_at_once_is_stored_crashed_by_its_keeper(redis_s
             os.kill(keeper, signal.SIGCONT)
     ended = wait_for(f"{run_id} ended", lambda: stored_end(live_store, run_id), timeout=PROMPTLY)
     assert ended == (("crashed", None), ("crashed", None))
+
+
+def test_a_keeper_that_cannot_reach_redis_gives_up_and_exits(local_redis):
+    with started_rank(local_redis.url, "keeper-no-redis", "time.sleep(120)") as rank:
+        local_redis.kill()
+        rank.kill()
+        assert rank.wait(timeout=60) == -signal.SIGKILL
+        # The keeper holds the rank's stdout until it exits: a few bounded tries, then it ends.
+        assert rank.stdout is not None
+        wait_for("the keeper's exit", lambda: select.select([rank.stdout], [], [], 1.0)[0], timeout=PROMPTLY)
+        assert os.read(rank.stdout.fileno(), 4096) == b""
