@@ -476,11 +476,7 @@ def rank_status(pid: int, ticks: str) -> tuple[bool, int | None]:
     read): from /proc/PID/stat, whose field 52 holds it while the process exits and until its
     parent reaps it (Linux 3.5+). Gone (reaped: a free pid, or another process) is ended,
     status unknown; alive and not exiting (it exec'd) is not ended."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rpartition(b")")[2].split()
-    except OSError:
-        return True, None
+    fields = _proc_stat(pid)
     if len(fields) < 20 or fields[19].decode() != ticks:
         return True, None
     if fields[0] not in (b"Z", b"X") and not int(fields[6]) & PF_EXITING:
@@ -488,11 +484,14 @@ def rank_status(pid: int, ticks: str) -> tuple[bool, int | None]:
     return True, (int(fields[49]) if len(fields) > 49 else None)
 
 
-def exit_code_of_status(status: int) -> tuple[int, int | None]:
-    """(exit code as a shell shows it, the killing signal or None) of a wait status."""
-    if status & 0x7F:
-        return 128 + (status & 0x7F), status & 0x7F
-    return (status >> 8) & 0xFF, None
+def exit_code_of_status(status: int) -> tuple[int | None, int | None]:
+    """(the exit code as a shell shows it: 128 + N when killed by signal N, and N or None) of a
+    wait status; (None, None) for one that is no end."""
+    try:
+        code = os.waitstatus_to_exitcode(status)
+    except ValueError:
+        return None, None
+    return (128 - code, -code) if code < 0 else (code, None)
 
 
 def store_ends(claims: list[dict], status: int | None) -> None:
@@ -536,13 +535,19 @@ def serve(stdout: int, stderr: int, control: int, feed: int, echo: str, label: s
     keeper.serve()
 
 
-def _start_ticks(pid: int) -> str:
-    """Field 22 of /proc/PID/stat, the process's start time: with the pid, which process it is."""
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name ([state, ppid, ...]); [] where there
+    is none. (runbus.producer.lease reads it too, but importing it costs every rank at start.)"""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rpartition(b")")[2].split()
+            return handle.read().rpartition(b")")[2].split()
     except OSError:
-        return ""
+        return []
+
+
+def _start_ticks(pid: int) -> str:
+    """Field 22 of /proc/PID/stat, the process's start time: with the pid, which process it is."""
+    fields = _proc_stat(pid)
     return fields[19].decode() if len(fields) > 19 else ""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from runbus import wire
 from tests.helpers import ingest, ingest_command, read_store
 from tests.test_integrity import wait_for
 from tests.test_launch import clean_env, wait_for_lines
@@ -281,3 +282,19 @@ def test_a_keeper_that_cannot_reach_redis_gives_up_and_exits(local_redis):
         assert rank.stdout is not None
         wait_for("the keeper's exit", lambda: select.select([rank.stdout], [], [], 1.0)[0], timeout=PROMPTLY)
         assert os.read(rank.stdout.fileno(), 4096) == b""
+
+
+def test_a_rank_that_execs_with_a_run_unfinished_gets_no_notice_from_its_keeper(redis_server_url, live_store):
+    """An exec closes the control pipe too, but the rank lives on: its first keeper stores no end."""
+    run_id = "keeper-exec"
+    code = "import runbus; runbus.init(system_interval=None, hardware=False); print('after exec')"
+    statement = f"sys.stdout.flush(); os.execv(sys.executable, [sys.executable, '-c', {code!r}])"
+    with started_rank(redis_server_url, run_id, statement) as rank:
+        assert rank.wait(timeout=120) == 0
+        assert rank.stdout is not None
+        assert rank.stdout.read() == b"after exec\n"  # once both keepers have exited
+    ended = wait_for(f"{run_id} ended", lambda: stored_end(live_store, run_id), timeout=PROMPTLY)
+    assert ended == (("finished", 0), ("finished", 0))
+    with redis.Redis.from_url(redis_server_url) as client:
+        entries = client.xrange(wire.stream_key(run_id, "rank0"))
+    assert [fields[b"data"] for _, fields in entries if b"noticed_by" in fields[b"data"]] == []
