@@ -40,6 +40,9 @@ log = logging.getLogger("runbus.ingester")
 Setup = Callable[[str], None]
 # A worker's exit code when Redis or the store refused access: not restarted (EX_CONFIG).
 ACCESS_DENIED_EXIT = 78
+# A burst worker's exit code when Redis or the store stayed unreachable: not restarted
+# (EX_TEMPFAIL): a burst that restarted would never end.
+GAVE_UP_EXIT = 75
 
 
 @dataclass
@@ -95,7 +98,11 @@ def run_child(
         setup(settings.consumer)
     worker = Worker(settings)
     code = worker.run(http)
-    sys.exit(ACCESS_DENIED_EXIT if worker.access_denied is not None else code)
+    if worker.access_denied is not None:
+        code = ACCESS_DENIED_EXIT
+    elif worker.gave_up is not None:
+        code = GAVE_UP_EXIT
+    sys.exit(code)
 
 
 class Supervisor:
@@ -229,10 +236,11 @@ class Supervisor:
             if self._stop_deadline is not None or code == 0:
                 log.info("worker %s exited with %d", slot.settings.consumer, code)
                 continue
-            if code == ACCESS_DENIED_EXIT:
+            if code in (ACCESS_DENIED_EXIT, GAVE_UP_EXIT):
                 log.error(
-                    "worker %s was refused access (its error is above): not restarting it",
+                    "worker %s %s (its error is above): not restarting it",
                     slot.settings.consumer,
+                    "was refused access" if code == ACCESS_DENIED_EXIT else "gave up",
                 )
                 continue
             if now - slot.started >= self.settings.stable_after:
