@@ -7,7 +7,8 @@ life: a worker restarted after a crash comes back under its old name and first r
 entries it left pending, instead of waiting for another worker to claim them. A worker that exits
 abnormally is restarted after a capped, doubling, jittered delay (reset once it has run for a
 while); one that Redis or the store refused access is not restarted, since only a change of
-configuration helps (the supervisor's exit code is then 1). On
+configuration helps (the supervisor's exit code is then 1), nor a `--burst` one that gave up on
+an unreachable Redis or store (`--give-up-after`): a burst restarted would never end. On
 SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batches in flight, and
 exits; one still running after drain timeout + margin is killed (its batches stay pending, so
 nothing is lost, but the exit code is then 1). A second signal kills them at once.
