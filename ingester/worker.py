@@ -348,7 +348,8 @@ class Worker:
             " (burst)" if settings.burst else "",
             "" if decoding.decoder_in_use == "fast" else f", {decoding.decoder_in_use} decoder",
         )
-        keep_alive = asyncio.create_task(self._keep_alive())
+        stop_keeping_alive = asyncio.Event()
+        keep_alive = asyncio.create_task(self._keep_alive(stop_keeping_alive))
         try:
             if not await self._connect():
                 return self.stats  # stopped while the store was away
@@ -363,9 +364,11 @@ class Worker:
                 await self._maintain()
             await self._release_consumer()
         finally:
-            keep_alive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keep_alive
+            # Told to stop, not cancelled: redis-py may swallow a cancellation that lands while
+            # a command is in flight (119 of 300 tries, redis-py 8.1), and the task then runs on for
+            # ever. Awaiting a per-batch keep-alive cancelled so is how a burst used to hang.
+            stop_keeping_alive.set()
+            await keep_alive
             if settings.handle_signals:
                 for signum in STOP_SIGNALS:
                     loop.remove_signal_handler(signum)
@@ -654,14 +657,17 @@ class Worker:
                 if not held:
                     del self._in_flight[key]
 
-    async def _keep_alive(self) -> None:
-        """Every third of claim_idle, reset the idle time of every entry held in flight (XCLAIM
-        JUSTID: no delivery counted), so no other worker claims one however long the store
-        takes: the batches being written, those waiting for the store, the one read ahead."""
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Every third of claim_idle until `stop`, reset the idle time of every entry held in
+        flight (XCLAIM JUSTID: no delivery counted), so no other worker claims one however long
+        the store takes: the batches being written, those waiting for the store, the one read
+        ahead."""
         interval = max(0.2, self.settings.claim_idle / 3)
         settings = self.settings
-        while True:
-            await asyncio.sleep(interval)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+                return
             held = [(key, list(ids)) for key, ids in self._in_flight.items()]
             if not held:
                 continue
