@@ -32,6 +32,7 @@ from runbus.errors import AccessDenied, GaveUp, InvalidEntry, StoreError, StoreR
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
+from runbus.ingester.fence import Fences
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
@@ -137,6 +138,9 @@ class WorkerSettings:
     # (index, count) under `--workers N`: this worker reads new entries of its share of the
     # streams first (stream_share), and the others' only when its own have none.
     share: tuple[int, int] | None = None
+    # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
+    # for when every producer is a runbus that seals.
+    require_seal: bool = field(default_factory=config.require_seal)
 
 
 def decode_batch(
@@ -270,6 +274,7 @@ class Worker:
         self.gave_up: GaveUp | None = None
         # Per run: the label holding the producers' live primary claim when first read, or None.
         self._claim_holders: dict[str, str | None] = {}
+        self._fences = Fences(self.settings.require_seal)
         # The entries this worker has read and not yet acknowledged or given up, by stream: its
         # batches, the one read ahead, what it claimed. Kept alive (_keep_alive), never claimed
         # (_claim): XAUTOCLAIM would hand them back to it, to be written twice.
@@ -784,10 +789,13 @@ class Worker:
     ) -> None:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
-        invalid = len(dead)  # _write adds the events the store rejects
         try:
             try:
-                holders = await self._holders(events)
+                fenced = await self._screen(events, sources, dead)
+                if fenced is not None:
+                    events, sources = fenced
+                invalid = len(dead)  # _write adds the events the store rejects
+                holders = None if fenced is None else await self._holders(events)
                 stored = None if holders is None else await self._write_sliced(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
@@ -822,6 +830,15 @@ class Worker:
             len(events) - stored - (len(dead) - invalid),
             len(dead),
             (time.monotonic() - started) * 1000,
+        )
+
+    async def _screen(
+        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
+    ) -> tuple[list[wire.Event], list[Source]] | None:
+        """The events their epochs' lease holders wrote (ingester/fence.py); the others join
+        `dead`. None if a stop gave up on Redis."""
+        return await self._with_redis(
+            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
         )
 
     async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:
