@@ -138,6 +138,10 @@ class WorkerSettings:
     # (index, count) under `--workers N`: this worker reads new entries of its share of the
     # streams first (stream_share), and the others' only when its own have none.
     share: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_from not in ("start", "now"):
+            raise ValueError(f"start_from must be 'start' or 'now', not {self.start_from!r}")
     # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
     # for when every producer is a runbus that seals.
     require_seal: bool = field(default_factory=config.require_seal)
