@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -112,3 +113,12 @@ async def get_json(client: TestClient, path: str, status: int = 200, **params: A
     assert response.status == status, body
     assert response.content_type == "application/json"
     return orjson.loads(body)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll `check` until it returns something true (returned), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
