@@ -4,7 +4,8 @@ Four cases, each with its own throwaway redis-server and one producer process lo
 `{"loss", "acc"}` per call, in a tight loop or at `--rate` events/s:
 
 - `pause8`, `pause30`: `CLIENT PAUSE 8000` / `30000` (all clients, as a failover does);
-- `kill`: redis-server SIGKILLed and restarted 3 s later on the same port (AOF, fsync always);
+- `kill3`, `kill1`: redis-server SIGKILLed and restarted 3 s (1 s) later on the same port (AOF,
+  fsync always);
 - `maxmemory`: a 16 MB Redis with `noeviction` and `runbus ingest` (default `--retain 3600`)
   running: the stream fills Redis up to maxmemory, and Redis answers `-OOM`.
 
@@ -14,7 +15,7 @@ spool directory). Reported per case: calls, the longest log() and how many took 
 dropped events, finish()'s result and time, the entries in Redis afterwards; for `maxmemory`,
 whether the producer met -OOM and what the ingester trimmed.
 
-    python bench/outage.py [--cases pause8,pause30,kill,maxmemory] [--rates 0,20000] [--spool]
+    python bench/outage.py [--cases pause8,pause30,kill3,kill1,maxmemory] [--rates 0,20000] [--spool]
 
 A rate of 0 is a tight loop: it logs faster than 128 MiB can hold for long, so a long outage
 fills the buffer and drops (counted) by design; a real training loop logs far less.
@@ -62,7 +63,7 @@ LOOP = textwrap.dedent(
             if ahead > 0:
                 sleep(ahead)
     t0 = clock()
-    finished = run.finish(timeout=600)
+    finished = run.finish(timeout=60)
     print(json.dumps({
         "calls": step, "longest_log_ms": round(longest * 1000, 1), "calls_over_100ms": slow,
         "dropped": run.dropped, "finished": finished, "finish_s": round(clock() - t0, 1),
@@ -74,7 +75,7 @@ BEFORE, AFTER, MAXMEMORY_RUN = 2.0, 3.0, 20.0
 
 @contextlib.contextmanager
 def server(case: str) -> Iterator[LocalRedis]:
-    if case == "kill":
+    if case.startswith("kill"):
         options: dict = {"appendonly": True, "appendfsync": "always"}
     elif case == "maxmemory":
         options = {"extra_args": ("--maxmemory", "16mb", "--maxmemory-policy", "noeviction")}
@@ -108,9 +109,9 @@ def fault(case: str, redis_server: LocalRedis) -> None:
         with redis.Redis.from_url(redis_server.url) as client:
             client.execute_command("CLIENT", "PAUSE", seconds * 1000, "ALL")
         time.sleep(seconds)
-    elif case == "kill":
+    elif case.startswith("kill"):
         redis_server.kill()
-        time.sleep(3.0)
+        time.sleep(int(case.removeprefix("kill")))
         redis_server.start()
     else:
         time.sleep(MAXMEMORY_RUN - BEFORE - AFTER)
@@ -154,7 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="pause8,pause30,kill,maxmemory")
+    parser.add_argument("--cases", default="pause8,pause30,kill3,kill1,maxmemory")
     parser.add_argument("--rates", default="0,20000", help="events/s per case; 0: a tight loop")
     parser.add_argument("--spool", action="store_true", help="give the producer a spool directory")
     args = parser.parse_args()

@@ -55,7 +55,7 @@ REDIS_WAIT = 0.1
 AHEAD = 2
 # A put waits for room only while the shipper thread went round this recently: longer means it
 # is stuck (for instance on a logging lock the waiting thread holds), so waiting could be forever.
-STALL_AFTER = 1.0
+STALL_AFTER = 2.0
 # Redis near its maxmemory answers -OOM on and off while ingesters trim: said once in this long.
 OOM_WARN_EVERY = 300.0
 
@@ -240,11 +240,7 @@ class Shipper(threading.Thread):
 
     def _claim_later(self) -> int:
         """The courier's handshake (Redis was away at init): another live primary demotes this
-        label; LabelInUse, RunExists and RunNotFound are raised, to stop shipping. The hardware
-        is described here too, off the thread that encodes (NVML can take a second to start)."""
-        if self.describe_hardware and self._held_start is not None and not self._hardware_described:
-            self._hardware_info = self._describe_hardware()
-            self._hardware_described = True
+        label; LabelInUse, RunExists and RunNotFound are raised, to stop shipping."""
         try:
             return self._claim()
         except PrimaryConflict as exc:
@@ -254,6 +250,20 @@ class Shipper(threading.Thread):
     def _handshaken(self, epoch: int) -> None:
         self._took_epoch(epoch)
         self._encode_held_start()
+
+    def _describe(self) -> None:
+        """The courier describes the hardware for the start event: off the thread that encodes,
+        as NVML can take a second to start on a big host."""
+        self._hardware_info = self._describe_hardware()
+
+    def _described(self, _: None) -> None:
+        self._hardware_described = True
+        self._encode_held_start()
+
+    def _start_ready(self) -> bool:
+        """Whether the start event can be encoded: its primary flag is settled by the handshake,
+        and the hardware described (if asked for)."""
+        return self.epoch is not None and (self._hardware_described or not self.describe_hardware)
 
     def _renew_claims(self) -> str | None:
         """The courier's renewal of the lease and the primary claim, if still ours: the label of
@@ -412,6 +422,8 @@ class Shipper(threading.Thread):
         claims, the spools of dead processes, else the backlog's oldest batch."""
         if self.epoch is None:
             return Call(self._claim_later, self._handshaken)
+        if self.describe_hardware and not self._hardware_described:
+            return Call(self._describe, self._described)
         if self._renew_due:
             self._renew_due = False
             return Call(self._renew_claims, self._renewed)
@@ -566,9 +578,8 @@ class Shipper(threading.Thread):
             return False
         taken = self.outbox.take(self.options.batch_size)
         for pending in taken:
-            if pending[0] == "start" and self.epoch is None:
-                # Its primary flag is only settled by the handshake.
-                self._held_start = pending
+            if pending[0] == "start" and not self._start_ready():
+                self._held_start = pending  # encoded first once ready (_encode_held_start)
                 continue
             record = self._record(pending)
             if record is not None:
@@ -586,7 +597,9 @@ class Shipper(threading.Thread):
         return since is not None and now - since > REDIS_WAIT
 
     def _encode_held_start(self, force: bool = False) -> None:
-        if self._held_start is not None and (self.epoch is not None or force):
+        """The held start event, first in the backlog (only when no call is in flight, or at
+        the end: a batch in flight was peeked from the backlog's front)."""
+        if self._held_start is not None and (self._start_ready() or force):
             record = self._record(self._held_start)
             self._held_start = None
             if record is not None:
