@@ -144,7 +144,7 @@ def run_case(case: str, rate: float, spool: bool) -> dict:
             with redis.Redis.from_url(redis_server.url) as client:
                 result["entries_in_redis"] = client.xlen(wire.stream_key(run_id, "rank0"))
         if ingester_log is not None:
-            result["producer_met_oom"] = "out of memory" in err
+            result["producer_met_oom"] = "maxmemory" in err or "out of memory" in err
             with open(ingester_log) as log_file:
                 trimmed = re.findall(r", (\d+) trimmed,", log_file.read())  # its shutdown line
             result["ingester_trimmed"] = int(trimmed[-1]) if trimmed else None

@@ -31,7 +31,7 @@ import orjson
 from runbus import config, wire
 from runbus.config import safe_url
 from runbus.errors import LabelInUse, PrimaryConflict, RunbusError, RunExists, RunNotFound
-from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
+from runbus.producer.backlog import Backlog, Chunk, Record, Spool, orphan_spools, rows_of, spool_path
 from runbus.producer.courier import Call, Courier
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
@@ -162,7 +162,9 @@ class Shipper(threading.Thread):
         spool = None
         if options.spool_dir:
             spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
-        self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
+        self.backlog = Backlog(
+            options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops, options.batch_size
+        )
         self._held_start: Pending | None = None
         self._hardware_described = False
         self._hardware_info: dict | None = None
@@ -308,7 +310,9 @@ class Shipper(threading.Thread):
         self._held_start = None
         if self.backlog.spool is not None:
             self.backlog.spool.close(remove=True)
-        self.backlog = Backlog(self.options.max_buffer_bytes, None, 0, self.outbox.drops)
+        self.backlog = Backlog(
+            self.options.max_buffer_bytes, None, 0, self.outbox.drops, self.options.batch_size
+        )
         self.outbox.take(len(self.outbox))
 
     def _discard_until_stopped(self) -> None:
@@ -430,11 +434,11 @@ class Shipper(threading.Thread):
         if not self._orphans_checked:
             self._orphans_checked = True
             return Call(self._ship_orphans)
-        records = self.backlog.peek(self.options.batch_size)
-        if not records:
+        batch = self.backlog.peek(self.options.batch_size)
+        if not batch:
             return None
         epoch = self.epoch
-        return Call(lambda: self._send(records, epoch), lambda _: self._sent(records))
+        return Call(lambda: self._send(rows_of(batch), epoch), lambda _: self._sent(batch))
 
     def _settle(self, call: Call) -> None:
         """A call's outcome, on this thread: its `then`, a refusal, or an outage."""
@@ -639,20 +643,21 @@ class Shipper(threading.Thread):
             log.warning("runbus: cannot describe the hardware: %s", exc)
             return None
 
-    def _send(self, records: list[Record], epoch: int) -> None:
-        """The courier's XADDs of one batch, in one round trip (a Lua script)."""
+    def _send(self, records: list[Any], epoch: int) -> None:
+        """The courier's XADDs of one batch (records, each a sequence in Record's order), in one
+        round trip (a Lua script)."""
         client = self._connection()
         xadd_many = self._xadd_many
         if xadd_many is None or xadd_many.registered_client is not client:
             xadd_many = self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
-        entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
+        entries = ((kind, ep or epoch, seq, ts, step, data) for kind, ep, seq, ts, step, data in records)
         xadd_many(
             keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
         )
 
-    def _sent(self, records: list[Record]) -> None:
-        self.backlog.shipped(records)
-        self.shipped += len(records)
+    def _sent(self, batch: Chunk | list[Record]) -> None:
+        self.backlog.shipped(batch)
+        self.shipped += len(batch)
 
     def _ship_orphans(self) -> None:
         """The courier ships the spools that earlier processes of this run and label left behind
