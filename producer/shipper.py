@@ -422,8 +422,9 @@ class Shipper(threading.Thread):
         return True
 
     def _next_call(self) -> Call | None:
-        """What to ask Redis next: the handshake (Redis was away at init), a renewal of the
-        claims, the spools of dead processes, else the backlog's oldest batch."""
+        """What the courier does next: the handshake (Redis was away at init), describing the
+        hardware (once, for the start event), a renewal of the claims, the spools of dead
+        processes, else shipping the backlog's oldest batch."""
         if self.epoch is None:
             return Call(self._claim_later, self._handshaken)
         if self.describe_hardware and not self._hardware_described:

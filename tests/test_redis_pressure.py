@@ -90,12 +90,13 @@ def shipped_in_order(client: redis.Redis, key: str) -> tuple[int, int]:
         start = "(" + entries[-1][0].decode()
 
 
-def assert_all_shipped(client: redis.Redis, key: str, outcome: dict) -> None:
+def assert_all_shipped(client: redis.Redis, key: str, outcome: dict, what: str) -> None:
     assert outcome["dropped"] == 0 and outcome["finished"] is True
     last, metrics = shipped_in_order(client, key)
     assert metrics == outcome["calls"]
     final = client.xrevrange(key, count=1)[0][1]
     assert (final[b"kind"], int(final[b"seq"])) == (b"finish", last)
+    print(f"\nFIGURE {what}: events {metrics}, dropped 0, longest log() {outcome['longest'] * 1e3:.1f} ms")
 
 
 def test_log_does_not_wait_while_redis_pauses_its_clients(lone_redis, tmp_path):
@@ -113,7 +114,7 @@ def test_log_does_not_wait_while_redis_pauses_its_clients(lone_redis, tmp_path):
         assert time.monotonic() - paused_at >= 2.5  # the loop did log through the pause
         outcome = results(proc, stop_file)
         assert outcome["longest"] < LONGEST_LOG, outcome
-        assert_all_shipped(client, key, outcome)
+        assert_all_shipped(client, key, outcome, "CLIENT PAUSE 3 s")
     finally:
         proc.kill()
         client.close()
@@ -136,7 +137,7 @@ def test_log_neither_waits_nor_drops_while_redis_restarts(local_redis, tmp_path)
         wait_for("shipping after the restart", lambda: client.xlen(key) > before + 10_000, timeout=120)
         outcome = results(proc, stop_file)
         assert outcome["longest"] < LONGEST_LOG, outcome
-        assert_all_shipped(client, key, outcome)
+        assert_all_shipped(client, key, outcome, "Redis killed for 1.5 s")
     finally:
         proc.kill()
         client.close()
