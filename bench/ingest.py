@@ -43,6 +43,10 @@ def preload(url: str, run_id: str, events: int) -> None:
     now = time.time()
     for label in (f"rank{i}" for i in range(LABELS)):
         client.sadd(wire.REGISTRY_KEY, wire.stream_key(run_id, label))
+        # Sealed as a producer's claim seals epoch 1: the workers check every entry's seal.
+        secret = wire.new_seal_secret()
+        client.set(wire.epoch_key(run_id, label), 1)
+        client.hset(wire.seal_key(run_id, label), "1", secret.hex())
         for first in range(1, per_label + 1, PRELOAD_BATCH):
             entries = [
                 (
@@ -55,7 +59,10 @@ def preload(url: str, run_id: str, events: int) -> None:
                 )
                 for seq in range(first, min(per_label, first + PRELOAD_BATCH - 1) + 1)
             ]
-            script(keys=[wire.stream_key(run_id, label)], args=wire.xadd_many_args(run_id, label, entries))
+            script(
+                keys=[wire.stream_key(run_id, label)],
+                args=wire.xadd_many_args(run_id, label, entries, {1: secret}),
+            )
     client.close()
 
 

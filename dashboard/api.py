@@ -307,7 +307,7 @@ async def logs(request: web.Request) -> web.Response:
             "offset": offset,
             "next_offset": offset + len(page),
             "more": len(lines) > limit,
-            "lines": [documents.log_document(line) for line in page],
+            "lines": [documents.log_document(line) for line in documents.shown_log_lines(page)],
         }
     )
 

@@ -23,6 +23,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be above 0, got {text}")
+    return seconds
+
+
 def add_serve(parser: argparse.ArgumentParser) -> None:
     add_store_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -31,6 +41,13 @@ def add_serve(parser: argparse.ArgumentParser) -> None:
         "--token",
         default=None,
         help=f"require this token on every request ({config.API_TOKEN_ENV}); needed off loopback",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=_seconds,
+        default=config.HTTP_IDLE_TIMEOUT,
+        help="close a connection that has not sent a whole request head within this many seconds "
+        "of opening or of its last response (default %(default)s)",
     )
     add_redis_option(parser, "optional: only for the dead-letter counts")
     parser.set_defaults(handler=cmd_serve)
@@ -55,12 +72,16 @@ def add_tail(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=cmd_tail)
 
 
-async def _serve(app: Any, host: str, port: int, store: str, guarded: bool) -> int:
+async def _serve(app: Any, host: str, port: int, store: str, guarded: bool, idle_timeout: float) -> int:
     from aiohttp import web
 
     from runbus.dashboard.security import AccessLogger
 
-    runner = web.AppRunner(app, access_log_class=AccessLogger, handle_signals=False)
+    # aiohttp's keep-alive timer runs from a connection's opening too: it bounds a request head
+    # that never arrives whole, which nothing else does.
+    runner = web.AppRunner(
+        app, access_log_class=AccessLogger, handle_signals=False, keepalive_timeout=idle_timeout
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -87,7 +108,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(args.store, redis_url=args.redis or None, token=token)
     try:
         return asyncio.run(
-            _serve(app, args.host, args.port, config.safe_url(args.store), guarded=token is not None)
+            _serve(
+                app,
+                args.host,
+                args.port,
+                config.safe_url(args.store),
+                guarded=token is not None,
+                idle_timeout=args.idle_timeout,
+            )
         )
     except OSError as exc:
         print(f"runbus: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

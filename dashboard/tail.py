@@ -3,14 +3,19 @@
 It reads with XREAD, never through the consumer group, so it takes nothing from the ingesters.
 Streams are found in the producers' registry and by SCAN, again every second, so a label that
 appears later is followed from its first entry. By default only lines produced from now on are
-printed (`from_start` prints the history first). It returns once the run's primary has finished
-and the streams have been quiet for `finish_grace` (the other ranks' last lines still show).
+printed (`from_start` prints the history first). It returns once the run has ended, and the
+streams have been quiet for `finish_grace` (the other ranks' last lines still show), with a last
+line saying how: once its primary's finish is read from the streams, or once the store records
+the run as ended (finished, failed, or crashed: a primary killed with SIGKILL sends no finish,
+and the ingesters mark it crashed after their `--crash-after`); the store is asked every
+`store_interval`.
 The primary is the one the ingesters decide (runbus.storage.rules.decide_primary): the store's
 decision where the store has the run, else the label holding the producers' live claim, else the
 earliest start claiming it. A stray start claiming the role from another label cannot end a tail.
 A run with no stream in Redis is looked up in the store: unknown there too, it is an error unless
-`wait` asks to wait for it to start. Log text is printed through `runbus.terminal.printable`:
-escape sequences in it are shown, not obeyed.
+`wait` asks to wait for it to start. Log text is printed redacted (`runbus.redact`: an entry
+written by hand or by an older runbus) and through `runbus.terminal.printable`: escape sequences
+in it are shown, not obeyed.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import wire
 from runbus.config import safe_url
 from runbus.errors import CommandError, InvalidEntry, StoreMissing
-from runbus.redact import redact_text, url_secrets
+from runbus.redact import LineRedactor, redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
 from runbus.storage import RunSummary, open_store
 from runbus.storage.rules import decide_primary, primary_claims
+from runbus.storage.tables import state_text
 from runbus.terminal import printable
 
 if TYPE_CHECKING:
@@ -58,6 +64,7 @@ class TailSettings:
     finish_grace: float = 1.0
     store_url: str | None = None  # where to look for a run that has no stream in Redis
     wait: bool = False  # wait for a run found nowhere to start, instead of an error
+    store_interval: float = 2.0  # how often the store is asked whether the run has ended
 
 
 def format_line(label: str, width: int, text: str, color: str | None) -> str:
@@ -84,7 +91,11 @@ class Tail:
     _colors: dict[str, str] = field(default_factory=dict, init=False)
     _width: int = field(default=0, init=False)
     _finished: bool = field(default=False, init=False)
+    _ending: str | None = field(default=None, init=False)  # how the run ended, once known
+    _next_check: float = field(default=0.0, init=False)
+    _store_failed: bool = field(default=False, init=False)
     _lost: bool = field(default=False, init=False)
+    _redactors: dict[tuple[str, str], LineRedactor] = field(default_factory=dict, init=False)
 
     def run(self) -> int:
         client = sync_client(self.settings.redis_url, socket_connect_timeout=5, socket_timeout=10)
@@ -108,8 +119,11 @@ class Tail:
                     f"`runbus logs {s.run_id}` prints its lines from the store"
                 )
                 return 0
-        if not s.from_start and self._finished_already(client):
-            self._say(f"run {s.run_id} has already finished; --from-start prints its lines")
+        if stored is not None and stored.state != "running":
+            self._end_with(stored)
+        if not s.from_start and (self._finished or self._finished_already(client)):
+            ending = self._ending or "finished"
+            self._say(f"run {s.run_id} has already {ending}; --from-start prints its lines")
             return 0
         what = "its history, then new lines" if s.from_start else "new lines"
         self._say(f"following run {s.run_id} ({len(self._ids)} stream(s) so far): {what}; Ctrl-C stops")
@@ -120,6 +134,8 @@ class Tail:
                 if now >= next_scan and not self._finished:
                     self._discover(client, initial=False)
                     next_scan = now + s.rescan_interval
+                if s.store_url and now >= self._next_check and not self._finished:
+                    self._check_store()
                 if not self._ids:
                     time.sleep(s.rescan_interval)
                     continue
@@ -138,6 +154,7 @@ class Tail:
                 self._say("Redis is back")
                 self._lost = False
             if not entries and self._finished:
+                self._say(f"run {s.run_id} {self._ending or 'finished'}")
                 return 0
             self._show(entries)
 
@@ -147,6 +164,26 @@ class Tail:
         if s.store_url:
             where += f" and not in the store {safe_url(s.store_url)}"
         return CommandError(f"no run {s.run_id!r}: {where}; `runbus tail --wait` waits for it to start")
+
+    def _check_store(self) -> None:
+        s = self.settings
+        self._next_check = time.monotonic() + s.store_interval
+        assert s.store_url is not None
+        try:
+            stored = stored_run(s.store_url, s.run_id)
+        except Exception as exc:  # any store error: asked again later; a finish in the streams still ends it
+            if not self._store_failed:
+                self._say(f"cannot read the store ({type(exc).__name__}: {exc}); asking again")
+            self._store_failed = True
+            return
+        self._store_failed = False
+        if stored is not None and stored.state != "running":
+            self._end_with(stored)
+
+    def _end_with(self, stored: RunSummary) -> None:
+        """The store records the run as ended: the streams are read until quiet, then the tail ends."""
+        self._finished = True
+        self._ending = state_text(stored)
 
     def _say(self, message: str) -> None:
         print(f"runbus: {_shown(message, self.settings.redis_url)}", file=self.err, flush=True)
@@ -227,6 +264,9 @@ class Tail:
             self._claims += primary_claims([event])
         elif event.kind == "finish" and event.label == self._decided():
             self._finished = True
+            code = event.data.get("exit_code")
+            if self._ending is None:
+                self._ending = "finished" if code == 0 else f"failed (exit {code})"
 
     def _shown(self, label: str) -> bool:
         return self.settings.labels is None or label in self.settings.labels
@@ -245,11 +285,19 @@ class Tail:
             if wire.level_number(str(event.data.get("level", "INFO"))) < self.settings.min_level:
                 continue
             color = self._color_for(event.label) if self.settings.color else None
-            for text in event.data["text"].splitlines() or [""]:
+            for text in self._redacted(event).splitlines() or [""]:
                 lines.append(format_line(event.label, self._width, text, color))
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
+
+    def _redacted(self, event: wire.Event) -> str:
+        """The event's text, through its label's stream's LineRedactor."""
+        where = (event.label, str(event.data.get("stream")))
+        redactor = self._redactors.get(where)
+        if redactor is None:
+            redactor = self._redactors[where] = LineRedactor()
+        return redactor(event.data["text"])
 
 
 def _shown(message: str, redis_url: str) -> str:
@@ -274,7 +322,7 @@ def stored_run(store_url: str, run_id: str) -> RunSummary | None:
 
 
 def tail(settings: TailSettings) -> int:
-    """Follow a run until its primary finishes: 0; Redis unreachable at the start: 1."""
+    """Follow a run until it ends (see the module doc): 0; Redis unreachable at the start: 1."""
     try:
         return Tail(settings).run()
     except (RedisConnectionError, RedisTimeoutError) as exc:

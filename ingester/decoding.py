@@ -35,6 +35,16 @@ _NAMES = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"data"]
 _NAMES_WITH_STEP = [b"v", b"kind", b"run", b"label", b"epoch", b"seq", b"ts", b"step", b"data"]
 _WITH_STEP = len(_NAMES_WITH_STEP) * 2  # a metric entry with a step, flat: 18 items
 _WITHOUT_STEP = len(_NAMES) * 2
+# The same, sealed (ingester/fence.py checks the seal): a trailing `seal` field.
+_SEALED_NAMES = [*_NAMES, wire.SEAL_FIELD]
+_SEALED_NAMES_WITH_STEP = [*_NAMES_WITH_STEP, wire.SEAL_FIELD]
+# The column shapes: (flat width, sealed) -> field order.
+_COLUMN_ORDERS = {
+    (_WITH_STEP, False): _NAMES_WITH_STEP,
+    (_WITHOUT_STEP, False): _NAMES,
+    (_WITH_STEP + 2, True): _SEALED_NAMES_WITH_STEP,
+    (_WITHOUT_STEP + 2, True): _SEALED_NAMES,
+}
 # Below this many entries, decoding entry by entry costs no more than by columns.
 COLUMNS_FROM = 8
 
@@ -61,6 +71,14 @@ def decode_stream_fast(key: str, flats: Iterable[FlatEntry]) -> list[Event | Inv
     return _decode_each(key, names, flats)
 
 
+def _unsealed(flat: FlatEntry) -> FlatEntry:
+    """An entry without its trailing `seal` field, where the producers write it: the seal is the
+    fence's (ingester/fence.py), not the decoder's, which ignores it as the reference does."""
+    if flat and len(flat) > 2 and flat[-2] == wire.SEAL_FIELD:
+        return flat[:-2]
+    return flat
+
+
 DECODERS: dict[str, Decoder] = {"fast": decode_stream_fast, "reference": wire.decode_stream}
 decoder_in_use = config.decoder()
 decode_stream: Decoder = DECODERS[decoder_in_use]
@@ -84,7 +102,7 @@ def _decode_each(key: str, names: KeyNames | None, flats: Sequence[FlatEntry]) -
     """Entry by entry: by position when written in the producers' order, else from a dict; the
     reference for an entry that is not plainly valid."""
     decoded: list[Event | InvalidEntry] = []
-    for flat in flats:
+    for flat in map(_unsealed, flats):
         event, in_order = None, False
         if names is not None and flat:
             order = flat[0::2]
@@ -199,22 +217,31 @@ def _decode_by_columns(
         return None
     entries = cast("list[list[bytes]]", flats)
     widths = list(map(len, entries))
-    if widths.count(_WITH_STEP) == len(entries):  # the usual stream: metrics at every step
-        return _decode_columns(names, entries, _NAMES_WITH_STEP)
-    shapes = [
-        w if w == _WITH_STEP or (w == _WITHOUT_STEP and flat[3] in _TALLIED) else 0
-        for flat, w in zip(entries, widths, strict=True)
-    ]
-    decoded: dict[int, Iterator[Event | InvalidEntry]] = {}
-    for shape, order in ((_WITH_STEP, _NAMES_WITH_STEP), (_WITHOUT_STEP, _NAMES)):
+    if widths.count(_WITH_STEP + 2) == len(entries):  # the usual stream: sealed metrics at every step
+        return _decode_columns(names, entries, _SEALED_NAMES_WITH_STEP)
+    if widths.count(_WITH_STEP) == len(entries) and entries[0][-2] != wire.SEAL_FIELD:
+        return _decode_columns(names, entries, _NAMES_WITH_STEP)  # unsealed, as before seals
+    shapes = [_shape(flat, w) for flat, w in zip(entries, widths, strict=True)]
+    decoded: dict[tuple[int, bool] | None, Iterator[Event | InvalidEntry]] = {}
+    for shape, order in _COLUMN_ORDERS.items():
         mine = [flat for flat, its in zip(entries, shapes, strict=True) if its == shape]
         by_columns = _decode_columns(names, mine, order) if mine else []
         if by_columns is None:
             return None
         decoded[shape] = iter(by_columns)
-    others = [flat for flat, its in zip(entries, shapes, strict=True) if its == 0]
-    decoded[0] = iter(_decode_each(key, names, others))
+    others = [flat for flat, its in zip(entries, shapes, strict=True) if its is None]
+    decoded[None] = iter(_decode_each(key, names, others))
     return [next(decoded[shape]) for shape in shapes]
+
+
+def _shape(flat: list[bytes], width: int) -> tuple[int, bool] | None:
+    """The column shape (width, sealed) an entry goes by, or None for one by one: a metric with
+    a step, or a metric or system figure without one."""
+    shape = (width, flat[-2] == wire.SEAL_FIELD)
+    order = _COLUMN_ORDERS.get(shape)
+    if order is None or (b"step" not in order and flat[3] not in _TALLIED):
+        return None
+    return shape
 
 
 def _decode_columns(
@@ -226,11 +253,12 @@ def _decode_columns(
     cells = list(chain.from_iterable(flats))
     if not _hold_fields(cells, names, order, count):
         return None
-    kinds = _kinds_column(cells[3::width], order is _NAMES, count)
-    raws = cells[width - 1 :: width]
+    with_step = b"step" in order
+    kinds = _kinds_column(cells[3::width], not with_step, count)
+    raws = cells[2 * order.index(b"data") + 1 :: width]
     if kinds is None or max(map(len, raws)) > MAX_DATA_BYTES:
         return None
-    places = _places_columns(cells, width, order is _NAMES_WITH_STEP)
+    places = _places_columns(cells, width, with_step)
     datas = None if places is None else _data_column(raws)
     if places is None or datas is None:
         return None

@@ -4,7 +4,8 @@ The server runs on the worker's own event loop and reads its live counters; Redi
 are asked through the worker's own clients. Every worker process serves its own: with
 `--workers N`, worker i listens on PORT+i, one Prometheus target each (nothing to aggregate
 across processes, and each one's /readyz speaks for that process). Bound to loopback, it answers
-only requests addressed to loopback (runbus/loopback.py).
+only requests addressed to loopback (runbus/loopback.py). A connection that sends no whole
+request head within `idle_timeout` of its opening or last response is closed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from runbus.config import HTTP_IDLE_TIMEOUT
 from runbus.errors import AccessDenied, CannotListen, StoreError
 from runbus.ingester import telemetry
 from runbus.loopback import is_loopback, loopback_requests_only
@@ -61,9 +63,12 @@ def parse_address(text: str) -> tuple[str, int]:
 class OpsServer:
     """The aiohttp server for one worker; `start()` binds, `stop()` closes."""
 
-    def __init__(self, worker: Worker, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    def __init__(
+        self, worker: Worker, host: str = DEFAULT_HOST, port: int = 0, idle_timeout: float = HTTP_IDLE_TIMEOUT
+    ) -> None:
         self.worker = worker
         self.host, self.port = host, port
+        self.idle_timeout = idle_timeout
         self._runner: web.AppRunner | None = None
         settings = worker.settings
         self.collector = telemetry.WorkerCollector(
@@ -82,7 +87,11 @@ class OpsServer:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # aiohttp's keep-alive timer runs from a connection's opening too: it bounds a request
+        # head that never arrives whole.
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout
+        )
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, self.host, self.port).start()

@@ -32,6 +32,7 @@ from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
+from runbus.ingester.fence import Fences
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
@@ -130,6 +131,9 @@ class WorkerSettings:
     # (index, count) under `--workers N`: this worker reads new entries of its share of the
     # streams first (stream_share), and the others' only when its own have none.
     share: tuple[int, int] | None = None
+    # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
+    # for when every producer is a runbus that seals.
+    require_seal: bool = field(default_factory=config.require_seal)
 
 
 def decode_batch(
@@ -244,6 +248,7 @@ class Worker:
         self._claim_holders: dict[str, str | None] = {}
         self._next_memory_check = 0.0
         self._memory_pressed = False  # above MEMORY_TRIM_AT at the last look (logged once)
+        self._fences = Fences(self.settings.require_seal)
 
     def run(self, http: tuple[str, int] | None = None) -> int:
         """Run as this process's one job until stopped (or, with burst, until nothing is left),
@@ -654,10 +659,13 @@ class Worker:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
         keep_alive = asyncio.create_task(self._keep_alive(entries))
-        invalid = len(dead)  # _write adds the events the store rejects
         try:
             try:
-                holders = await self._holders(events)
+                fenced = await self._screen(events, sources, dead)
+                if fenced is not None:
+                    events, sources = fenced
+                invalid = len(dead)  # _write adds the events the store rejects
+                holders = None if fenced is None else await self._holders(events)
                 stored = None if holders is None else await self._write(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
@@ -694,6 +702,15 @@ class Worker:
             len(events) - stored - (len(dead) - invalid),
             len(dead),
             (time.monotonic() - started) * 1000,
+        )
+
+    async def _screen(
+        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
+    ) -> tuple[list[wire.Event], list[Source]] | None:
+        """The events their epochs' lease holders wrote (ingester/fence.py); the others join
+        `dead`. None if a stop gave up on Redis."""
+        return await self._with_redis(
+            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
         )
 
     async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:

@@ -110,6 +110,10 @@ class DropLog:
             return {"dropped": self.count, "dropped_ranges": [list(r) for r in self.ranges]}
 
 
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
 def spool_path(spool_dir: str, run: str, label: str, pid: int) -> str:
     return os.path.join(spool_dir, f"{run}.{label}.{pid}.spool")
 
@@ -123,11 +127,13 @@ class Spool:
         self.read_offset = 0
         self.size = 0
         self.epoch: int | None = None
+        self.secret = b""
 
     def open(self, blocking: bool = True) -> bool:
         """Open and lock the file; False if another live process holds it (only when not blocking)."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        handle = open(self.path, "a+b")  # noqa: SIM115 (held open for the life of the spool)
+        # Owner-only: the file records the process's seal secret (note_epoch).
+        handle = open(self.path, "a+b", opener=_private)  # noqa: SIM115 (held open for the life of the spool)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -155,26 +161,34 @@ class Spool:
         self.size += len(lines)
         return len(lines)
 
-    def note_epoch(self, epoch: int) -> None:
-        """Record the epoch of this process, for whoever ships the file after it died."""
+    def note_epoch(self, epoch: int, secret: bytes = b"") -> None:
+        """Record the epoch of this process and its seal secret (wire.seal), for whoever ships
+        the file after it died: the file is this process's own, on its own disk."""
         self.epoch = epoch
+        self.secret = secret
         if self._file is not None:
             self._write_epoch()
 
     def _write_epoch(self) -> None:
-        line = orjson.dumps(["epoch", self.epoch]) + b"\n"
+        line = orjson.dumps(["epoch", self.epoch, self.secret.hex()]) + b"\n"
         self._opened.write(line)
         self.size += len(line)
 
     def recorded_epoch(self) -> int | None:
         """The epoch line a (dead) process wrote into this file, if any."""
+        return self.recorded_seal()[0]
+
+    def recorded_seal(self) -> tuple[int | None, bytes]:
+        """The epoch and seal secret a (dead) process recorded in this file: (None, b"") if
+        none, and an empty secret from a runbus that sealed nothing."""
         file = self._opened
         file.seek(0)
         for line in file:
             if line.startswith(b'["epoch",'):
-                with contextlib.suppress(orjson.JSONDecodeError, IndexError):
-                    return int(orjson.loads(line)[1])
-        return None
+                with contextlib.suppress(orjson.JSONDecodeError, IndexError, ValueError, TypeError):
+                    item = orjson.loads(line)
+                    return int(item[1]), bytes.fromhex(item[2]) if len(item) > 2 else b""
+        return None, b""
 
     def read(self, limit: int) -> tuple[list[Record], int, int | None]:
         """Up to `limit` records from the read offset: (records, new offset, epoch seen)."""

@@ -21,11 +21,10 @@ adopts the console. The keeper holds the lines until then.
 
 A Run adopts the console as it starts its console capture (runbus.producer.console): the lines
 from process start come first, and every later line follows, fd-level writes included. A rank
-that never calls runbus.init() gets a Run made for it as it ends (normal exit, uncaught
-exception, or SIGTERM, whose handler this installs where none is), which stores its console with
-exit code 0, 1 (an uncaught exception) or 128+15. os._exit(code) in the rank finishes its Runs
-(with `code`) before it exits. A rank killed otherwise (SIGKILL, a crash) stores what its Run had
-shipped; the keeper shows the rest on the terminal regardless.
+that never calls runbus.init() gets a Run made for it as it ends, which stores its console with
+the exit code runbus.producer.exits reads (sys.exit's, an uncaught exception's, a signal's,
+os._exit's). A rank killed otherwise (SIGKILL, a crash) stores what its Run had shipped; the
+keeper shows the rest on the terminal regardless.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import NoReturn
 
 from runbus import config
 
@@ -310,27 +308,10 @@ def _install(capture: FdCapture) -> None:
     from runbus.producer import exits
 
     os.register_at_fork(after_in_child=capture._forget_in_child)
-    exits.at_end(store_unadopted)  # installs exits' excepthook, atexit and SIGTERM handlers
+    exits.at_end(store_unadopted)  # installs exits' hooks: excepthook, atexit, signals, os._exit
     global _previous_excepthook
     _previous_excepthook = sys.excepthook
     sys.excepthook = _excepthook
-    os._exit = _exit_after_finishing  # type: ignore[assignment]
-
-
-_real_exit = os._exit
-
-
-def _exit_after_finishing(code: int) -> NoReturn:
-    """os._exit in the rank (DDP scripts use it to skip a slow teardown): the Runs finish first,
-    with `code`, so the console and what was logged are stored. A forked child, whose os._exit
-    this also is, exits at once."""
-    capture = current()
-    if capture is not None:
-        from runbus.producer import exits
-
-        with contextlib.suppress(BaseException):
-            exits.finish_all(code)
-    _real_exit(code)
 
 
 def store_unadopted(exit_code: int) -> None:
@@ -349,7 +330,7 @@ def store_unadopted(exit_code: int) -> None:
         sys.stderr.write(f"runbus: this rank's console is not stored: {exc}\n")
         return
     run.finish(exit_code=exit_code)
-    if _interrupted and exit_code == 1:
+    if _interrupted and exit_code == 128 + signal.SIGINT:
         _die_of_sigint()
 
 

@@ -532,6 +532,7 @@ class ConsoleCapture:
         return capture
 
     def put_line(self, stream: str, level: str, text: str) -> None:
+        # Its secrets are redacted by the shipper, off this thread.
         self.run._put("log", None, {"stream": stream, "level": level, "text": clean_text(text)})
 
     def put_record(self, level: str, text: str) -> None:

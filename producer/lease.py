@@ -9,6 +9,8 @@ process of this machine that no longer runs (a SIGKILLed rank restarted at once)
 One Lua script settles a claim atomically: the lease, the run's resume rule (a new job does not
 continue a finished run), the primary claim and the epoch. An epoch is never below the Redis
 server's clock in milliseconds, so a label's epochs keep growing even after Redis lost its data.
+Each epoch a process writes is sealed with its secret (runbus.wire.seal_key): ingesters store an
+epoch's entries only with that epoch's seal (docs/wire.md, Fencing).
 """
 
 from __future__ import annotations
@@ -289,6 +291,10 @@ class LabelLease:
     primary_ttl: float
     redis_url: str = field(default="", repr=False)
     holder: Holder | None = None
+    # This process's seal secret: it seals (wire.seal) the entries of every epoch it writes.
+    # Only its hex, per epoch, goes to Redis (wire.seal_key), for ingesters to check seals with.
+    secret: bytes = field(default_factory=wire.new_seal_secret, repr=False)
+    epoch: int = 0  # this process's own epoch, once claimed
     # Epochs between the label's last one and ours, never given out: for events of earlier
     # processes that never reached Redis, so they order before this process's (highest first).
     _spare: tuple[int, int] = (0, 0)
@@ -325,6 +331,8 @@ class LabelLease:
                 self.holder = me
                 epoch, odd = int(reply[1]), reply_text(reply[2])
                 self._spare = (int(reply[3]), epoch)
+                self.epoch = epoch
+                self._seal(client, epoch)
                 if odd:
                     log.warning(
                         "runbus: %s held %r, not an epoch; replaced",
@@ -449,6 +457,7 @@ class LabelLease:
         if status == "lost":
             raise self.in_use(Holder.from_reply(other))
         if status == "retaken":
+            self._seal(client, self.epoch)  # a Redis that lost its data lost the seal too
             log.warning(
                 "runbus: the lease of %s/%s had lapsed (Redis away longer than %.0fs, or it lost "
                 "its data); taken again",
@@ -479,6 +488,21 @@ class LabelLease:
         last, mine = self._spare
         if mine - 1 > last:
             self._spare = (last, mine - 1)
-            return mine - 1
-        epoch, _ = self._call(client, EPOCH_SCRIPT, [wire.epoch_key(self.run_id, self.label)], [])
-        return int(epoch)
+            epoch = mine - 1
+        else:
+            epoch = int(self._call(client, EPOCH_SCRIPT, [wire.epoch_key(self.run_id, self.label)], [])[0])
+        self._seal(client, epoch)
+        return epoch
+
+    def _seal(self, client: SyncClient, epoch: int) -> None:
+        """Store this process's secret as `epoch`'s seal, for ingesters (wire.seal_key).
+
+        Not in the claim script: a script must be granted read access to every key it names,
+        and under the README's ACLs producers may only write seals. The epoch is this process's
+        alone, so a value found there was written by hand: it is replaced. Nothing of the epoch
+        is shipped before this returns."""
+        key = wire.seal_key(self.run_id, self.label)
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, str(epoch), self.secret.hex())
+        pipe.expire(key, wire.FINISHED_TTL)
+        pipe.execute()

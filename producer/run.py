@@ -465,15 +465,11 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            code = 0
-        elif isinstance(exc, SystemExit):
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        else:
-            code = 1
-            if self._console is not None and not self._finished:
-                # Python prints this traceback only after finish() has stopped the capture.
-                self._console.record_exception(exc_type, exc, tb)
+        code = 0 if exc is None else exits.exit_code_of(exc)
+        failed = exc is not None and not isinstance(exc, SystemExit)
+        if failed and self._console is not None and not self._finished:
+            # Python prints this traceback only after finish() has stopped the capture.
+            self._console.record_exception(exc_type, exc, tb)
         self.finish(exit_code=code)
 
     def __repr__(self) -> str:

@@ -5,7 +5,8 @@ runbus.producer.lease; announcing the stream), batched pipelined XADDs, heartbea
 reconnecting with capped, jittered backoff. Nothing here runs on the training thread, and nothing
 here raises into it: while Redis is away, or refuses the credentials, events are buffered and the
 problem is logged once. A handshake done late (Redis was away at init) that finds the label in
-use, or a run this job may not join, stops shipping instead, with one error.
+use, or a run this job may not join, stops shipping instead, with one error. Log lines have their
+secrets redacted here, as they are encoded (runbus.redact).
 
 Two threads: this one moves events from the outbox into the backlog (encoding them) and decides
 what to send next; its courier (runbus.producer.courier) makes the Redis calls, one at a time. So
@@ -36,6 +37,7 @@ from runbus.producer.courier import Call, Courier
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
 from runbus.producer.outbox import Outbox, Pending
+from runbus.redact import LineRedactor
 
 if TYPE_CHECKING:
     from redis.commands.core import Script
@@ -168,9 +170,13 @@ class Shipper(threading.Thread):
         self._held_start: Pending | None = None
         self._hardware_described = False
         self._hardware_info: dict | None = None
+        self._redactors: dict[str, LineRedactor] = {}  # per log stream: its lines come in order
         self._orphans_checked = False
         self._client: SyncClient | None = None
         self._xadd_many: Script | None = None
+        # The seal secret of each epoch this process ships (wire.seal): its own, the spare
+        # epochs it gave earlier processes' events, and the epochs dead processes' spools recorded.
+        self._secrets: dict[int, bytes] = {}
         # The Redis calls are the courier's; the one in flight, if any. It wakes this thread
         # through the outbox's demand event when a call is done.
         self._courier = Courier(f"runbus-redis-{identity.label}", outbox.demand)
@@ -237,8 +243,9 @@ class Shipper(threading.Thread):
 
     def _took_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self._secrets[epoch] = self.lease.secret
         if self.backlog.spool is not None:
-            self.backlog.spool.note_epoch(epoch)
+            self.backlog.spool.note_epoch(epoch, self.lease.secret)
 
     def _claim_later(self) -> int:
         """The courier's handshake (Redis was away at init): another live primary demotes this
@@ -622,6 +629,8 @@ class Shipper(threading.Thread):
                     data["hardware"] = self._hardware_info
         elif kind == "finish":
             data = {**data, **self.outbox.drops.report()}
+        elif kind == "log":
+            data = self._redacted_log(data)
         try:
             blob = encode_data(kind, data)
         except Exception as exc:
@@ -632,6 +641,16 @@ class Shipper(threading.Thread):
             log.error("runbus: event seq %d (%s) could not be encoded: %s", seq, kind, exc)
             return None
         return Record(kind, self.epoch or 0, seq, ts, step, blob)
+
+    def _redacted_log(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A log event's data, its text's secrets redacted (runbus.redact) before it leaves the
+        process: here, off the thread that printed or logged it."""
+        stream = data["stream"]
+        redactor = self._redactors.get(stream)
+        if redactor is None:
+            redactor = self._redactors[stream] = LineRedactor()
+        text = redactor(data["text"])
+        return data if text is data["text"] else {**data, "text": text}
 
     def _describe_hardware(self) -> dict | None:
         # Not in init(): NVML can take a second to start on a big host.
@@ -652,8 +671,9 @@ class Shipper(threading.Thread):
         if xadd_many is None or xadd_many.registered_client is not client:
             xadd_many = self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
         entries = ((kind, ep or epoch, seq, ts, step, data) for kind, ep, seq, ts, step, data in records)
+        ident = self.identity
         xadd_many(
-            keys=[self.key], args=wire.xadd_many_args(self.identity.run_id, self.identity.label, entries)
+            keys=[self.key], args=wire.xadd_many_args(ident.run_id, ident.label, entries, self._secrets)
         )
 
     def _sent(self, batch: Chunk | list[Record]) -> None:
@@ -669,7 +689,9 @@ class Shipper(threading.Thread):
         for spool in orphan_spools(
             self.options.spool_dir, self.identity.run_id, self.identity.label, os.getpid()
         ):
-            epoch = spool.recorded_epoch()
+            epoch, secret = spool.recorded_seal()
+            if epoch is not None and secret:
+                self._secrets.setdefault(epoch, secret)
             shipped = 0
             while True:
                 records, offset, _ = spool.read(self.options.batch_size)
@@ -678,6 +700,7 @@ class Shipper(threading.Thread):
                 if epoch is None and any(r.epoch == 0 for r in records):
                     # That process never reached Redis: its events get an epoch of their own.
                     epoch = self.lease.earlier_epoch(client)
+                    self._secrets[epoch] = self.lease.secret
                 self._send(records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)

@@ -31,6 +31,7 @@ DEMO_STEPS_ENV = "RUNBUS_DEMO_STEPS"
 DECODER_ENV = "RUNBUS_DECODER"
 DASHBOARD_URL_ENV = "RUNBUS_DASHBOARD_URL"
 QUIET_ENV = "RUNBUS_QUIET"
+REQUIRE_SEAL_ENV = "RUNBUS_REQUIRE_SEAL"
 # Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
 # process: a child that inherits the id learns whose it is.
 RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
@@ -43,6 +44,10 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 STORE_FILE = "runbus.db"
 # The ingester's stream decoders: its fast path (the default), and runbus.wire's reference.
 DECODERS = ("fast", "reference")
+# How long runbus's HTTP servers (`runbus serve`, `runbus ingest --http`) keep a connection that
+# has not sent a whole request head: from its opening, or from the end of its last response
+# (keep-alive). A client that never finishes its request (half-open, slowloris) is closed then.
+HTTP_IDLE_TIMEOUT = 15.0
 
 
 def redis_url(env: Mapping[str, str] | None = None) -> str:
@@ -68,9 +73,23 @@ _TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"", "0", "fals
 def quiet(env: Mapping[str, str] | None = None) -> bool:
     """RUNBUS_QUIET: 1/true/yes/on silences the line runbus.init() prints; unset or 0/false/no/off
     does not; anything else is a ValueError naming the variable."""
-    text = (os.environ if env is None else env).get(QUIET_ENV, "").strip().lower()
+    return _flag(QUIET_ENV, env)
+
+
+def require_seal(env: Mapping[str, str] | None = None) -> bool:
+    """RUNBUS_REQUIRE_SEAL: 1/true/yes/on makes ingesters refuse every entry without its epoch's
+    seal, also of labels no sealing producer wrote (docs/wire.md, Fencing); off by default. Any
+    other value is a CommandError: `runbus ingest` says so in one line."""
+    try:
+        return _flag(REQUIRE_SEAL_ENV, env)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _flag(name: str, env: Mapping[str, str] | None) -> bool:
+    text = (os.environ if env is None else env).get(name, "").strip().lower()
     if text not in _TRUE | _FALSE:
-        raise ValueError(f"{QUIET_ENV}={text[:40]!r} is not one of 1, true, yes, on, 0, false, no, off")
+        raise ValueError(f"{name}={text[:40]!r} is not one of 1, true, yes, on, 0, false, no, off")
     return text in _TRUE
 
 

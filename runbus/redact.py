@@ -3,6 +3,9 @@
 The producer applies `redact` to a run's config and `redact_argv` to its command line before they
 leave the process; the store and the pages apply them again to what they hold and show, for
 entries written by hand. `safe_url` and `redact_text` keep passwords out of log lines and errors.
+Console lines and log texts go through `redact_line` (redact_text behind a cheap screen), a
+stream's lines in order through a `LineRedactor`, which also hides a private key printed line by
+line.
 
 By name: a value whose key or option names a secret is shown as MARKER, unless it is null,
 true/false or empty (those hold no secret). The name is split into lower-case words (at `_`, `-`,
@@ -18,17 +21,19 @@ Harmless names that end in key or token (`sort_key`, `pad_token`) are hidden too
 costs one value on a page, a miss costs a credential.
 
 By shape, in any string, anywhere: a URL's password (userinfo or a secret query parameter, as
-`safe_url` masks it), `NAME=VALUE` and `"NAME": "VALUE"` pairs with a secret NAME, `Bearer` and
-`Basic` credentials, PEM private keys, and tokens with a known prefix (Hugging Face `hf_`, OpenAI
-and Anthropic `sk-`, GitHub `ghp_`/`github_pat_`, GitLab `glpat-`, Slack `xox?-`, AWS `AKIA`,
-JWTs). Long random strings without such a prefix are left alone: a 40-hex string is as often a
-git commit as an API key.
+`safe_url` masks it), `NAME=VALUE` and `"NAME": "VALUE"` pairs with a secret NAME, `Bearer`
+credentials (16 characters or more, or 6 or more that are not all letters: `Bearer abc.def.ghi`,
+not "bearer bonds") and `Basic` ones, PEM private keys, and tokens with a known prefix (Hugging
+Face `hf_`, OpenAI and Anthropic `sk-`, GitHub `ghp_`/`github_pat_`, GitLab `glpat-`, Slack
+`xox?-`, AWS `AKIA`, JWTs). Long random strings without such a prefix are left alone: a 40-hex
+string is as often a git commit as an API key.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -59,6 +64,7 @@ _HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _WORD_SEPARATORS = re.compile(r"[^A-Za-z0-9]+")
 
 
+@functools.lru_cache(maxsize=4096)  # log lines name the same few keys (loss=, lr=) again and again
 def secret_name(name: str) -> bool:
     """Whether a key or option called `name` holds a secret (the rule is in the module docstring)."""
     words = [w for w in _WORD_SEPARATORS.split(_HUMP.sub("_", name).lower()) if w]
@@ -167,7 +173,7 @@ _TOKEN = re.compile(
     r"|AKIA[0-9A-Z]{16}"
     r"|eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})"
 )
-_BEARER = re.compile(r"\b(?P<scheme>Bearer)\s+[A-Za-z0-9._~+/\-]{16,}=*", re.IGNORECASE)
+_BEARER = re.compile(r"\b(?P<scheme>Bearer)\s+(?P<value>[A-Za-z0-9._~+/\-]{6,}=*)", re.IGNORECASE)
 _BASIC = re.compile(r"\b(?P<scheme>Basic)\s+(?P<value>[A-Za-z0-9+/]{8,}={0,2})", re.IGNORECASE)
 _PEM = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)", re.DOTALL)
 
@@ -177,18 +183,107 @@ def redact_text(text: str, known: Iterable[str] = ()) -> str:
     the module docstring), and every string in `known` too (see `url_secrets`)."""
     for secret in known:
         text = text.replace(secret, MARKER)
+    return _redacted_shapes(text, every_pair=True)
+
+
+def redact_line(text: str) -> str:
+    """`text` as redact_text shows it, for a log line: NAME=VALUE and "NAME": "VALUE" pairs are
+    read only where a secret word stands whole in the line once `_`, `-` and `.` are taken out
+    (a word broken by another character, `pass/word=x`, is not looked for in log lines)."""
+    return _redacted_shapes(text, every_pair=False)
+
+
+# Substrings each pattern needs: most lines hold none, and a few substring checks cost far less
+# than running the patterns over them.
+_TOKEN_MARKS = (
+    "hf_", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "xox", "AKIA", "eyJ",
+)  # fmt: skip
+# Every _STRONG word, last word and ending holds one of these.
+_NAME_STEMS = ("secret", "pass", "credential", "sig", "key", "token", "auth", "pwd", "cookie")
+
+
+def _may_name_a_secret(text: str) -> bool:
+    joined = text.lower().replace("_", "").replace("-", "").replace(".", "")
+    return any(stem in joined for stem in _NAME_STEMS)
+
+
+def _redacted_shapes(text: str, every_pair: bool) -> str:
+    """`text` through each pattern whose marks it holds; its pairs only where a secret word
+    stands whole (_may_name_a_secret) unless `every_pair`."""
     if "://" in text:
         text = _URL.sub(lambda m: safe_url(m[0]), text)
-    if "=" in text:
-        text = _PAIR.sub(_masked_pair, text)
-    if ":" in text:
-        text = _QUOTED_PAIR.sub(_masked_pair, text)
-    text = _TOKEN.sub(MARKER, text)
-    text = _BEARER.sub(lambda m: f"{m['scheme']} {MARKER}", text)
-    text = _BASIC.sub(_masked_basic, text)
+    equals = "=" in text
+    quoted = ":" in text and ('"' in text or "'" in text)
+    if (equals or quoted) and (every_pair or _may_name_a_secret(text)):
+        if equals:
+            text = _PAIR.sub(_masked_pair, text)
+        if quoted:
+            text = _QUOTED_PAIR.sub(_masked_pair, text)
+    for mark in _TOKEN_MARKS:
+        if mark in text:
+            text = _TOKEN.sub(MARKER, text)
+            break
+    low = text.lower()
+    if "bearer" in low:
+        text = _BEARER.sub(_masked_bearer, text)
+    if "basic" in low:
+        text = _BASIC.sub(_masked_basic, text)
     if "-----BEGIN" in text:
         text = _PEM.sub(MARKER, text)
     return text
+
+
+_PEM_BEGIN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
+_PEM_END = re.compile(r"-----END [A-Z ]*PRIVATE KEY-----")
+# What a line of a PEM key's body can be: base64, an RFC 1421 header, blank.
+_PEM_BODY = re.compile(r"\s*(?:[A-Za-z0-9+/=]*|(?:Proc-Type|DEK-Info|Comment):.*)\s*")
+
+
+class LineRedactor:
+    """Redacts one stream's lines in their order (`redact_line`), and hides a PEM private key that
+    the stream writes over several lines: every line from its BEGIN line through its END line, or
+    up to the first line that cannot be a key's (a key cut short). Not thread-safe: one per stream."""
+
+    __slots__ = ("_key_prefix",)
+
+    def __init__(self) -> None:
+        # Inside a key: what preceded its BEGIN on that line (`[rank0]: `, repeated on each line).
+        self._key_prefix: str | None = None
+
+    def __call__(self, text: str) -> str:
+        if self._key_prefix is not None:
+            rest = self._past_key(text, self._key_prefix)
+            if rest is None:
+                return MARKER
+            text = rest
+        self._key_prefix = _open_key(text)
+        return redact_line(text)
+
+    def _past_key(self, text: str, prefix: str) -> str | None:
+        """`text` with the key's lines it starts with as MARKER; None when it is all the key's."""
+        lines = text.split("\n")
+        for index, line in enumerate(lines):
+            end = _PEM_END.search(line)
+            if end:
+                self._key_prefix = None
+                return "\n".join([MARKER + line[end.end() :], *lines[index + 1 :]])
+            body = line[len(prefix) :] if prefix and line.startswith(prefix) else line
+            if not _PEM_BODY.fullmatch(body):
+                self._key_prefix = None
+                return text if index == 0 else "\n".join([MARKER, *lines[index:]])
+        return None
+
+
+def _open_key(text: str) -> str | None:
+    """What precedes, on its line, a PEM private key's BEGIN that `text` does not END; else None."""
+    if "-----BEGIN" not in text:
+        return None
+    last = None
+    for match in _PEM_BEGIN.finditer(text):
+        last = match
+    if last is None or _PEM_END.search(text, last.end()):
+        return None
+    return text[text.rfind("\n", 0, last.start()) + 1 : last.start()]
 
 
 def _masked_pair(match: re.Match[str]) -> str:
@@ -196,6 +291,12 @@ def _masked_pair(match: re.Match[str]) -> str:
         return match[0]
     mark = match["value"][0] if match["value"][0] in "\"'" else ""
     return match[0][: match.start("value") - match.start()] + f"{mark}{MARKER}{mark}"
+
+
+def _masked_bearer(match: re.Match[str]) -> str:
+    # A credential is long, or more than a word ("Bearer abc.def.ghi"): "bearer bonds" is prose.
+    value = match["value"]
+    return f"{match['scheme']} {MARKER}" if len(value) >= 16 or not value.isalpha() else match[0]
 
 
 def _masked_basic(match: re.Match[str]) -> str:

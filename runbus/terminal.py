@@ -2,18 +2,20 @@
 
 A log line, a metric key or a dead-letter reason comes from whoever can write to Redis. Printed
 as it is, `ESC[2J` clears the screen, `ESC]52;c;…BEL` writes the clipboard, C1 `CSI` (U+009B)
-does what `ESC[` does on terminals that read C1 codes, and a bidi override (U+202E) makes the text
-read differently from what it is (CVE-2021-42574). `printable` writes each such character as its
-Python escape (`\\x1b`, `\\x9b`, `\\u202e`), so the rest of a sequence is plain, inert text.
+does what `ESC[` does on terminals that read C1 codes, and a bidi override (U+202E) or mark
+(U+200F) makes the text read differently from what it is (CVE-2021-42574). `printable` writes
+each such character as its Python escape (`\\x1b`, `\\x9b`, `\\u202e`), so the rest of a
+sequence is plain, inert text.
 """
 
 from __future__ import annotations
 
 import re
 
-# C0 controls except tab and newline, DEL, C1 controls, and the bidi embeddings, overrides and
-# isolates (LRE RLE PDF LRO RLO, LRI RLI FSI PDI).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 controls except tab and newline, DEL, C1 controls, the bidi marks (ALM LRM RLM), embeddings,
+# overrides and isolates (LRE RLE PDF LRO RLO, LRI RLI FSI PDI). The page's printable()
+# (dashboard/static/js/dom.js) shows the same characters.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:

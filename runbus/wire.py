@@ -8,6 +8,9 @@ runbus.ingester.decoding, is tested to give exactly its results and errors.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import math
 import re
 import secrets
@@ -139,6 +142,14 @@ def claim_holder(held: bytes | str | None) -> str | None:
         return None
 
 
+def seal_key(run: str, label: str) -> str:
+    """A hash of the label's sealed epochs: field EPOCH holds the hex secret its producer seals
+    that epoch's entries with (written by its claim; kept FINISHED_TTL). Outside the
+    `runbus:{RUN}:*` keys (though in the run's slot: `{run}` is its hash tag), so that ACLs can let
+    producers write seals without reading them (README, Operations)."""
+    return f"{PREFIX}:seal:{{{run}}}:{label}"
+
+
 def lease_key(run: str, label: str) -> str:
     """A hash naming the one live process that writes this label (token, host, pid, …), with a
     TTL its heartbeats renew; deleted when it finishes."""
@@ -246,30 +257,119 @@ def encode_fields(
 
 
 # Adds many entries to one stream in one round trip: KEYS[1] is the stream, ARGV is the version,
-# run, label, then (kind, epoch, seq, ts, step or "", data) per entry. One call replaces a
+# run, label, then (kind, epoch, seq, ts, step or "", data, seal) per entry. One call replaces a
 # pipeline of XADDs, which costs the producer several times more CPU per event in redis-py.
 XADD_MANY_SCRIPT = """
 local key, version, run, label = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
-for i = 4, #ARGV, 6 do
+for i = 4, #ARGV, 7 do
   if ARGV[i + 4] == '' then
     redis.call('XADD', key, '*', 'v', version, 'kind', ARGV[i], 'run', run, 'label', label,
-      'epoch', ARGV[i + 1], 'seq', ARGV[i + 2], 'ts', ARGV[i + 3], 'data', ARGV[i + 5])
+      'epoch', ARGV[i + 1], 'seq', ARGV[i + 2], 'ts', ARGV[i + 3], 'data', ARGV[i + 5],
+      'seal', ARGV[i + 6])
   else
     redis.call('XADD', key, '*', 'v', version, 'kind', ARGV[i], 'run', run, 'label', label,
       'epoch', ARGV[i + 1], 'seq', ARGV[i + 2], 'ts', ARGV[i + 3], 'step', ARGV[i + 4],
-      'data', ARGV[i + 5])
+      'data', ARGV[i + 5], 'seal', ARGV[i + 6])
   end
 end
-return (#ARGV - 3) / 6
+return (#ARGV - 3) / 7
 """
 
 
-def xadd_many_args(run: str, label: str, entries) -> list:
-    """ARGV for XADD_MANY_SCRIPT from (kind, epoch, seq, ts, step, data) tuples."""
+def xadd_many_args(run: str, label: str, entries, secrets_by_epoch: dict[int, bytes]) -> list:
+    """ARGV for XADD_MANY_SCRIPT from (kind, epoch, seq, ts, step, data) tuples, each sealed with
+    its epoch's secret (`seal`); an epoch without a secret is sent with an empty seal."""
     args: list = [VERSION, run, label]
     for kind, epoch, seq, ts, step, data in entries:
-        args += (kind, epoch, seq, repr(ts), "" if step is None else step, data)
+        raw = data if isinstance(data, bytes) else data.encode()
+        secret = secrets_by_epoch.get(epoch)
+        stamp = b"" if secret is None else seal_event(secret, kind, epoch, seq, ts, step, raw)
+        args += (kind, epoch, seq, repr(ts), "" if step is None else step, raw, stamp)
     return args
+
+
+# -- fencing: which entries an epoch's lease holder wrote ------------------------------------------
+
+SEAL_FIELD = b"seal"
+# The fields a seal covers, in this order (a step-less entry's step as b"").
+SEALED_FIELDS = (b"kind", b"epoch", b"seq", b"ts", b"step", b"data")
+SEAL_LENGTH = 32  # hex digits: 128 bits
+
+
+def new_seal_secret() -> bytes:
+    """A fresh secret for the epochs one producer process writes (kept in its memory; its hex is
+    stored once per epoch in seal_key, for ingesters)."""
+    return secrets.token_bytes(32)
+
+
+def seal(secret: bytes, fields: Iterable[bytes]) -> bytes:
+    """The `seal` field of an entry: keyed BLAKE2b (a MAC; 128 bits, as 32 hex digits) under its
+    epoch's secret of its SEALED_FIELDS' bytes as written, joined by NUL (`data`, last, is the only
+    one that may hold a NUL). The run and label are the stream's, the epoch is the secret's."""
+    mac = keyed(secret).copy()
+    mac.update(b"\0".join(fields))
+    return mac.hexdigest().encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def keyed(secret: bytes) -> hashlib.blake2b:
+    """BLAKE2b keyed with `secret`, before any input: copied for each seal (keying costs as much
+    as sealing a short entry)."""
+    return hashlib.blake2b(key=secret, digest_size=SEAL_LENGTH // 2)
+
+
+def seal_event(
+    secret: bytes, kind: str, epoch: int, seq: int, ts: float, step: int | None, data: bytes
+) -> bytes:
+    """seal() of an entry as encode_fields and XADD_MANY_SCRIPT write it (ts by repr)."""
+    head = f"{kind}\0{epoch}\0{seq}\0{ts!r}\0{'' if step is None else step}".encode()
+    return seal(secret, (head, data))
+
+
+class Fence(NamedTuple):
+    """What an ingester knows of one label's epochs from Redis: the epochs sealed by a claim
+    (epoch -> secret), and the label's epoch counter (the last epoch issued; None if absent)."""
+
+    seals: dict[int, bytes]
+    counter: int | None
+
+    def knows(self, epoch: int) -> bool:
+        """Whether this record can judge entries of `epoch` without reading Redis again."""
+        if epoch in self.seals:
+            return True
+        return self.counter is not None and epoch <= self.counter and not self.sealed_from(epoch)
+
+    def sealed_from(self, epoch: int) -> bool:
+        """Whether the label's producers sealed `epoch` or an earlier epoch (the label was
+        written by a sealing runbus by then: its entries must carry seals)."""
+        return bool(self.seals) and min(self.seals) <= epoch
+
+
+def fence_reason(
+    event: Event, sealed: Iterable[bytes], stamp: bytes | None, fence: Fence, require_seal: bool
+) -> str | None:
+    """Why `event` (decoded from an entry whose SEALED_FIELDS and `seal` field read `sealed` and
+    `stamp`) is not its epoch's lease holder's, or None if it may be stored.
+
+    An epoch the label's producers sealed takes only entries with that epoch's seal. An epoch
+    above the label's counter was never issued. An unsealed entry is taken (as from an older
+    runbus, or written by hand) only below the label's first sealed epoch, and not at all under
+    `require_seal`.
+    """
+    secret = fence.seals.get(event.epoch)
+    if secret is not None:
+        if stamp is None or not stamp:
+            return f"entry of sealed epoch {event.epoch} carries no seal: not written by its lease holder"
+        if not hmac.compare_digest(seal(secret, sealed), stamp):
+            return f"seal does not match epoch {event.epoch}'s lease: not written by its lease holder"
+        return None
+    if fence.counter is not None and event.epoch > fence.counter:
+        return f"epoch {event.epoch} was never issued to this label (its counter is at {fence.counter})"
+    if fence.sealed_from(event.epoch):
+        return f"epoch {event.epoch} was not sealed by a lease of this label"
+    if require_seal:
+        return f"entry of epoch {event.epoch} carries no seal (the ingester requires seals)"
+    return None
 
 
 # An entry as a raw XREADGROUP reply holds it: [name, value, name, value, ...] in the order it

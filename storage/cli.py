@@ -179,7 +179,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             run.run_id, label=args.label, level=args.level, grep=args.grep, limit=args.limit
         )
 
-    found = read(args.store, lines)
+    found = documents.shown_log_lines(read(args.store, lines))
     if args.json:
         print(documents.dumps([documents.log_document(line) for line in found]))
         return 0

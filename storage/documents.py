@@ -1,19 +1,19 @@
 """The JSON documents the CLI prints and the dashboard's API answers: one shape for each record.
 
-A run's metadata (config, summary, name, tags) is shown redacted (`runbus.redact`) even where the
-store holds it as written by hand; the CLI's JSON text has the controls a terminal would obey
-escaped (`json_printable`).
+A run's metadata (config, summary, name, tags) and its log lines are shown redacted
+(`runbus.redact`) even where the store holds them as written by hand or by an older runbus; the
+CLI's JSON text has the controls a terminal would obey escaped (`json_printable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, replace
 from typing import Any
 
 import orjson
 
-from runbus.redact import redact, redact_text
+from runbus.redact import LineRedactor, redact, redact_text
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.terminal import json_printable
 from runbus.wire import finite_to_wire
@@ -148,8 +148,22 @@ def point_document(point: Point) -> dict[str, Any]:
     }
 
 
+def shown_log_lines(lines: Iterable[LogLine]) -> list[LogLine]:
+    """Log lines as they are shown, secrets redacted: each label's stream through its own
+    LineRedactor, so that a private key stored a line per row is hidden too."""
+    redactors: dict[tuple[str, str], LineRedactor] = {}
+    shown = []
+    for line in lines:
+        redactor = redactors.get((line.label, line.stream))
+        if redactor is None:
+            redactor = redactors[line.label, line.stream] = LineRedactor()
+        text = redactor(line.text)
+        shown.append(line if text is line.text else replace(line, text=text))
+    return shown
+
+
 def log_document(line: LogLine) -> dict[str, Any]:
-    """One log line, as `runbus logs --json` and the API's logs list it."""
+    """One log line, as `runbus logs --json` and the API's logs list it (of shown_log_lines)."""
     return {
         "label": line.label,
         "epoch": line.epoch,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from runbus import wire
 from runbus.errors import CommandError, MissingDependency
+from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
 from runbus.storage.cli import known_run
@@ -316,7 +317,7 @@ class _LogColumns:
         self.ts.extend([line.ts for line in page])
         self.stream += [line.stream for line in page]
         self.level += [line.level for line in page]
-        self.text += [line.text for line in page]
+        self.text += [redact_line(line.text) for line in page]
 
     def table(self) -> pd.DataFrame:
         import numpy as np

@@ -25,7 +25,7 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
-from runbus.storage.rules import LabelState, Setting, apply_events, crash, run_state
+from runbus.storage.rules import LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -753,6 +753,10 @@ class PostgresStore:
                 labels,
             )
             ids = {(row["run_id"], row["label"]): row["id"] for row in locked}
+            for row in locked:
+                beyond = out_of_reach(_label_state(row), by_label[row["run_id"], row["label"]])
+                if beyond is not None:  # the worker isolates the event and dead-letters it
+                    raise StoreRejected(f"{row['run_id']}/{row['label']}: {beyond}")
             fresh = await self._take_new(con, ids, by_label)
             updates = []
             seen_at = time.time()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from runbus.redact import LineRedactor, redact_line
 from runbus.storage.base import LabelSummary, RunSummary, SetBy
 from runbus.storage.rules import (
     LabelState,
@@ -184,7 +185,13 @@ def value_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tuple
             if e.kind == "system"
             for k, v in e.data.items()
         ]
-        logs += [(label_id, e.epoch, e.seq, e.ts, *log_columns(e)) for e in events if e.kind == "log"]
+        # A private key written a line per entry is hidden within the batch (runbus.redact).
+        redactors: dict[str, LineRedactor] = {}
+        for e in events:
+            if e.kind == "log":
+                stream = e.data["stream"]
+                redactor = redactors.get(stream) or redactors.setdefault(stream, LineRedactor())
+                logs.append((label_id, e.epoch, e.seq, e.ts, *log_columns(e, redactor)))
     return system, logs
 
 
@@ -335,10 +342,12 @@ def storable_text(value: str) -> str:
     return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
-def log_columns(event: Event) -> tuple[str, str, int, str]:
-    """(stream, level, levelno, text) of a log event."""
+def log_columns(event: Event, redacted: Callable[[str], str] = redact_line) -> tuple[str, str, int, str]:
+    """(stream, level, levelno, text) of a log event, its text `redacted`: the producer redacts
+    its own lines, not a line written by hand or by an older runbus."""
     level = str(event.data.get("level", "INFO"))
-    return event.data["stream"], storable_text(level), level_number(level), storable_text(event.data["text"])
+    text = storable_text(redacted(event.data["text"]))
+    return event.data["stream"], storable_text(level), level_number(level), text
 
 
 def label_summary(

@@ -169,6 +169,47 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
     )
 
 
+# How far beyond a label's highest stored seq (in its latest epoch, or from 0 in a newer one) an
+# event may lie, past what its producer reports dropping. A producer numbers its events 1, 2, 3 ...
+# and reports every seq it dropped, so a seq further ahead is no event of it: stored, it would
+# leave a gap of that many "missing" events forever.
+SEQ_REACH = 10_000_000
+
+
+def out_of_reach(label: LabelState, events: Sequence[Event]) -> str | None:
+    """Why one of `events` (one label's, in (epoch, seq) order) lies too far beyond what the label
+    has stored to be stored, or None: a seq more than SEQ_REACH past the label's highest stored
+    seq of its epoch, and past every seq the producer reports dropping (reports in `events`
+    count). Events of epochs older than the label's latest are not judged: their stored top is
+    not in `label`."""
+    if not events:
+        return None
+    if events[0].epoch == events[-1].epoch == label.epoch and events[-1].seq <= label.last_seq + SEQ_REACH:
+        return None  # the common case: the label's own epoch, within reach
+    for epoch, group in by_epoch(events).items():
+        if epoch < label.epoch:
+            continue
+        top = max(label.last_seq if epoch == label.epoch else 0, _reported_top(label, epoch, group))
+        for event in group:
+            if event.seq > top + SEQ_REACH:
+                return (
+                    f"seq {event.seq} of epoch {epoch} lies {event.seq - top:,} beyond the label's "
+                    f"highest stored or reported seq {top} (at most {SEQ_REACH:,}): no producer "
+                    "numbered it, and stored it would leave a gap forever"
+                )
+            top = max(top, event.seq)
+    return None
+
+
+def _reported_top(label: LabelState, epoch: int, events: Iterable[Event]) -> int:
+    """The highest seq of `epoch` its producer reports dropping, stored or in `events`."""
+    dropped = label.dropped
+    for event in events:
+        if event.kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
+            dropped = merge_dropped(dropped, epoch, event.data["dropped_ranges"])
+    return max((last for _, last in dropped.get(epoch, ())), default=0)
+
+
 def crash(label: LabelState) -> LabelState:
     """A running label whose heartbeats stopped: crashed at the position and time it reached,
     until an event beyond them says otherwise."""

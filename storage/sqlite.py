@@ -30,7 +30,7 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
-from runbus.storage.rules import LabelState, Setting, apply_events, crash, run_state
+from runbus.storage.rules import LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -815,9 +815,13 @@ class SQLiteStore:
                 chunk,
             )
         }
+        labels = {key: _label_state(key[0], row) for key, row in stored.items()}
+        for key, group in by_label.items():
+            beyond = out_of_reach(labels[key], group)
+            if beyond is not None:  # the worker isolates the event and dead-letters it
+                raise StoreRejected(f"{key[0]}/{key[1]}: {beyond}")
         fresh = self._take_new(con, rows.spans(by_label, {key: stored[key]["id"] for key in by_label}))
         seen_at = time.time()
-        labels = {key: _label_state(key[0], row) for key, row in stored.items()}
         for key, group in by_label.items():
             labels[key] = apply_events(labels[key], group)
         primaries = rows.settle_primaries(by_label, labels, self._primaries(con, runs), holders)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 
 import orjson
 import redis
+from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient
 
 from runbus import storage, wire
@@ -113,6 +115,39 @@ async def get_json(client: TestClient, path: str, status: int = 200, **params: A
     assert response.status == status, body
     assert response.content_type == "application/json"
     return orjson.loads(body)
+
+
+async def assert_idle_connections_closed(port: int, path: str, count: int = 200, within: float = 30) -> None:
+    """An HTTP server on 127.0.0.1:`port` with a short idle timeout closes `count` connections
+    that each send part of a request and never the rest, and one left idle after a whole
+    request (keep-alive), while it goes on answering GET `path` with 200."""
+
+    async def closed(reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(ConnectionResetError):
+            while await reader.read(65536):  # until the server closes it
+                pass
+
+    partial = [b"GET /heal", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "]
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count + 1)]
+    for index, (_, writer) in enumerate(connections[:count]):
+        writer.write(partial[index % len(partial)])
+    reader, writer = connections[count]
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    waits = asyncio.gather(*(closed(reader) for reader, _ in connections))
+    deadline = time.monotonic() + within
+    try:
+        async with ClientSession() as session:
+            while not waits.done():
+                assert time.monotonic() < deadline, "idle connections still open"
+                async with session.get(f"http://127.0.0.1:{port}{path}") as response:
+                    assert response.status == 200
+                await asyncio.wait([waits], timeout=0.1)
+        waits.result()
+    finally:
+        waits.cancel()
+        for _, writer in connections:
+            writer.close()
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:

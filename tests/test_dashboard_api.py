@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from runbus.dashboard import downsample, security
 from runbus.dashboard.api import create_app
-from tests.helpers import ingest, run_cli, xadd_event
+from tests.helpers import assert_idle_connections_closed, ingest, run_cli, xadd_event
 
 RUN = "resnet50-ddp"
 HOSTILE = "hostile-run"
@@ -490,6 +490,14 @@ def test_serve_refuses_other_addresses_without_a_token(store_url):
     )
     assert result.returncode == 1
     assert "refusing to listen on 0.0.0.0 without a token" in result.stderr and "--token" in result.stderr
+
+
+async def test_serve_closes_connections_that_never_send_a_whole_request(seeded):
+    """Half-open connections (a request line never finished) and idle keep-alive ones are closed
+    after --idle-timeout, while every other request is answered."""
+    with serve(seeded, "--idle-timeout", "1") as (url, _):
+        port = int(url.rstrip("/").rpartition(":")[2])
+        await assert_idle_connections_closed(port, "/api/runs")
 
 
 async def test_serve_with_a_token_never_prints_or_logs_it(seeded):

@@ -24,6 +24,7 @@ import orjson
 import pytest
 import redis
 
+from runbus.terminal import printable
 from tests import dashboard_seeds as seeds
 from tests.conftest import missing_server
 from tests.helpers import run_cli, xadd_event
@@ -756,6 +757,38 @@ def test_strings_from_the_bus_stay_text(page, site):
     assert page.evaluate("window.__pwned") is None
     assert page.evaluate("document.querySelectorAll('script').length") == 2  # uPlot and the page's
     assert page.locator("main img").count() == 0
+
+
+# Bidi overrides, isolates and marks, C0 (but tab and newline), DEL and C1 controls; none that CSS
+# strings rewrite (NUL, CR, LF, FF), so that the key still names its chart in a selector.
+OBEYED = "\u202eevil\u2066iso\u2069\u200elrm\u200frlm\u061calm\u202a\u202c|\x1b[2J\x07\x7f\x9b31m\x85"
+BIDI_RUN = "bidi-run"
+
+
+def test_bidi_and_control_characters_show_as_the_terminal_shows_them(page, site):
+    """A key and a log line holding characters a page would obey (U+202E makes a key read as
+    another) show each as its escape, exactly as `runbus logs` prints it (runbus.terminal)."""
+    url, store_url, redis_url = site
+    key, text = "train/loss" + OBEYED, "a line" + OBEYED + "\n\tnext"
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, BIDI_RUN, "rank0", "start", 1, 1, {"primary": True})
+        xadd_event(client, BIDI_RUN, "rank0", "metric", 1, 2, {key: 1.0}, step=1)
+        xadd_event(
+            client, BIDI_RUN, "rank0", "log", 1, 3, {"stream": "stdout", "level": "INFO", "text": text}
+        )
+        xadd_event(client, BIDI_RUN, "rank0", "finish", 1, 4, {"exit_code": 0})
+    run_cli("--store", store_url, "ingest", "--redis", redis_url, "--burst")
+    page.goto(f"{url}#/run/{BIDI_RUN}")
+    page.wait_for_selector("#log-list .log-row")
+    assert page.locator("#log-list .log-text").all_text_contents() == [printable(text)]
+    drawn(page, chart("metrics", key))  # the chart's requests name the key as it is
+    title = page.locator(f"{chart('metrics', key)} .chart-title")
+    assert title.text_content() == printable(key)
+    assert title.get_attribute("title") == printable(key)
+    shown = page.evaluate("document.body.innerText")
+    assert "\\u202eevil" in shown and not re.search(
+        "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]", shown
+    )
 
 
 def test_logs_follow_shows_new_lines(page, site):

@@ -311,6 +311,10 @@ def streams(draw) -> tuple[str, list[list[bytes] | None]]:
         "some": set(draw(st.lists(st.integers(0, count - 1), max_size=5))),
     }[draw(st.sampled_from(["none", "one", "one", "some"]))]
     epoch = draw(st.sampled_from([1, 2, 2**63 - 1]))
+    # As a sealing producer writes them (a trailing seal), as an older one or redis-cli does
+    # (none), or with an empty or junk seal: the decoders ignore it alike.
+    sealing = draw(st.sampled_from(["seal", "none", "empty", "junk"]))
+    secret = b"k" * 32
     flats: list[list[bytes] | None] = []
     for seq in range(1, count + 1):
         kind = draw(st.sampled_from(STREAMS[flavour]))
@@ -321,8 +325,17 @@ def streams(draw) -> tuple[str, list[list[bytes] | None]]:
             step = draw(st.one_of(st.integers(0, 100), st.integers(0, 2**63 - 1)))
         # Mostly within the accepted range (2000 to 2200), now and then beyond it either side.
         ts = draw(st.floats(min_value=9e8, max_value=7.3e9))
-        fields = wire.encode_fields(kind, RUN, LABEL, epoch, seq, ts, orjson.dumps(draw(data_of(kind))), step)
-        flats.append(draw(broken(as_read(fields))) if seq - 1 in bad else as_read(fields))
+        data = orjson.dumps(draw(data_of(kind)))
+        fields = wire.encode_fields(kind, RUN, LABEL, epoch, seq, ts, data, step)
+        flat = draw(broken(as_read(fields))) if seq - 1 in bad else as_read(fields)
+        if flat is not None and sealing != "none":
+            stamp = {
+                "seal": wire.seal_event(secret, kind, epoch, seq, ts, step, data),
+                "empty": b"",
+                "junk": b"x;",
+            }
+            flat += [wire.SEAL_FIELD, stamp[sealing]]
+        flats.append(flat)
     keys = [wire.stream_key(RUN, LABEL), wire.stream_key("other", LABEL), "runbus:{bad run}:rank0"]
     return draw(st.sampled_from(keys)) if draw(st.integers(0, 19)) == 0 else keys[0], flats
 
@@ -342,10 +355,11 @@ def test_the_fast_path_agrees_with_the_reference_on_whole_streams(stream):
     assert [outcomes(wire.decode_stream(key, [flat]))[0] for flat in flats] == reference
 
 
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
 @pytest.mark.parametrize("flavour", sorted(STREAMS))
-def test_clean_streams_are_decoded_by_columns(flavour):
+def test_clean_streams_are_decoded_by_columns(flavour, sealed):
     """The property above is not vacuous: a clean stream of tallies does take the columns path
-    (and a mixed one takes it for its metrics and system figures)."""
+    (and a mixed one takes it for its metrics and system figures), sealed or not."""
     key, flats = wire.stream_key(RUN, LABEL), []
     for seq, kind in enumerate(STREAMS[flavour] * 3, start=1):
         step = seq if kind == "metric" and flavour != "stepless" else None
@@ -353,12 +367,31 @@ def test_clean_streams_are_decoded_by_columns(flavour):
         data = {"primary": True} if kind == "start" else {"exit_code": 0} if kind == "finish" else data
         data = {"summary": {"loss": 0.5}, "tags": ["x"]} if kind == "meta" else data
         fields = wire.encode_fields(kind, RUN, LABEL, 1, seq, 1e9 + seq, orjson.dumps(data), step)
-        flats.append(as_read(fields))
+        flats.append(as_read(fields) + ([wire.SEAL_FIELD, b"0" * 32] if sealed else []))
     names = decoding._key_names(key)
     assert names is not None
     by_columns = decoding._decode_by_columns(key, names, flats)
     assert by_columns is not None and all(isinstance(e, wire.Event) for e in by_columns)
     assert by_columns == wire.decode_stream(key, flats)
+
+
+def test_sealed_streams_are_decoded_by_columns():
+    """A sealing producer's entries (a trailing seal) take the columns path too, as the same
+    Events as without seals."""
+    key, flats, sealed = wire.stream_key(RUN, LABEL), [], []
+    for seq in range(1, 20):
+        data = orjson.dumps({"loss": 0.5, "n": seq})
+        flat = as_read(wire.encode_fields("metric", RUN, LABEL, 1, seq, 1e9 + seq, data, seq))
+        flats.append(flat)
+        sealed.append([*flat, wire.SEAL_FIELD, wire.seal_event(b"k", "metric", 1, seq, 1e9 + seq, seq, data)])
+    names = decoding._key_names(key)
+    assert names is not None
+    assert decoding._decode_by_columns(key, names, sealed) is not None
+    assert (
+        decoding.decode_stream_fast(key, sealed)
+        == wire.decode_stream(key, sealed)
+        == wire.decode_stream(key, flats)
+    )
 
 
 def test_each_decoder_name_is_one_config_documents():

@@ -30,7 +30,15 @@ from runbus.ingester.localredis import free_port
 from runbus.ingester.process import GC_THRESHOLDS
 from runbus.ingester.stats import WorkerStats
 from runbus.ingester.worker import Worker, WorkerSettings
-from tests.helpers import ingest_command, pending_count, read_store, run_cli, store_group_async, xadd_event
+from tests.helpers import (
+    assert_idle_connections_closed,
+    ingest_command,
+    pending_count,
+    read_store,
+    run_cli,
+    store_group_async,
+    xadd_event,
+)
 from tests.test_supervisor import free_ports
 
 LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
@@ -80,9 +88,10 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 @contextlib.asynccontextmanager
-async def running(worker: Worker):
-    """The worker's loop and its ops server on a free loopback port; stopped on the way out."""
-    server = OpsServer(worker, "127.0.0.1", 0)
+async def running(worker: Worker, server: OpsServer | None = None):
+    """The worker's loop and its ops server (`server`, else one on a free loopback port); stopped
+    on the way out."""
+    server = server or OpsServer(worker, "127.0.0.1", 0)
     await server.start()
     task = asyncio.create_task(worker.async_run())
     try:
@@ -243,6 +252,13 @@ async def test_readyz_says_what_is_unreachable(store_url):
             assert response.status == 200
             samples = parse_metrics(await response.text())
         assert samples["runbus_reconnects_total"] >= 1 and "runbus_streams" not in samples
+
+
+async def test_connections_that_never_send_a_whole_request_are_closed(redis_url, store_url):
+    worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
+    server = OpsServer(worker, "127.0.0.1", 0, idle_timeout=1.0)
+    async with running(worker, server):
+        await assert_idle_connections_closed(server.port, "/healthz")
 
 
 async def test_readyz_is_ready_with_redis_and_store_and_refuses_foreign_hosts(redis_url, store_url):

@@ -7,12 +7,16 @@ import argparse
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runbus.redact import (
     MARKER,
     MAX_DEPTH,
+    LineRedactor,
     redact,
     redact_argv,
+    redact_line,
     redact_text,
     safe_url,
     secret_name,
@@ -238,3 +242,76 @@ def test_a_secret_used_as_a_key_is_hidden_by_its_shape():
         "nested": {"url redis://u:***@h/0": 2},
         "lr": 0.1,
     }
+
+
+# Pieces of log lines: whole secret words, shapes' marks, separators and plain words.
+FRAGMENTS = [
+    "password", "pass", "word", "api", "key", "Key", "token", "hf", "secret", "auth", "Bearer ",
+    "Basic ", "dXNlcjpwdw==", "abc.def.ghi", "sig", "cookie", "pwd", "credential", "private",
+    "_", "-", ".", "=", ":", " ", "/", "@", "://", "?", "&", '"', "'", "redis", "u", "x", "0",
+    "loss", "step", "-----BEGIN RSA PRIVATE KEY-----", "AKIA", "ABCDEFGHIJKLMNOP", "eyJ", "sk-",
+    "abcdefghijklmnopqrstuvwxyz0123", "\u00e9", "\t",
+]  # fmt: skip
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
+def test_redact_line_is_redact_text_for_any_line(text):
+    """redact_line's screen rules out only lines that redact_text leaves as they are."""
+    assert redact_line(text) == redact_text(text)
+
+
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        (
+            "redis://:hunter2pw@h Authorization: Bearer abc.def.ghi",
+            "redis://:***@h Authorization: Bearer ***",
+        ),
+        ("password=pw-in-log-42 token=t0k api_key=k3y", "password=*** token=*** api_key=***"),
+        ("psycopg: postgresql://alice:secret@db/x refused", "psycopg: postgresql://alice:***@db/x refused"),
+        ("epoch 3 loss=0.25 lr=1e-4 tokens/s=1200", "epoch 3 loss=0.25 lr=1e-4 tokens/s=1200"),
+        ("Bearer token expired; bearer bonds", "Bearer token expired; bearer bonds"),
+    ],
+)
+def test_redact_line(line, shown):
+    assert redact_line(line) == shown
+
+
+def test_a_private_key_printed_line_by_line_is_hidden_line_by_line():
+    redactor = LineRedactor()
+    lines = [
+        "before",
+        "[rank0]: -----BEGIN OPENSSH PRIVATE KEY-----",
+        "[rank0]: b3BlbnNzaC1rZXktdjEAAAAABG5vbmU=",
+        "[rank0]: ",
+        "[rank0]: -----END OPENSSH PRIVATE KEY----- password=x",
+        "after",
+        "-----BEGIN PRIVATE KEY-----",
+        "Proc-Type: 4,ENCRYPTED",
+        "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC",
+        "a key cut short: this line is not the key's",
+        "-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEI\n-----END EC PRIVATE KEY-----",
+        "the whole key in one line, and after it:",
+    ]
+    assert [redactor(line) for line in lines] == [
+        "before",
+        "[rank0]: ***",
+        MARKER,
+        MARKER,
+        "*** password=***",
+        "after",
+        MARKER,
+        MARKER,
+        MARKER,
+        "a key cut short: this line is not the key's",
+        MARKER,
+        "the whole key in one line, and after it:",
+    ]
+
+
+def test_a_key_over_multi_line_texts_is_hidden_to_its_end():
+    redactor = LineRedactor()
+    assert redactor("a record:\n-----BEGIN RSA PRIVATE KEY-----\nMIIE") == "a record:\n***"
+    assert redactor("MIIEbody\n-----END RSA PRIVATE KEY-----\nnext line") == "***\nnext line"
+    assert redactor("MIIEnot a key") == "MIIEnot a key"

@@ -8,11 +8,13 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runbus import wire
 from runbus.storage.rules import (
     CRASHED,
     FAILED,
     FINISHED,
     RUNNING,
+    SEQ_REACH,
     LabelState,
     RunState,
     Setting,
@@ -25,6 +27,7 @@ from runbus.storage.rules import (
     merge_ranges,
     merge_settings,
     missing_count,
+    out_of_reach,
     primary_claims,
     refuse,
     refused_claims,
@@ -33,7 +36,7 @@ from runbus.storage.rules import (
     standing_settings,
     take_new,
 )
-from runbus.wire import Event
+from runbus.wire import Event, Fence
 
 
 def ev(label: str, kind: str, epoch: int, seq: int, **data) -> Event:
@@ -395,3 +398,59 @@ def test_the_run_s_view_does_not_depend_on_arrival_order_or_duplicates(raw, rnd:
     shuffled = unique + rnd.sample(unique, len(unique) // 2)
     rnd.shuffle(shuffled)
     assert view(shuffled) == view(sorted(unique, key=lambda e: (e.label, e.epoch, e.seq)))
+
+
+# -- fencing: what no lease holder wrote changes nothing ---------------------------------------------
+
+
+def test_a_seq_beyond_reach_is_refused_and_a_reported_drop_extends_the_reach():
+    label = fold("rank0", [ev("rank0", "start", 5, 1, primary=True), ev("rank0", "metric", 5, 2, x=1)])
+    assert out_of_reach(label, [ev("rank0", "metric", 5, 2 + SEQ_REACH, x=1)]) is None
+    forged = ev("rank0", "finish", 5, 10**9, exit_code=7)
+    assert "seq 1000000000 of epoch 5 lies 999,999,998 beyond" in (out_of_reach(label, [forged]) or "")
+    # A newer epoch counts from 0; an older one is not judged (its stored top is not known here).
+    assert out_of_reach(label, [ev("rank0", "start", 6, 1 + SEQ_REACH, primary=True)]) is not None
+    assert out_of_reach(label, [ev("rank0", "metric", 4, 10**9, x=1)]) is None
+    # A chain of events within reach of each other passes; the producer's report of a drop too.
+    chain = [ev("rank0", "metric", 5, 2 + n * SEQ_REACH, x=1) for n in range(1, 4)]
+    assert out_of_reach(label, chain) is None
+    report = ev("rank0", "heartbeat", 5, 10**9 - 1, dropped_ranges=[[3, 10**9 - 2]])
+    assert out_of_reach(label, [report, forged]) is None
+
+
+def test_an_epoch_s_seal_covers_its_entry():
+    secret = wire.new_seal_secret()
+    entry = ev("rank0", "finish", 7, 3, exit_code=0)
+    data = b'{"exit_code":0}'
+    fields = [b"finish", b"7", b"3", repr(entry.ts).encode(), b"", data]
+    stamp = wire.seal_event(secret, "finish", 7, 3, entry.ts, None, data)
+    assert stamp == wire.seal(secret, fields) and len(stamp) == 32
+    sealed = Fence({7: secret}, 7)
+    assert wire.fence_reason(entry, fields, stamp, sealed, require_seal=False) is None
+    # Another exit code, seq or kind under the same seal, or another epoch's secret, is refused;
+    # so is no seal at all.
+    for at, value in [(5, b'{"exit_code":7}'), (2, b"1000000000"), (0, b"start")]:
+        other = [*fields[:at], value, *fields[at + 1 :]]
+        assert "seal does not match epoch 7" in (wire.fence_reason(entry, other, stamp, sealed, False) or "")
+    elsewhere = Fence({7: wire.new_seal_secret()}, 7)
+    assert "seal does not match" in (wire.fence_reason(entry, fields, stamp, elsewhere, False) or "")
+    assert "carries no seal" in (wire.fence_reason(entry, fields, None, sealed, False) or "")
+    assert "carries no seal" in (wire.fence_reason(entry, fields, b"", sealed, False) or "")
+    # An epoch never issued (above the counter), or not sealed in a label that seals, is refused.
+    late = entry._replace(epoch=99999999999999)
+    never = wire.fence_reason(late, fields, stamp, sealed, False)
+    assert "epoch 99999999999999 was never issued" in (never or "")
+    assert "was not sealed" in (wire.fence_reason(late, fields, stamp, Fence({7: secret}, None), False) or "")
+
+
+def test_unsealed_entries_are_taken_only_where_no_producer_sealed_yet():
+    entry = ev("rank0", "metric", 3, 1, x=1)
+    # A label written by an older runbus or by hand (no seals) takes them, up to its counter.
+    assert wire.fence_reason(entry, [], None, Fence({}, None), False) is None
+    assert wire.fence_reason(entry, [], None, Fence({}, 3), False) is None
+    assert "never issued" in (wire.fence_reason(entry, [], None, Fence({}, 2), False) or "")
+    # Below the label's first sealed epoch: its history from before the upgrade.
+    assert wire.fence_reason(entry, [], None, Fence({4: b"k"}, 4), False) is None
+    assert "not sealed" in (wire.fence_reason(entry, [], None, Fence({2: b"k"}, 4), False) or "")
+    # Under require_seal, none.
+    assert "requires seals" in (wire.fence_reason(entry, [], None, Fence({}, None), True) or "")

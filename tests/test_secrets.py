@@ -27,12 +27,12 @@ import redis
 from aiohttp.test_utils import TestClient, TestServer
 
 import runbus
-from runbus import wire
+from runbus import config, wire
 from runbus.dashboard.api import create_app
 from runbus.ingester.localredis import LocalRedis
 from runbus.redact import MARKER
 from tests.conftest import private_redis
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import get_json, ingest, read_store, run_cli, xadd_event
 from tests.pgserver import LocalPostgres
 
 RUN = "secret-run"
@@ -327,6 +327,156 @@ def test_a_store_holding_secrets_shows_them_redacted(redis_url, any_store):
         "db": {"url": "postgresql://u:***@db/x", "db_password": MARKER},
     }
     assert json.loads(shown["the API"])["config"] == doc["config"]
+
+
+# -- console lines ----------------------------------------------------------------------------------
+
+# Each shape of secret a console line can hold; each secret is a string found nowhere else.
+LINE_SECRETS = [
+    "hunter2pw", "abc.def.ghi", "pw-in-log-42", "tok-in-log-77", "key-in-log-88", "dsn-pw-in-log-7",
+    "MIIEpemBODYsecretLINE1", "pemBODYsecretLINE2xyz",
+]  # fmt: skip
+SHAPES = (
+    "redis://:hunter2pw@h Authorization: Bearer abc.def.ghi password=pw-in-log-42 token=tok-in-log-77"
+    " api_key=key-in-log-88 postgresql://alice:dsn-pw-in-log-7@db/x"
+)
+SHAPES_SHOWN = (
+    "redis://:***@h Authorization: Bearer *** password=*** token=*** api_key=*** postgresql://alice:***@db/x"
+)
+PEM_LINES = [
+    "-----BEGIN RSA PRIVATE KEY-----", "MIIEpemBODYsecretLINE1", "pemBODYsecretLINE2xyz==",
+    "-----END RSA PRIVATE KEY-----",
+]  # fmt: skip
+PEM = "\n".join(PEM_LINES)
+
+# Every way a line leaves a rank: print, logging (a record, a record with a traceback), a
+# traceback printed and one uncaught, log_text and the Run's logging handler, C's write(2) to
+# fds 1 and 2 and puts (stored under `runbus run` only), and a private key over several lines.
+CONSOLE_SCRIPT = f"""
+    import ctypes, logging, sys, traceback
+    SHAPES, PEM = {SHAPES!r}, {PEM!r}
+    libc = ctypes.CDLL(None)
+
+    def c_write(fd, text):
+        data = text.encode()
+        libc.write(fd, data, len(data))
+
+    run = None
+    if sys.argv[1] == "init":
+        import runbus
+        run = runbus.init(system_interval=None, hardware=False)
+    print("print:", SHAPES)
+    print(PEM)
+    log = logging.getLogger("train")
+    log.warning("logging: %s", SHAPES)
+    log.error("a logged key:\\n%s", PEM)
+    try:
+        raise ConnectionError("caught: " + SHAPES)
+    except ConnectionError:
+        traceback.print_exc()
+        log.exception("logging.exception")
+    if run is not None:
+        run.log_text("log_text: " + SHAPES)
+        handled = logging.getLogger("handled")
+        handled.propagate = False
+        handled.addHandler(run.logging_handler())
+        handled.warning("handler: %s", SHAPES)
+    c_write(1, "C stdout: " + SHAPES + "\\n")
+    c_write(2, "C stderr: " + SHAPES + "\\n")
+    libc.puts(("puts: " + SHAPES).encode())
+    libc.fflush(None)
+    c_write(1, "C key:\\n" + PEM + "\\n")
+    raise ConnectionError("uncaught: " + SHAPES)
+"""
+TAGS = ["print: ", "logging: ", "ConnectionError: caught: ", "ConnectionError: uncaught: "]
+TAGS_WITH_INIT = ["log_text: ", "handler: "]
+TAGS_OF_FDS = ["C stdout: ", "C stderr: ", "puts: "]
+
+
+def console_run(redis_url: str, tmp_path: Path, how: str) -> str:
+    """CONSOLE_SCRIPT run `how` (under `runbus run` with or without init(), or a plain process
+    calling init()); its run id. It ends with an uncaught exception: exit status 1."""
+    from tests.test_launch import clean_env, runbus_run, script
+
+    path = script(tmp_path, "console.py", CONSOLE_SCRIPT)
+    run_id = f"console-{how}"
+    env = clean_env(redis_url)
+    if how == "plain-init":
+        env[config.RUN_ID_ENV] = run_id
+        result = subprocess.run(
+            [sys.executable, path, "init"], env=env, capture_output=True, text=True, timeout=120
+        )
+    else:
+        mode = "init" if how == "run-init" else "no-init"
+        result = runbus_run("--run-id", run_id, "--", sys.executable, path, mode, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "hunter2pw" in result.stdout + result.stderr  # the terminal shows the script's own output
+    return run_id
+
+
+def api_logs(store_url: str, run_id: str) -> str:
+    async def get() -> str:
+        async with TestClient(TestServer(create_app(store_url))) as client:
+            return json.dumps(await get_json(client, f"/api/runs/{run_id}/logs", limit=5000))
+
+    return asyncio.run(get())
+
+
+def logs_shown(store_url: str, run_id: str) -> dict[str, str]:
+    """The run's log lines as every reader shows them: `runbus logs` (text, JSON), the API."""
+    return {
+        "runbus logs": run_cli("--store", store_url, "logs", run_id).stdout,
+        "runbus logs --json": run_cli("--store", store_url, "logs", run_id, "--json").stdout,
+        "the API": api_logs(store_url, run_id),
+    }
+
+
+@pytest.mark.parametrize("how", ["run-init", "run-no-init", "plain-init"])
+def test_console_secrets_never_leave_the_process(redis_url, store_url, tmp_path, how):
+    run_id = console_run(redis_url, tmp_path, how)
+    assert_no_secret("Redis", redis_contents(redis_url), LINE_SECRETS)
+    ingest(redis_url, store_url)
+    texts = [line.text for line in read_store(store_url, "logs", run_id)]
+    tags = TAGS + (TAGS_WITH_INIT if how != "run-no-init" else [])
+    tags += TAGS_OF_FDS if how != "plain-init" else []
+    for tag in tags:
+        assert any(text.endswith(tag + SHAPES_SHOWN) for text in texts), (tag, texts)
+    key_shown = [MARKER] * len(PEM_LINES)
+    assert any(texts[i : i + 4] == key_shown for i in range(len(texts))), texts
+    assert "a logged key:\n***\n" in "\n".join(texts)  # a record, or its lines (no init: stderr)
+    shown = {"the store": store_contents(store_url), **logs_shown(store_url, run_id)}
+    for where, text in shown.items():
+        assert_no_secret(where, text, LINE_SECRETS)
+        assert "redis://:***@h" in text, where
+
+
+def test_log_lines_written_by_hand_are_stored_and_shown_redacted(redis_url, any_store):
+    """An entry written by hand (or by an older runbus) in Redis: stored redacted, and shown
+    redacted by `runbus tail`; a store that holds such lines shows them redacted."""
+    lines = [SHAPES, *PEM_LINES, "after the key"]
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        for seq, text in enumerate(lines, 2):
+            xadd_event(
+                client, RUN, "rank0", "log", 1, seq, {"stream": "stdout", "level": "INFO", "text": text}
+            )
+        xadd_event(client, RUN, "rank0", "finish", 1, len(lines) + 2, {"exit_code": 0})
+    tail = runbus_bytes("tail", RUN, "--redis", redis_url, "--from-start").decode()
+    assert_no_secret("runbus tail", tail, LINE_SECRETS)
+    shown_lines = [SHAPES_SHOWN, *[MARKER] * len(PEM_LINES), "after the key"]
+    assert [line.partition("| ")[2] for line in tail.splitlines()] == shown_lines
+    ingest(redis_url, any_store)
+    assert_no_secret("the store", store_contents(any_store), LINE_SECRETS)
+
+    # A store written before lines were redacted at ingest: one row per line of the key.
+    for seq, text in enumerate(lines, 2):
+        quoted = text.replace("'", "''")
+        store_execute(any_store, f"UPDATE logs SET text = '{quoted}' WHERE seq = {seq}")
+    assert "hunter2pw" in store_contents(any_store)
+    for where, text in logs_shown(any_store, RUN).items():
+        assert_no_secret(where, text, LINE_SECRETS)
+    shown = json.loads(logs_shown(any_store, RUN)["runbus logs --json"])
+    assert [line["text"] for line in shown] == shown_lines
 
 
 # -- workers given passwords in their URLs ----------------------------------------------------------

@@ -19,6 +19,7 @@ from runbus.ingester.localredis import free_port
 from runbus.storage import LogLine, RunSummary, Store, open_store
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
+from runbus.storage.rules import SEQ_REACH
 from runbus.wire import Event
 from tests.helpers import OpenStore
 from tests.pgserver import LocalPostgres, create_database, public_tables
@@ -851,12 +852,11 @@ async def test_a_store_must_be_connected(any_store_url: str) -> None:
 @pytest.mark.parametrize(
     "refused",
     [
-        metric(2**63 - 1, {"x": 1.0}),
         finish(9, exit_code=2**63),
         finish(9, exit_code=-(2**63) - 1),
         metric(9, {"x": 1.0}, step=2**63),  # the wire refuses it; the store must too (COPY)
     ],
-    ids=["seq 2**63-1", "exit code 2**63", "exit code -2**63-1", "step 2**63"],
+    ids=["exit code 2**63", "exit code -2**63-1", "step 2**63"],
 )
 async def test_data_beyond_the_store_s_integers_is_rejected_and_the_batch_left_out(
     store: Store, refused: Event
@@ -873,6 +873,29 @@ async def test_data_beyond_the_store_s_integers_is_rejected_and_the_batch_left_o
     run = await store.run(RUN)
     assert run is not None
     assert (run.state, run.exit_code, run.counts["metric"]) == ("finished", 0, 1)
+
+
+@pytest.mark.parametrize("seq", [3 + SEQ_REACH, 2**63 - 1])
+async def test_a_seq_far_beyond_the_label_s_is_rejected_and_the_batch_left_out(
+    store: Store, seq: int
+) -> None:
+    # No producer numbers an event that far ahead (it reports what it drops): stored, it would
+    # leave a gap of that many missing events forever. (At 2**63-1 the store's integers would
+    # also overflow on its neighbour.)
+    await store.write([start(1, primary=True)])
+    with pytest.raises(StoreRejected, match="beyond the label's highest stored or reported seq 2 "):
+        await store.write([metric(2, {"x": 2.0}, step=2), metric(seq, {"x": 1.0})])
+    assert await store.metrics(RUN) == []
+    # One SEQ_REACH ahead is within reach, and further as far as the producer reports dropping.
+    assert await store.write([metric(1 + SEQ_REACH, {"x": 2.0})]) == 1
+    far = 5 * SEQ_REACH
+    report = event("heartbeat", far - 1, {"dropped_ranges": [[2 + SEQ_REACH, far - 2]]})
+    assert await store.write([report, metric(far, {"x": 3.0}), finish(far + 1)]) == 3
+    run = await store.run(RUN)
+    assert run is not None
+    gap = run.labels[0].gaps[-1]
+    assert (run.state, run.exit_code) == ("finished", 0)
+    assert (gap.first, gap.last, gap.dropped) == (2 + SEQ_REACH, far - 2, far - 3 - SEQ_REACH)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -218,3 +218,61 @@ def test_labels_get_their_own_colour_on_a_terminal(redis_url):
     ]
     assert format_line("rank0", 6, "zero", "36") == "\x1b[36mrank0  |\x1b[0m zero"
     assert format_line("rank0", 6, "zero", None) == "rank0  | zero"
+
+
+PRIMARY = """
+import sys, time, runbus
+run = runbus.init(run_id=sys.argv[1], system_interval=None, hardware=False)
+
+def shipped(message):
+    deadline = time.monotonic() + 60
+    while run.buffered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.__stderr__.write(message + "\\n")
+    sys.__stderr__.flush()
+
+shipped("started")
+sys.stdin.readline()
+print("a last line", flush=True)
+if sys.argv[2] == "killed":
+    shipped("shipped")
+    time.sleep(120)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("ending", "last_line"),
+    [("0", "finished"), ("3", "failed (exit 3)"), ("killed", "crashed")],
+    ids=["finished", "failed", "crashed"],
+)
+def test_tail_ends_at_the_runs_end_with_a_last_line_saying_how(
+    redis_url, store_url, tail_process, ending, last_line
+):
+    run_id = f"tail-ends-{ending}"
+    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_QUIET": "1"}
+    with subprocess.Popen(
+        [sys.executable, "-c", PRIMARY, run_id, ending],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as primary:
+        try:
+            assert primary.stderr.readline() == "started\n"
+            tail = tail_process(run_id, "--store", store_url)
+            tail.wait_ready()
+            primary.stdin.write("go\n")
+            primary.stdin.flush()
+            if ending == "killed":
+                # SIGKILL: no finish is ever sent; the ingester marks the silent primary crashed.
+                assert primary.stderr.readline() == "shipped\n"
+                primary.kill()
+                primary.wait(30)
+                ingest(redis_url, store_url, crash_after=0.0)
+            assert tail.line(timeout=30) == "rank0 | a last line"
+            assert tail.wait(timeout=60) == 0
+        finally:
+            primary.kill()
+    assert tail.err[-1] == f"runbus: run {run_id} {last_line}"

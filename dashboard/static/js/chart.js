@@ -3,7 +3,7 @@
 // the page's settings (x axis, smoothing, hidden and shown labels) and its zoom are shared by
 // every panel of the page through `page`.
 
-import { clock, count, dateTime, download, el, elapsed, compact, swatch, value } from './dom.js';
+import { clock, count, dateTime, download, el, elapsed, compact, printable, swatch, value } from './dom.js';
 import { envelopesOf, plan } from './plan.js';
 
 const HEIGHT = 210;
@@ -92,7 +92,7 @@ export class Panel {
   // New data: parts as plan() takes them, and the line under the title.
   show(parts, info) {
     this.parts = parts;
-    this.info.textContent = info || '';
+    this.info.textContent = printable(info || '');
     this.render();
   }
 
@@ -227,7 +227,7 @@ export class Panel {
       ctx.lineTo(x, top + height);
       ctx.stroke();
       ctx.setLineDash([]);
-      const text = '↻ ' + restart.text;
+      const text = '↻ ' + printable(restart.text);
       const wide = ctx.measureText(text).width;
       // Right of the line, or left of it near the right edge.
       const x0 = x + 3 * ratio + wide > left + width ? x - 3 * ratio - wide : x + 3 * ratio;
@@ -408,7 +408,7 @@ export class Panel {
     ctx.fillRect(0, 0, canvas.width, canvas.height);
     ctx.fillStyle = '#182033';
     ctx.font = `600 ${13 * ratio}px system-ui, sans-serif`;
-    ctx.fillText(this.title, 8 * ratio, 17 * ratio);
+    ctx.fillText(printable(this.title), 8 * ratio, 17 * ratio);
     ctx.drawImage(source, 0, titleHeight);
     canvas.toBlob((blob) => download(fileName(this.title) + '.png', blob), 'image/png');
   }

@@ -1,14 +1,31 @@
 // Building the page and writing numbers and times. Every string from the bus reaches the page
-// through el() (textContent, attribute values, dataset): never as markup.
+// through el() (textContent, attribute values, dataset): never as markup, and the text people
+// read (text, titles, labels) through printable().
 
 export const STATES = new Set(['running', 'finished', 'failed', 'crashed']);
+
+// The characters runbus/terminal.py shows as escapes: C0 controls but tab and newline, DEL, C1
+// controls, and the bidi marks, embeddings, overrides and isolates. Obeyed, U+202E makes a key
+// read as another (CVE-2021-42574).
+const CONTROL = /[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+
+// `text` with each such character written as its escape (`\x1b`, `\u202e`), as the terminal does.
+export function printable(text) {
+  return String(text).replace(CONTROL, (c) => {
+    const code = c.charCodeAt(0);
+    return code < 0x100 ? '\\x' + code.toString(16).padStart(2, '0') : '\\u' + code.toString(16).padStart(4, '0');
+  });
+}
+
+// Attributes a person reads; the others (value, href, dataset) keep the string as it is.
+const READ = new Set(['title', 'aria-label', 'placeholder', 'alt']);
 
 export function el(tag, props, ...children) {
   const node = document.createElement(tag);
   setProps(node, props);
   for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
-    node.append(child instanceof Node ? child : String(child));
+    node.append(child instanceof Node ? child : printable(child));
   }
   return node;
 }
@@ -19,7 +36,8 @@ function setProps(node, props) {
     if (name === 'class') node.className = value;
     else if (name === 'dataset') Object.assign(node.dataset, value);
     else if (name.startsWith('on')) node.addEventListener(name.slice(2), value);
-    else node.setAttribute(name, value === true ? '' : String(value));
+    else if (value === true) node.setAttribute(name, '');
+    else node.setAttribute(name, READ.has(name) ? printable(value) : String(value));
   }
 }
 
@@ -38,7 +56,7 @@ export function swatch(color) {
 export function setStatus(kind, text) {
   const status = document.getElementById('status');
   status.className = 'status status-' + kind;
-  status.textContent = text;
+  status.textContent = printable(text);
 }
 
 export function setCrumbs(...items) {

@@ -2,7 +2,7 @@
 // its ratio to that step bucket's median across labels) and the table of the slowest labels,
 // chronic (behind in most buckets) or one-off (one bad stretch), with how far behind they are.
 
-import { count, duration, el, swatch, value } from './dom.js';
+import { count, duration, el, printable, swatch, value } from './dom.js';
 import { labelColor } from './colors.js';
 
 const MAX_HEIGHT = 560;
@@ -66,7 +66,7 @@ export function stragglerView(data, { hostOf = () => null, labelClicked = () => 
     const every = Math.ceil(12 / rowHeight);
     order.forEach((i, row) => {
       if (row % every) return;
-      ctx.fillText(labels[i].slice(0, 12), 4, 3 + row * rowHeight + rowHeight / 2);
+      ctx.fillText(printable(labels[i]).slice(0, 12), 4, 3 + row * rowHeight + rowHeight / 2);
     });
     ctx.textBaseline = 'alphabetic';
     const ticks = Math.min(buckets.length, 8);
