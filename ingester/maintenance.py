@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError, WatchError
 
 from runbus import wire
@@ -68,8 +69,10 @@ async def trim(redis: AsyncClient, key: str, retain_s: float, approximate: bool 
 async def memory_use(redis: AsyncClient) -> float | None:
     """Redis's used_memory as a share of its maxmemory (a cluster's fullest node); None when no
     maxmemory is set."""
-    info = await redis.info("memory")
-    # A cluster client answers {node: info} for its nodes, a server client the info itself.
+    if isinstance(redis, RedisCluster):
+        info = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)  # {node: its info}
+    else:
+        info = await redis.info("memory")
     replies = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
     shares = [int(r["used_memory"]) / int(r["maxmemory"]) for r in replies if int(r.get("maxmemory", 0))]
     return max(shares, default=None)
