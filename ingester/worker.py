@@ -127,6 +127,9 @@ class WorkerSettings:
     retain: float = 3600.0
     crash_after: float = 120.0
     maintenance_interval: float = 30.0
+    # How often Redis's memory is looked at: above maintenance.MEMORY_TRIM_AT of its maxmemory,
+    # acknowledged entries are trimmed whatever --retain says.
+    memory_interval: float = 1.0
     max_backoff: float = 5.0
     # With burst: stop (GaveUp) once Redis or the store has been unreachable this long; 0: never.
     give_up_after: float = 300.0
@@ -278,6 +281,8 @@ class Worker:
         self.gave_up: GaveUp | None = None
         # Per run: the label holding the producers' live primary claim when first read, or None.
         self._claim_holders: dict[str, str | None] = {}
+        self._next_memory_check = 0.0
+        self._memory_pressed = False  # above MEMORY_TRIM_AT at the last look (logged once)
         self._fences = Fences(self.settings.require_seal)
         # The entries this worker has read and not yet acknowledged or given up, by stream: its
         # batches, the one read ahead, what it claimed. Kept alive (_keep_alive), never claimed
@@ -533,6 +538,7 @@ class Worker:
                             continue
                         if not await self._with_redis(lambda: self._discovery.refresh(force=True)):
                             break
+                await self._relieve_memory(now)
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
                     await commits.settle()
@@ -703,6 +709,30 @@ class Worker:
             stats.crashed += await maintenance.mark_crashed(self.store, settings.crash_after)
         except StoreError as exc:
             log.warning("crash detection skipped: %s", exc)
+
+    async def _relieve_memory(self, now: float) -> None:
+        """Every memory_interval: when Redis nears its maxmemory, trim acknowledged entries
+        whatever their age, so producers refused with -OOM can ship again."""
+        if now < self._next_memory_check:
+            return
+        self._next_memory_check = now + self.settings.memory_interval
+        try:
+            share, trimmed = await maintenance.trim_for_memory(self._redis, list(self._discovery.streams))
+        except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            log.debug("memory check skipped: %s", exc)
+            return
+        self.stats.trimmed += trimmed
+        pressed = share is not None and share >= maintenance.MEMORY_TRIM_AT
+        if share is not None and pressed and not self._memory_pressed:
+            log.warning(
+                "Redis holds %.0f%% of its maxmemory: trimming acknowledged entries whatever their "
+                "age (--retain %.0fs) while above %.0f%% (%d trimmed now)",
+                share * 100,
+                self.settings.retain,
+                maintenance.MEMORY_TRIM_AT * 100,
+                trimmed,
+            )
+        self._memory_pressed = pressed
 
     async def _release_consumer(self) -> None:
         for key in list(self._discovery.streams):
