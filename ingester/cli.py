@@ -23,6 +23,13 @@ def _ops_address(text: str) -> tuple[str, int]:
     return parse_address(text)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_ingest(parser: argparse.ArgumentParser) -> None:
     add_redis_option(parser, "redis+cluster://host:port,... for a cluster")
     add_store_option(parser)
@@ -33,14 +40,45 @@ def add_ingest(parser: argparse.ArgumentParser) -> None:
         "receives every event; `runbus` was the default of every store before)",
     )
     parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
-    parser.add_argument("--burst", action="store_true", help="process what is there, then exit 0")
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="process what is there (nothing new, nothing of its own pending), then exit 0",
+    )
+    parser.add_argument(
+        "--give-up-after",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="with --burst: exit 1 with one error line once Redis or the store has been unreachable "
+        "this long (default %(default)s; 0: never); without --burst workers retry for ever",
+    )
+    parser.add_argument(
+        "--from",
+        dest="start_from",
+        choices=("start", "now"),
+        default="start",
+        help="where a stream new to the group is read from: `start`, its first entry (the "
+        "default: a fresh store ingests every run still in Redis), or `now`, entries written "
+        "after the group's first `--from now` (kept in Redis: restarts keep it); a group "
+        "already on a stream keeps its position",
+    )
     parser.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
+    parser.add_argument(
+        "--batch-rows",
+        type=_positive,
+        default=200_000,
+        metavar="ROWS",
+        help="rows one store transaction writes at most (an event's values, plus one per event); "
+        "a bigger read is written in several, acknowledged after the last (default %(default)s)",
+    )
     parser.add_argument(
         "--claim-idle",
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="claim other consumers' entries pending this long (default %(default)s)",
+        help="claim other consumers' entries pending this long, never the worker's own in "
+        "flight, which it keeps alive (default %(default)s)",
     )
     parser.add_argument(
         "--max-deliveries",
@@ -110,6 +148,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         group=args.group or "",
         burst=args.burst,
         batch_size=args.batch_size,
+        batch_rows=args.batch_rows,
+        give_up_after=args.give_up_after,
+        start_from=args.start_from,
         claim_idle=args.claim_idle,
         max_deliveries=args.max_deliveries,
         drain_timeout=args.drain_timeout,

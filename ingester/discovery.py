@@ -55,9 +55,15 @@ class Discovery:
         registry_interval: float = 0.25,
         scan_interval: float = 10.0,
         only_runs: frozenset[str] | None = None,
+        start_id: str = "0",
     ) -> None:
         self.redis = redis
         self.group = group
+        # Where the group, made on a stream, starts reading it: "0", its first entry, or the
+        # id where `runbus ingest --from now` started the group.
+        self.start_id = start_id
+        # The streams the group was made on (not there before) by the latest refresh.
+        self.made: list[str] = []
         self.registry_interval = registry_interval
         self.scan_interval = scan_interval
         self.only_runs = only_runs
@@ -75,6 +81,7 @@ class Discovery:
         """Check the registry (and scan when due, or when `force`); return the new streams."""
         now = time.monotonic()
         found: list[bytes] = []
+        self.made = []
         if force or now >= self._next_registry:
             self._next_registry = now + self.registry_interval
             found += await self._registry_members(force)
@@ -145,12 +152,13 @@ class Discovery:
             log.warning("%d unreadable keys skipped; more are skipped without a log line", MAX_SKIPPED)
 
     async def ensure_group(self, key: str) -> bool:
-        """Create the group on `key` (from id 0: a group made after the first entries still
-        reads them all); False, logged once, if `key` holds something other than a stream, and
-        False if there is no `key` (yet): the key is never created here, so a stream deleted
-        meanwhile (the demo's, removed while a worker discovers it) stays deleted."""
+        """Create the group on `key` at start_id (from id 0 unless `--from now`: a group made
+        after the first entries still reads them all); False, logged once, if `key` holds
+        something other than a stream, and False if there is no `key` (yet): the key is never
+        created here, so a stream deleted meanwhile (the demo's, removed while a worker
+        discovers it) stays deleted. A group already on `key` keeps its position."""
         try:
-            await self.redis.xgroup_create(key, self.group, id="0")
+            await self.redis.xgroup_create(key, self.group, id=self.start_id)
         except ResponseError as exc:
             if "BUSYGROUP" in str(exc):
                 return True
@@ -162,6 +170,7 @@ class Discovery:
             self.not_a_stream(key)
             return False
         self._absent.pop(key, None)
+        self.made.append(key)
         return True
 
     def _absent_now(self, key: str) -> None:

@@ -1,5 +1,5 @@
-"""Housekeeping between batches: trimming stored entries, retiring idle consumers and empty
-streams, and marking labels whose heartbeats stopped as crashed."""
+"""Housekeeping between batches: trimming stored entries (by age, and by Redis's memory), retiring
+idle consumers and empty streams, and marking labels whose heartbeats stopped as crashed."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError, WatchError
 
 from runbus import wire
@@ -20,6 +21,10 @@ log = logging.getLogger("runbus.ingester")
 # A consumer with nothing pending and idle this long is removed from the group (a live worker
 # that reads again is simply added back).
 STALE_CONSUMER_MS = 3_600_000
+# Above this share of Redis's maxmemory, acknowledged entries are trimmed whatever their age:
+# --retain keeps stored entries for a while as a convenience, while Redis at maxmemory refuses
+# the producers' events (-OOM), which then wait in their buffers.
+MEMORY_TRIM_AT = 0.8
 
 
 def parse_id(entry_id: bytes | str) -> tuple[int, int]:
@@ -52,12 +57,38 @@ async def safe_trim_id(redis: AsyncClient, key: str, retain_ms: int, now_ms: int
     return keep
 
 
-async def trim(redis: AsyncClient, key: str, retain_s: float) -> int:
-    """XTRIM MINID ~ the safe id: acknowledged entries older than the retention go."""
+async def trim(redis: AsyncClient, key: str, retain_s: float, approximate: bool = True) -> int:
+    """XTRIM MINID ~ the safe id: acknowledged entries older than the retention go (exactly up
+    to it unless `approximate`: then only whole nodes of the stream, cheaper)."""
     keep = await safe_trim_id(redis, key, int(retain_s * 1000), int(time.time() * 1000))
     if keep is None or keep <= (0, 1):
         return 0
-    return await redis.xtrim(key, minid=format_id(keep), approximate=True)
+    return await redis.xtrim(key, minid=format_id(keep), approximate=approximate)
+
+
+async def memory_use(redis: AsyncClient) -> float | None:
+    """Redis's used_memory as a share of its maxmemory (a cluster's fullest node); None when no
+    maxmemory is set."""
+    if isinstance(redis, RedisCluster):
+        info = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)  # {node: its info}
+    else:
+        info = await redis.info("memory")
+    replies = [info] if "used_memory" in info else [v for v in info.values() if isinstance(v, dict)]
+    shares = [int(r["used_memory"]) / int(r["maxmemory"]) for r in replies if int(r.get("maxmemory", 0))]
+    return max(shares, default=None)
+
+
+async def trim_for_memory(redis: AsyncClient, keys: list[str]) -> tuple[float | None, int]:
+    """When Redis holds more than MEMORY_TRIM_AT of its maxmemory, trim every acknowledged
+    entry of `keys` whatever its age, oldest first (never anything pending or unread): Redis's
+    memory share, and the entries trimmed."""
+    share = await memory_use(redis)
+    if share is None or share < MEMORY_TRIM_AT:
+        return share, 0
+    trimmed = 0
+    for key in keys:
+        trimmed += await trim(redis, key, 0.0, approximate=False)
+    return share, trimmed
 
 
 async def retire_consumers(redis: AsyncClient, key: str, group: str, me: str) -> int:

@@ -16,7 +16,7 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from runbus.errors import AccessDenied, CannotListen
+from runbus.errors import AccessDenied, CannotListen, GaveUp
 
 if TYPE_CHECKING:
     from runbus.ingester.worker import Worker
@@ -45,8 +45,9 @@ def tune_gc() -> int:
 
 def run_worker(worker: Worker, http: tuple[str, int] | None = None) -> int:
     """Run `worker` as this process's one job until it stops (or, with burst, is done), with its
-    ops endpoints on `http` (host, port) if given; the exit code: 1 if that cannot be bound, or
-    when Redis or the store refused access (logged in one line, kept in `worker.access_denied`)."""
+    ops endpoints on `http` (host, port) if given; the exit code: 1 if that cannot be bound,
+    when Redis or the store refused access (logged in one line, kept in `worker.access_denied`),
+    or when a burst gave up on an unreachable one (one line, kept in `worker.gave_up`)."""
     if http is not None:
         # aiohttp is imported only by a worker that serves; before the freeze, to be frozen too.
         from runbus.ingester import http as ops_http
@@ -72,5 +73,10 @@ def run_worker(worker: Worker, http: tuple[str, int] | None = None) -> int:
         # Retrying cannot help: kept on the worker so the supervisor does not restart it.
         worker.access_denied = exc
         log.error("worker %s stopped: %s", settings.consumer, exc)
+        return 1
+    except GaveUp as exc:
+        # Not restarted either: a burst that gave up is done, and says why in one line.
+        worker.gave_up = exc
+        log.error("worker %s gave up: %s", settings.consumer, exc)
         return 1
     return 0

@@ -7,7 +7,8 @@ life: a worker restarted after a crash comes back under its old name and first r
 entries it left pending, instead of waiting for another worker to claim them. A worker that exits
 abnormally is restarted after a capped, doubling, jittered delay (reset once it has run for a
 while); one that Redis or the store refused access is not restarted, since only a change of
-configuration helps (the supervisor's exit code is then 1). On
+configuration helps (the supervisor's exit code is then 1), nor a `--burst` one that gave up on
+an unreachable Redis or store (`--give-up-after`): a burst restarted would never end. On
 SIGTERM or SIGINT each worker gets SIGTERM, finishes and acknowledges its batches in flight, and
 exits; one still running after drain timeout + margin is killed (its batches stay pending, so
 nothing is lost, but the exit code is then 1). A second signal kills them at once.
@@ -40,6 +41,9 @@ log = logging.getLogger("runbus.ingester")
 Setup = Callable[[str], None]
 # A worker's exit code when Redis or the store refused access: not restarted (EX_CONFIG).
 ACCESS_DENIED_EXIT = 78
+# A burst worker's exit code when Redis or the store stayed unreachable: not restarted
+# (EX_TEMPFAIL): a burst that restarted would never end.
+GAVE_UP_EXIT = 75
 
 
 @dataclass
@@ -95,7 +99,11 @@ def run_child(
         setup(settings.consumer)
     worker = Worker(settings)
     code = worker.run(http)
-    sys.exit(ACCESS_DENIED_EXIT if worker.access_denied is not None else code)
+    if worker.access_denied is not None:
+        code = ACCESS_DENIED_EXIT
+    elif worker.gave_up is not None:
+        code = GAVE_UP_EXIT
+    sys.exit(code)
 
 
 class Supervisor:
@@ -229,10 +237,11 @@ class Supervisor:
             if self._stop_deadline is not None or code == 0:
                 log.info("worker %s exited with %d", slot.settings.consumer, code)
                 continue
-            if code == ACCESS_DENIED_EXIT:
+            if code in (ACCESS_DENIED_EXIT, GAVE_UP_EXIT):
                 log.error(
-                    "worker %s was refused access (its error is above): not restarting it",
+                    "worker %s %s (its error is above): not restarting it",
                     slot.settings.consumer,
+                    "was refused access" if code == ACCESS_DENIED_EXIT else "gave up",
                 )
                 continue
             if now - slot.started >= self.settings.stable_after:

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from redis.crc import key_slot
@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import AccessDenied, InvalidEntry, StoreError, StoreRejected
+from runbus.errors import AccessDenied, GaveUp, InvalidEntry, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
@@ -52,6 +52,8 @@ StreamItems = list[tuple[bytes, Fields]]
 Entries = list[tuple[str, StreamItems]]
 # Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
+# An entry id as redis-py's commands take it.
+StreamId = int | bytes | str | memoryview
 # Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
 Source = tuple[str, bytes, Fields]
 STREAMS_PER_READ = 256
@@ -112,6 +114,9 @@ class WorkerSettings:
     group: str = ""  # "": the store's own, wire.store_group(its id), set once connected
     consumer: str = field(default_factory=default_consumer_name)
     batch_size: int = 1000
+    # Rows one store transaction writes at most (row_slices): a read past it is written in
+    # several transactions, and acknowledged after the last.
+    batch_rows: int = 200_000
     block_ms: int = 250
     burst: bool = False
     registry_interval: float = 0.25
@@ -122,12 +127,24 @@ class WorkerSettings:
     retain: float = 3600.0
     crash_after: float = 120.0
     maintenance_interval: float = 30.0
+    # How often Redis's memory is looked at: above maintenance.MEMORY_TRIM_AT of its maxmemory,
+    # acknowledged entries are trimmed whatever --retain says.
+    memory_interval: float = 1.0
     max_backoff: float = 5.0
+    # With burst: stop (GaveUp) once Redis or the store has been unreachable this long; 0: never.
+    give_up_after: float = 300.0
+    # Where a group made on a stream starts: "start" (its first entry) or "now" (the group's
+    # first `--from now`, kept in wire.GROUP_STARTS_KEY so every worker and restart agrees).
+    start_from: str = "start"
     handle_signals: bool = True
     only_runs: frozenset[str] | None = None  # read only these runs' streams (the demo's worker)
     # (index, count) under `--workers N`: this worker reads new entries of its share of the
     # streams first (stream_share), and the others' only when its own have none.
     share: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_from not in ("start", "now"):
+            raise ValueError(f"start_from must be 'start' or 'now', not {self.start_from!r}")
     # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
     # for when every producer is a runbus that seals.
     require_seal: bool = field(default_factory=config.require_seal)
@@ -175,7 +192,26 @@ def decode_batch(
 
 
 _ONLY_EVENTS = frozenset({wire.Event})
-_KIND, _RUN = attrgetter("kind"), attrgetter("run")
+_KIND, _RUN, _DATA = attrgetter("kind"), attrgetter("run"), attrgetter("data")
+_ID = itemgetter(0)
+
+
+def row_slices(events: Sequence[wire.Event], limit: int) -> list[tuple[int, int]]:
+    """(start, end) of the consecutive slices of `events` that one store transaction each
+    writes: at most `limit` rows each, counting an event's values (a metric's keys) and one
+    for the event itself, an upper bound of what it adds to the tables; an event wider than
+    `limit` is a slice of its own."""
+    if len(events) + sum(map(len, map(_DATA, events))) <= limit:  # the common case, in C
+        return [(0, len(events))]
+    slices, start, rows = [], 0, 0
+    for i, event in enumerate(events):
+        size = len(event.data) + 1
+        if rows and rows + size > limit:
+            slices.append((start, i))
+            start, rows = i, 0
+        rows += size
+    slices.append((start, len(events)))
+    return slices
 
 
 def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
@@ -241,9 +277,17 @@ class Worker:
         self._retry = config.backoff(self.settings.max_backoff)
         # Why run() stopped the worker with exit code 1, if Redis or the store refused access.
         self.access_denied: AccessDenied | None = None
+        # Why run() stopped a burst with exit code 1, if Redis or the store stayed unreachable.
+        self.gave_up: GaveUp | None = None
         # Per run: the label holding the producers' live primary claim when first read, or None.
         self._claim_holders: dict[str, str | None] = {}
+        self._next_memory_check = 0.0
+        self._memory_pressed = False  # above MEMORY_TRIM_AT at the last look (logged once)
         self._fences = Fences(self.settings.require_seal)
+        # The entries this worker has read and not yet acknowledged or given up, by stream: its
+        # batches, the one read ahead, what it claimed. Kept alive (_keep_alive), never claimed
+        # (_claim): XAUTOCLAIM would hand them back to it, to be written twice.
+        self._in_flight: dict[str, set[bytes]] = {}
 
     def run(self, http: tuple[str, int] | None = None) -> int:
         """Run as this process's one job until stopped (or, with burst, until nothing is left),
@@ -307,24 +351,22 @@ class Worker:
         redis.set_response_callback("XREADGROUP", _raw_reply)
         started = time.monotonic()
         log.info(
-            "worker %s starting: redis %s, store %s, group %s%s%s",
+            "worker %s starting: redis %s, store %s, group %s, %s%s%s",
             settings.consumer,
             safe_url(settings.redis_url),
             safe_url(settings.store_url),
             settings.group or "(the store's)",
+            "a stream new to the group is read from its first entry (--from start)"
+            if settings.start_from == "start"
+            else "a stream new to the group is read from when the group started (--from now)",
             " (burst)" if settings.burst else "",
             "" if decoding.decoder_in_use == "fast" else f", {decoding.decoder_in_use} decoder",
         )
+        stop_keeping_alive = asyncio.Event()
+        keep_alive = asyncio.create_task(self._keep_alive(stop_keeping_alive))
         try:
-            await self._with_redis(self.store.connect, retry_store=True)
-            group = settings.group or await self._with_redis(self._store_group, retry_store=True)
-            if group is None:  # stopped while the store was away
-                return self.stats
-            settings.group = group
-            self.discovery = Discovery(
-                redis, group, settings.registry_interval, settings.scan_interval, settings.only_runs
-            )
-            await self._with_redis(lambda: self._discovery.refresh(force=True))
+            if not await self._connect():
+                return self.stats  # stopped while the store was away
             self._loop_task = asyncio.create_task(self._loop())
             try:
                 await self._loop_task
@@ -336,6 +378,11 @@ class Worker:
                 await self._maintain()
             await self._release_consumer()
         finally:
+            # Told to stop, not cancelled: redis-py may swallow a cancellation that lands while
+            # a command is in flight (119 of 300 tries, redis-py 8.1), and the task then runs on for
+            # ever. Awaiting a per-batch keep-alive cancelled so is how a burst used to hang.
+            stop_keeping_alive.set()
+            await keep_alive
             if settings.handle_signals:
                 for signum in STOP_SIGNALS:
                     loop.remove_signal_handler(signum)
@@ -361,6 +408,77 @@ class Worker:
                 s.reconnects,
             )
         return self.stats
+
+    async def _connect(self) -> bool:
+        """Connect the store, learn the group and where it starts, and discover the streams;
+        False if a stop came while the store was away."""
+        settings = self.settings
+        await self._with_redis(self.store.connect, retry_store=True)
+        group = settings.group or await self._with_redis(self._store_group, retry_store=True)
+        if group is None:
+            return False
+        settings.group = group
+        start_id = await self._with_redis(lambda: self._start_id(group))
+        if start_id is None:
+            return False
+        self.discovery = Discovery(
+            self._redis,
+            group,
+            settings.registry_interval,
+            settings.scan_interval,
+            settings.only_runs,
+            start_id,
+        )
+        await self._with_redis(lambda: self._discovery.refresh(force=True))
+        await self._with_redis(self._report_new_groups)
+        return True
+
+    async def _start_id(self, group: str) -> str:
+        """Where `group`, made on a stream, starts reading it: at its first entry (--from
+        start), or at the id where the group's first `--from now` started it, kept in
+        wire.GROUP_STARTS_KEY (taken from Redis's clock now if no ingest did before), so a
+        restart reads whole the streams that appeared while it was down."""
+        if self.settings.start_from != "now":
+            return "0"
+        redis = self._redis
+        seconds, micros = await redis.time()
+        await redis.hsetnx(wire.GROUP_STARTS_KEY, group, f"{seconds * 1000 + micros // 1000}-0")
+        return reply_text(cast("bytes", await redis.hget(wire.GROUP_STARTS_KEY, group)))
+
+    async def _report_new_groups(self) -> None:
+        """After the first discovery, one line: on how many streams the group was just made,
+        where it starts them, and the entries they hold (what a fresh store reads, or skips)."""
+        discovery, settings = self._discovery, self.settings
+        made = discovery.made
+        if not made:
+            log.info("group %s: on all %d streams already", settings.group, len(discovery.streams))
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key in made:
+            pipe.xlen(key)
+        entries = sum(await pipe.execute())
+        if discovery.start_id == "0":
+            log.info(
+                "group %s made on %d of %d streams, read from their first entry (--from start): "
+                "%d entries to ingest (--from now skips what is there)",
+                settings.group,
+                len(made),
+                len(discovery.streams),
+                entries,
+            )
+            return
+        started_ms = int(discovery.start_id.split("-")[0])
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started_ms / 1000))
+        log.info(
+            "group %s made on %d of %d streams at %s (--from now: %s UTC): of their %d entries, "
+            "those written before are skipped",
+            settings.group,
+            len(made),
+            len(discovery.streams),
+            discovery.start_id,
+            started,
+            entries,
+        )
 
     async def _store_group(self) -> str:
         group = wire.store_group(await self.store.identity())
@@ -414,11 +532,13 @@ class Worker:
                 else:
                     await commits.settle()
                     if entries is not None and settings.burst:
-                        # Before a burst finishes, whatever other consumers left idle is its too.
-                        if await self._take_over_idle():
+                        # Before a burst finishes, whatever other consumers left idle is its too,
+                        # and so is anything of its own still pending.
+                        if await self._take_over_idle() or await self._take_back_own():
                             continue
                         if not await self._with_redis(lambda: self._discovery.refresh(force=True)):
                             break
+                await self._relieve_memory(now)
                 if now >= next_maintenance and not settings.burst:
                     next_maintenance = now + settings.maintenance_interval
                     await commits.settle()
@@ -450,34 +570,57 @@ class Worker:
     def _read_new_ahead(self) -> asyncio.Task | None:
         """The next read of new entries, started now; None once a stop is requested.
 
-        Its entries wait delivered but unacknowledged for at most a batch's time (or a claim
-        pass's), far less than claim_idle, so no other worker takes them meanwhile."""
+        Its entries wait delivered but unacknowledged while the batches before are written, for
+        as long as the store takes: held in flight, they are kept alive and never claimed."""
         if self._stop_requested:
             return None
         return asyncio.create_task(self._with_redis(lambda: self._read(">")))
 
     async def _claim(self) -> Entries:
-        """Entries other consumers left pending for longer than claim_idle (XAUTOCLAIM)."""
-        settings, claimed = self.settings, []
+        """Entries left pending for longer than claim_idle by other consumers (or by this one,
+        outside what it holds in flight): found with XPENDING, then taken with XCLAIM, which
+        takes each only if still that idle. Not XAUTOCLAIM: it tells no consumer apart, and
+        hands a worker its own batches waiting on a slow store, to be written twice."""
+        claimed: Entries = []
         for key in list(self._discovery.streams):
             try:
-                reply = await self._redis.xautoclaim(
-                    key,
-                    settings.group,
-                    settings.consumer,
-                    int(settings.claim_idle * 1000),
-                    start_id="0-0",
-                    count=settings.batch_size,
-                )
+                items = await self._claim_idle(key)
             except ResponseError as exc:
                 await self._recover_groups([key], exc)
                 continue
-            items = [(entry_id, fields) for entry_id, fields in reply[1] if fields is not None]
             if items:
                 claimed.append((key, items))
         if claimed:
             log.info("claimed %d idle entries from other consumers", sum(len(i) for _, i in claimed))
         return claimed
+
+    async def _claim_idle(self, key: str) -> StreamItems:
+        settings = self.settings
+        idle_ms = int(settings.claim_idle * 1000)
+        ids = await self._idle_ids(key, idle_ms)
+        if not ids:
+            return []
+        reply = await self._redis.xclaim(key, settings.group, settings.consumer, idle_ms, list(ids))
+        # Parsed as XAUTOCLAIM's is: [(id, {name: value})], an entry deleted meanwhile as None.
+        claimed = cast("StreamItems", reply)
+        items: StreamItems = [(entry_id, fields) for entry_id, fields in claimed if fields is not None]
+        self._hold([(key, items)])
+        return items
+
+    async def _idle_ids(self, key: str, idle_ms: int) -> list[StreamId]:
+        """Up to batch_size ids of `key` pending for idle_ms or more, none held in flight here."""
+        size, start, found = self.settings.batch_size, "-", list[StreamId]()
+        while len(found) < size:
+            reply = await self._redis.xpending_range(
+                key, self.settings.group, min=start, max="+", count=size, idle=idle_ms
+            )
+            pending = pending_entries(reply)
+            held = self._in_flight.get(key, ())
+            found += [p["message_id"] for p in pending if p["message_id"] not in held]
+            if len(pending) < size:
+                break
+            start = "(" + reply_text(pending[-1]["message_id"])
+        return found[:size]
 
     async def _take_over_idle(self) -> bool:
         """Claim and process what other consumers left idle; whether there was any."""
@@ -486,6 +629,15 @@ class Worker:
             self.stats.claimed += sum(len(items) for _, items in claimed)
             await self._process(claimed, redelivered=True)
         return bool(claimed)
+
+    async def _take_back_own(self) -> bool:
+        """Process this consumer's pending entries, which no read of new entries returns (what
+        an acknowledgement that failed left); whether there were any. Called with nothing in
+        flight: a burst does not end with entries of its own pending."""
+        own = await self._with_redis(lambda: self._read("0"))
+        if own:
+            await self._process(own, redelivered=True)
+        return bool(own)
 
     async def _deliveries(self, entries: Entries) -> dict[bytes, int]:
         """How often each entry has been delivered (XPENDING), to spot poison entries."""
@@ -506,23 +658,41 @@ class Worker:
             counts.update((p["message_id"], p["times_delivered"]) for p in pending_entries(pending))
         return counts
 
-    async def _keep_alive(self, entries: Entries) -> None:
-        """While a batch is written, reset its idle time so no other worker claims it."""
+    def _hold(self, entries: Entries) -> None:
+        """`entries` were delivered to this worker: in flight until _let_go."""
+        for key, items in entries:
+            self._in_flight.setdefault(key, set()).update(map(_ID, items))
+
+    def _let_go(self, entries: Entries) -> None:
+        """`entries` are acknowledged, or left pending for another worker."""
+        for key, items in entries:
+            held = self._in_flight.get(key)
+            if held is not None:
+                held.difference_update(map(_ID, items))
+                if not held:
+                    del self._in_flight[key]
+
+    async def _keep_alive(self, stop: asyncio.Event) -> None:
+        """Every third of claim_idle until `stop`, reset the idle time of every entry held in
+        flight (XCLAIM JUSTID: no delivery counted), so no other worker claims one however long
+        the store takes: the batches being written, those waiting for the store, the one read
+        ahead."""
         interval = max(0.2, self.settings.claim_idle / 3)
-        while True:
-            await asyncio.sleep(interval)
-            for key, items in entries:
-                try:
-                    await self._redis.xclaim(
-                        key,
-                        self.settings.group,
-                        self.settings.consumer,
-                        0,
-                        [entry_id for entry_id, _ in items],
-                        justid=True,
-                    )
-                except Exception as exc:  # best effort: a lapse only risks a deduplicated rewrite
-                    log.debug("keep-alive of %s failed: %s", key, exc)
+        settings = self.settings
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+                return
+            held = [(key, list(ids)) for key, ids in self._in_flight.items()]
+            if not held:
+                continue
+            pipe = self._redis.pipeline(transaction=False)
+            for key, ids in held:
+                pipe.xclaim(key, settings.group, settings.consumer, 0, list[StreamId](ids), justid=True)
+            try:
+                await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # best effort: a lapse only risks a deduplicated rewrite
+                log.debug("keep-alive of %d streams failed: %s", len(held), exc)
 
     async def _maintain(self) -> None:
         settings, stats = self.settings, self.stats
@@ -539,6 +709,30 @@ class Worker:
             stats.crashed += await maintenance.mark_crashed(self.store, settings.crash_after)
         except StoreError as exc:
             log.warning("crash detection skipped: %s", exc)
+
+    async def _relieve_memory(self, now: float) -> None:
+        """Every memory_interval: when Redis nears its maxmemory, trim acknowledged entries
+        whatever their age, so producers refused with -OOM can ship again."""
+        if now < self._next_memory_check:
+            return
+        self._next_memory_check = now + self.settings.memory_interval
+        try:
+            share, trimmed = await maintenance.trim_for_memory(self._redis, list(self._discovery.streams))
+        except (ResponseError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            log.debug("memory check skipped: %s", exc)
+            return
+        self.stats.trimmed += trimmed
+        pressed = share is not None and share >= maintenance.MEMORY_TRIM_AT
+        if share is not None and pressed and not self._memory_pressed:
+            log.warning(
+                "Redis holds %.0f%% of its maxmemory: trimming acknowledged entries whatever their "
+                "age (--retain %.0fs) while above %.0f%% (%d trimmed now)",
+                share * 100,
+                self.settings.retain,
+                maintenance.MEMORY_TRIM_AT * 100,
+                trimmed,
+            )
+        self._memory_pressed = pressed
 
     async def _release_consumer(self) -> None:
         for key in list(self._discovery.streams):
@@ -591,6 +785,7 @@ class Worker:
             for key, items in read.items() if isinstance(read, dict) else read or []:
                 if items:
                     entries.append((reply_text(key), items))
+        self._hold(entries)
         if not entries and wait and block is None and len(chunks) > 1 and not self.settings.burst:
             await asyncio.sleep(self.settings.block_ms / 1000)
         return entries
@@ -628,7 +823,6 @@ class Worker:
     ) -> None:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
-        keep_alive = asyncio.create_task(self._keep_alive(entries))
         try:
             try:
                 fenced = await self._screen(events, sources, dead)
@@ -636,7 +830,7 @@ class Worker:
                     events, sources = fenced
                 invalid = len(dead)  # _write adds the events the store rejects
                 holders = None if fenced is None else await self._holders(events)
-                stored = None if holders is None else await self._write(events, sources, dead, holders)
+                stored = None if holders is None else await self._write_sliced(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
                 if written is not None and not written.done():
@@ -647,9 +841,7 @@ class Worker:
             await self._with_redis(lambda: self._dead_letter(dead), drain=True)
             await self._with_redis(lambda: self._ack(entries), drain=True)
         finally:
-            keep_alive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keep_alive
+            self._let_go(entries)
         count = sum(len(items) for _, items in entries)
         s = self.stats
         s.batches += 1
@@ -707,6 +899,26 @@ class Worker:
                 log.warning("run %s: its primary claim key holds no label (%r); ignored", run, held[:140])
         return True
 
+    async def _write_sliced(
+        self,
+        events: list[wire.Event],
+        sources: list[Source],
+        dead: list[DeadEntry],
+        holders: dict[str, str | None],
+    ) -> int | None:
+        """_write in one transaction per row_slices slice: a read of wide events (50 keys each)
+        makes bounded transactions, not one of millions of rows; as _write returns."""
+        slices = row_slices(events, self.settings.batch_rows)
+        if len(slices) == 1:
+            return await self._write(events, sources, dead, holders)
+        stored = 0
+        for start, end in slices:
+            part = await self._write(events[start:end], sources[start:end], dead, holders)
+            if part is None:
+                return None
+            stored += part
+        return stored
+
     async def _write(
         self,
         events: list[wire.Event],
@@ -730,8 +942,11 @@ class Worker:
             except StoreError as exc:  # StoreUnavailable, or a store error of no known kind
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    log.error("store write failed, retrying without acknowledging: %s", exc)
+                    log.error(
+                        "store write failed, retrying without acknowledging%s: %s", self._giving_up(), exc
+                    )
                 self.stats.store_retries += 1
+                self._give_up_if_away(failing_since, "the store", exc)
                 if self._drain_expired():
                     return None
                 await self._pause(self._retry.compute(failures))
@@ -817,9 +1032,26 @@ class Worker:
                 return result
             if down_since is None:
                 down_since = time.monotonic()
-                log.error("%s unreachable, retrying with backoff: %s", what, error)
+                log.error("%s unreachable, retrying with backoff%s: %s", what, self._giving_up(), error)
             self.stats.reconnects += 1
+            self._give_up_if_away(down_since, "redis" if what == "redis" else "the store", error)
             if self._stop_requested and (not drain or self._drain_expired()):
                 return None
             await self._pause(self._retry.compute(failures))
             failures += 1
+
+    def _giving_up(self) -> str:
+        limit = self.settings.give_up_after
+        return f" (a burst gives up after {limit:g}s)" if self.settings.burst and limit > 0 else ""
+
+    def _give_up_if_away(self, since: float, what: str, error: BaseException) -> None:
+        """With burst, raise GaveUp once `what` has been failing since `since` for longer than
+        give_up_after: a burst must end, and an unreachable server would keep it forever."""
+        limit, away = self.settings.give_up_after, time.monotonic() - since
+        if self.settings.burst and limit > 0 and away >= limit:
+            where = safe_url(self.settings.redis_url) if what == "redis" else ""
+            reason = " ".join(str(error).split())  # one line, whatever the driver wrote
+            raise GaveUp(
+                f"{what}{' ' + where if where else ''} unreachable for {away:.0f}s, over "
+                f"--give-up-after {limit:g}s: {reason}"
+            )

@@ -135,12 +135,13 @@ def init(
 
     Buffering: max_buffer_events (50,000 events queued before encoding). While Redis answers
     nothing is dropped: a log() call that finds the queue full waits until the shipper has taken
-    some (back-pressure, only when the loop logs faster than events can be shipped). While
-    Redis is away, log() never waits: events are encoded into max_buffer_bytes (128 MiB in
-    memory), then spool_dir (None: then an append-only file there, up to max_spool_bytes, 4 GiB,
-    shipped on reconnect or by the next init() of this run and label); what finds the queue or
-    those bounds full is dropped, counted, and reported as explained gaps (start and finish
-    never are). finish() returns False when anything was dropped or left unshipped.
+    some (back-pressure, only when the loop logs faster than events can be shipped). log() never
+    waits on Redis for more than about 100 ms: while Redis is away, paused, slow or answering
+    -OOM, events are encoded into max_buffer_bytes (128 MiB in memory), then spool_dir (None:
+    then an append-only file there, up to max_spool_bytes, 4 GiB, shipped on reconnect or by the
+    next init() of this run and label); what finds those bounds full is dropped, counted, and
+    reported as explained gaps (start and finish never are). finish() returns False when
+    anything was dropped or left unshipped.
 
     Run metadata: `config` (a dict or an argparse.Namespace; secrets redacted) is this label's
     config at start; `run.config.update()` adds to it, `run.summary[...]` sets final values, and

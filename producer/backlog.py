@@ -1,8 +1,13 @@
 """Encoded events waiting for Redis: in memory up to a byte bound, then in a spool file on disk.
 
-Only the shipper thread touches a Backlog. Records are kept without their epoch when it is not
-known yet (Redis unreachable since init): epoch 0 means "this process's epoch", filled in when
-shipped, or, for a spool left by a dead process, from the epoch line the spool recorded.
+In memory as on disk, a record is one line of JSON (the spool's format), and the lines are kept
+in chunks of up to a batch: a few bytes of overhead a record, where Python objects would cost
+hundreds, so the byte bound holds three to four times more events. Only the shipper thread
+touches a Backlog; a chunk being shipped is sealed, and read (decoded) by the courier.
+
+Records are kept without their epoch when it is not known yet (Redis unreachable since init):
+epoch 0 means "this process's epoch", filled in when shipped, or, for a spool left by a dead
+process, from the epoch line the spool recorded.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import orjson
 
 log = logging.getLogger("runbus.producer")
 
-RECORD_OVERHEAD = 368  # bytes beyond `data` a held record costs in memory (measured: bench/memory.py)
+# Bytes beyond its line a record held in memory costs (a chunk's spare room as it grows; measured
+# with bench/memory.py).
+LINE_OVERHEAD = 24
 MAX_DROP_RANGES = 1000
 VITAL_KINDS = ("start", "finish", "meta")
 
@@ -35,6 +42,41 @@ class Record(NamedTuple):
     ts: float
     step: int | None
     data: str  # JSON text
+
+
+def record_line(record: Record) -> bytes:
+    """A record as one line of JSON, as the spool and the memory chunks hold it."""
+    return orjson.dumps(list(record), option=orjson.OPT_APPEND_NEWLINE)
+
+
+class Chunk:
+    """Records held in memory as lines of one buffer, oldest first; shipped together, sealed
+    (nothing more is added) once peeked."""
+
+    __slots__ = ("count", "lines", "sealed", "size")
+
+    def __init__(self) -> None:
+        self.lines = bytearray()
+        self.count = 0
+        self.size = 0  # what the chunk counts for against the bound
+        self.sealed = False
+
+    def add(self, line: bytes, size: int) -> None:
+        self.lines += line
+        self.count += 1
+        self.size += size
+
+    def __len__(self) -> int:
+        return self.count
+
+    def rows(self) -> list[Any]:
+        """Each record as a list in Record's order (decoded in one call)."""
+        return orjson.loads(b"[" + bytes(self.lines[:-1]).replace(b"\n", b",") + b"]")
+
+
+def rows_of(batch: Chunk | list[Record]) -> list[Any]:
+    """A peeked batch's records, each a sequence in Record's order."""
+    return batch.rows() if isinstance(batch, Chunk) else batch
 
 
 @dataclass
@@ -109,12 +151,15 @@ class Spool:
         return self._file
 
     def append(self, record: Record) -> int:
+        return self.append_lines(record_line(record))
+
+    def append_lines(self, lines: bytes | bytearray) -> int:
+        """Append records already written as lines (record_line)."""
         if self._file is None:
             self.open()
-        line = orjson.dumps([record.kind, record.epoch, record.seq, record.ts, record.step, record.data])
-        self._opened.write(line + b"\n")
-        self.size += len(line) + 1
-        return len(line) + 1
+        self._opened.write(lines)
+        self.size += len(lines)
+        return len(lines)
 
     def note_epoch(self, epoch: int, secret: bytes = b"") -> None:
         """Record the epoch of this process and its seal secret (wire.seal), for whoever ships
@@ -191,12 +236,21 @@ class Spool:
 class Backlog:
     """Records in order: memory first, then the spool once memory is full."""
 
-    def __init__(self, max_bytes: int, spool: Spool | None, max_spool_bytes: int, drops: DropLog) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        spool: Spool | None,
+        max_spool_bytes: int,
+        drops: DropLog,
+        chunk_records: int = 2000,
+    ) -> None:
         self.max_bytes = max_bytes
         self.spool = spool
         self.max_spool_bytes = max_spool_bytes
         self.drops = drops
-        self.memory: deque[Record] = deque()
+        self.chunk_records = chunk_records  # a batch: what peek() gives at most
+        self.memory: deque[Chunk] = deque()
+        self.held = 0  # records in memory
         self.bytes = 0
         self._spooling = False
         self._peeked_offset: int | None = None
@@ -207,13 +261,14 @@ class Backlog:
         `keep` (Redis answers: the shipper takes only what there is room for) and the vital
         kinds pass the bounds instead of being dropped.
         """
-        size = len(record.data) + RECORD_OVERHEAD
+        line = record_line(record)
+        size = len(line) + LINE_OVERHEAD
         # start and finish are never dropped: without them a label's state would be wrong,
         # and they are a few hundred bytes once per process; nor is run metadata (meta), which
         # nothing later repeats.
         keep = keep or record.kind in VITAL_KINDS
         if not self._spooling and (keep or self.bytes + size <= self.max_bytes):
-            self._hold(record, size)
+            self._hold(line, size)
         elif self.spool is not None and (keep or self.spool.size + size <= self.max_spool_bytes):
             # Once spooling, records go to the spool until it is read back: memory is shipped
             # first, so a record held there now would overtake the spooled ones.
@@ -222,11 +277,11 @@ class Backlog:
                     "runbus: memory buffer full (%d bytes); spooling to %s", self.bytes, self.spool.path
                 )
             try:
-                self.spool.append(record)
+                self.spool.append_lines(line)
             except OSError as exc:  # disk full, or the directory went away
                 log.error("runbus: cannot write the spool %s: %s", self.spool.path, exc)
                 if keep:
-                    self._hold(record, size)
+                    self._hold(line, size)
                 else:
                     self.drops.note(record.seq)
                 return
@@ -234,8 +289,12 @@ class Backlog:
         else:
             self.drops.note(record.seq)
 
-    def _hold(self, record: Record, size: int) -> None:
-        self.memory.append(record)
+    def _hold(self, line: bytes, size: int) -> None:
+        memory = self.memory
+        if not memory or memory[-1].sealed or memory[-1].count >= self.chunk_records:
+            memory.append(Chunk())
+        memory[-1].add(line, size)
+        self.held += 1
         self.bytes += size
 
     def has_room(self) -> bool:
@@ -245,14 +304,22 @@ class Backlog:
         return self.bytes < self.max_bytes
 
     def add_first(self, record: Record) -> None:
-        """Put a record ahead of all others (the start event, held until the handshake)."""
-        self.memory.appendleft(record)
-        self.bytes += len(record.data) + RECORD_OVERHEAD
+        """Put a record ahead of all others (the start event, held until the handshake); never
+        while a batch peeked from the front is being shipped."""
+        line = record_line(record)
+        chunk = Chunk()
+        chunk.add(line, len(line) + LINE_OVERHEAD)
+        self.memory.appendleft(chunk)
+        self.held += 1
+        self.bytes += chunk.size
 
-    def peek(self, limit: int) -> list[Record]:
-        """The oldest records, not yet removed (ship them, then call `shipped`)."""
+    def peek(self, limit: int) -> Chunk | list[Record]:
+        """The oldest records (up to `limit`, or the oldest chunk), not yet removed: ship them
+        (rows_of), then call `shipped`. Empty when there are none."""
         if self.memory:
-            return [self.memory[i] for i in range(min(limit, len(self.memory)))]
+            chunk = self.memory[0]
+            chunk.sealed = True
+            return chunk
         spool = self._unread_spool()
         if spool is not None:
             records, self._peeked_offset, _ = spool.read(limit)
@@ -264,10 +331,12 @@ class Backlog:
         spool = self.spool
         return spool if self._spooling and spool is not None and spool.unread() else None
 
-    def shipped(self, records: list[Record]) -> None:
-        if self.memory and records and self.memory[0] is records[0]:
-            for _ in records:
-                self.bytes -= len(self.memory.popleft().data) + RECORD_OVERHEAD
+    def shipped(self, batch: Chunk | list[Record]) -> None:
+        if isinstance(batch, Chunk):
+            if self.memory and self.memory[0] is batch:
+                self.memory.popleft()
+                self.held -= batch.count
+                self.bytes -= batch.size
             return
         if self._peeked_offset is not None:
             spool = self.spool
@@ -281,15 +350,14 @@ class Backlog:
         """Move what is in memory to the spool (at exit, when Redis could not take it)."""
         if self.spool is None:
             return 0
-        moved = 0
+        moved = self.held
         while self.memory:
-            self.spool.append(self.memory.popleft())
-            moved += 1
-        self.bytes = 0
+            self.spool.append_lines(self.memory.popleft().lines)
+        self.bytes = self.held = 0
         return moved
 
     def __len__(self) -> int:
-        return len(self.memory) + (1 if self._unread_spool() is not None else 0)
+        return self.held + (1 if self._unread_spool() is not None else 0)
 
 
 def orphan_spools(spool_dir: str, run: str, label: str, own_pid: int) -> list[Spool]:

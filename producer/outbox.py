@@ -1,7 +1,8 @@
 """The bounded in-memory queue between the threads that log and the shipper thread.
 
 `put` is the hot path: a clock read and an append, never a lock or I/O. Only a full (or closed)
-box takes the slow path: wait for room while Redis answers, else drop (counted).
+box takes the slow path: wait for room while the shipper makes it (it encodes into a backlog with
+room, or Redis takes events), else drop (counted).
 
 Events are numbered (seq 1, 2, 3 …) when the shipper takes them, in the order they were
 appended, so a number is never taken by an event that is not in the box: a put interrupted
@@ -27,10 +28,10 @@ Pending = tuple[str, int, float, "int | None", Any]
 # and heartbeats come from the shipper thread, which cannot wait for itself. One of each at a
 # time, at most, so the bound is passed by a few events.
 UNBOUNDED_KINDS = frozenset({"start", "finish", "heartbeat"})
-# Kinds that wait for room while Redis answers, like any, but are never dropped: run metadata
+# Kinds that wait for room while the shipper makes it, like any, but are never dropped: run metadata
 # (a config, summary, name or tags update) is kept past the bound instead.
 KEPT_KINDS = frozenset({"meta"})
-WAIT_SLICE = 0.05  # a waiting put looks again this often whether it still may wait
+WAIT_SLICE = 0.02  # a waiting put looks again this often whether it still may wait
 
 
 def _never() -> bool:
@@ -41,9 +42,9 @@ class Outbox:
     """Events held in the order `put` is called, until the shipper takes (and numbers) them.
 
     When `max_events` are held, a put waits for the shipper to take some while `may_wait()` says
-    so (the shipper sets it: Redis answers and shipping progresses); otherwise the event is
-    dropped and counted, and the shipper gives it a seq of its own (so storage shows the gap)
-    and notes it in `drops`.
+    so (the shipper sets it: it is encoding into a backlog with room, or Redis takes events);
+    otherwise the event is dropped and counted, and the shipper gives it a seq of its own (so
+    storage shows the gap) and notes it in `drops`.
 
     `close` appends the finish event, the label's last: whatever is put after it (a heartbeat,
     a sample or a console line racing the finish) is discarded, never numbered.
@@ -63,6 +64,7 @@ class Outbox:
         "max_events",
         "may_wait",
         "room",
+        "waiting_since",
         "waits",
     )
 
@@ -85,6 +87,9 @@ class Outbox:
         self.demand = threading.Event()  # set when a put finds the box full: wakes the shipper
         self.finish_seq: int | None = None
         self.waits = 0  # puts that had to wait for room
+        # When a put now waiting for room began to wait (None: none waits): past a bound, the
+        # shipper moves events into its backlog rather than leave log() waiting for Redis.
+        self.waiting_since: float | None = None
 
     def put(self, kind: str, step: int | None, data: Any) -> None:
         """Keep one event; when full, wait for room or drop it (counted)."""
@@ -107,6 +112,7 @@ class Outbox:
             waited = False
             while len(self._events) >= self.max_events:
                 if not self.may_wait():
+                    self.waiting_since = None
                     if kind in KEPT_KINDS:
                         break
                     self._drop()
@@ -114,12 +120,16 @@ class Outbox:
                 if not waited:
                     waited = True
                     self.waits += 1
+                    if self.waiting_since is None:
+                        self.waiting_since = time.monotonic()
                 self.room.clear()
                 if len(self._events) < self.max_events:
                     break  # taken between the look and the clear
                 self.demand.set()
                 self.room.wait(WAIT_SLICE)
                 exits.safe_point()  # a SIGTERM that came while waiting ends the Runs now
+            if waited:
+                self.waiting_since = None
         self._events.append(event)
 
     def _drop(self) -> None:
@@ -127,7 +137,7 @@ class Outbox:
             if self._closed:
                 return  # racing the finish: discarded like any event put after it
             self._unnumbered_drops += 1
-        self.demand.set()  # Redis is away: the shipper moves events into the bounded backlog
+        self.demand.set()  # the backlog is full: the shipper moves (or drops) what is queued
         exits.safe_point()
 
     def close(self, data: Any) -> None:

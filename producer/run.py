@@ -1,8 +1,9 @@
 """A Run: one label of a run, as training code sees it. `log()` is the hot path.
 
-Everything `log()` does is check values and append to the outbox; serialising and network I/O
-happen on the shipper thread, so an absent Redis never slows the training loop. Only when the
-training loop outruns shipping to a Redis that answers does `log()` wait, for room in the outbox.
+Everything `log()` does is check values and append to the outbox; serialising happens on the
+shipper thread and network I/O on its courier, so an absent, paused or full Redis never holds up
+the training loop. Only when the training loop outruns encoding, or shipping to a Redis that
+answers, does `log()` wait for room in the outbox, and never more than about 100 ms for Redis.
 What `log()` accepts, the ingester accepts: what it would refuse raises at `log()` instead.
 Run metadata (`run.config`, `run.summary`, `run.name`, `run.tags`) goes through the same outbox as
 `meta` events, checked first (runbus.producer.metadata).
@@ -348,8 +349,9 @@ class Run:
         """Record numeric metrics, optionally at a training step. Never does I/O.
 
         Raises TypeError / ValueError for what the ingester would refuse. Waits only when the
-        outbox is full and Redis answers (back-pressure: for as long as shipping needs); while
-        Redis is unreachable it never waits, and what finds the buffers full is dropped, counted.
+        outbox is full, for the shipper to take some (back-pressure), and never more than about
+        100 ms for Redis: past it events go to the byte buffer (and spool); what finds those
+        full while Redis is not taking events is dropped, counted.
         """
         if self._finished:
             raise RunFinished(f"run {self.identity.run_id}/{self.identity.label} has finished")

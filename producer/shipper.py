@@ -8,9 +8,13 @@ problem is logged once. A handshake done late (Redis was away at init) that find
 use, or a run this job may not join, stops shipping instead, with one error. Log lines have their
 secrets redacted here, as they are encoded (runbus.redact).
 
-While Redis answers, the shipper takes from the outbox only what the backlog has room for, so
-nothing is dropped: a full outbox makes `log()` wait (back-pressure) instead. While Redis is away
-it encodes everything into the bounded backlog and spool, and what finds them full is dropped.
+Two threads: this one moves events from the outbox into the backlog (encoding them) and decides
+what to send next; its courier (runbus.producer.courier) makes the Redis calls, one at a time. So
+the outbox drains into the backlog whatever Redis does (paused, slow, failing over, out of
+memory), and a full outbox makes `log()` wait only for encoding. What finds the backlog (memory,
+then spool) full waits too while Redis takes events (back-pressure: nothing is dropped while it
+answers), else is dropped, counted: a Redis call in flight for longer than REDIS_WAIT, an outage,
+or an `-OOM` answer count as not taking them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import orjson
 from runbus import config, wire
 from runbus.config import safe_url
 from runbus.errors import LabelInUse, PrimaryConflict, RunbusError, RunExists, RunNotFound
-from runbus.producer.backlog import Backlog, Record, Spool, orphan_spools, spool_path
+from runbus.producer.backlog import Backlog, Chunk, Record, Spool, orphan_spools, rows_of, spool_path
+from runbus.producer.courier import Call, Courier
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
 from runbus.producer.outbox import Outbox, Pending
@@ -41,9 +46,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runbus.producer")
 
-# How long the shipper ships without a break while there is work: then heartbeats and stop()
+# How long the shipper works without a break while there is work: then heartbeats and stop()
 # get their turn.
 PUMP_SLICE = 0.2
+# The longest log() waits on Redis. While Redis takes events, the backlog is kept a few batches
+# ahead of it (AHEAD batches) and a full outbox makes log() wait for shipping, as back-pressure;
+# a put waiting longer than this, or a Redis call in flight for longer, and the backlog takes
+# what is queued (up to its bound; past it, with Redis not taking events, they are dropped).
+REDIS_WAIT = 0.1
+AHEAD = 2
+# A put waits for room only while the shipper thread went round this recently: longer means it
+# is stuck (for instance on a logging lock the waiting thread holds), so waiting could be forever.
+STALL_AFTER = 2.0
+# Redis near its maxmemory answers -OOM on and off while ingesters trim: said once in this long.
+OOM_WARN_EVERY = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +164,12 @@ class Shipper(threading.Thread):
         spool = None
         if options.spool_dir:
             spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
-        self.backlog = Backlog(options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops)
+        self.backlog = Backlog(
+            options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops, options.batch_size
+        )
         self._held_start: Pending | None = None
+        self._hardware_described = False
+        self._hardware_info: dict | None = None
         self._redactors: dict[str, LineRedactor] = {}  # per log stream: its lines come in order
         self._orphans_checked = False
         self._client: SyncClient | None = None
@@ -157,54 +177,75 @@ class Shipper(threading.Thread):
         # The seal secret of each epoch this process ships (wire.seal): its own, the spare
         # epochs it gave earlier processes' events, and the epochs dead processes' spools recorded.
         self._secrets: dict[int, bytes] = {}
+        # The Redis calls are the courier's; the one in flight, if any. It wakes this thread
+        # through the outbox's demand event when a call is done.
+        self._courier = Courier(f"runbus-redis-{identity.label}", outbox.demand)
+        self._call: Call | None = None
+        self._next_try = 0.0
+        self._renew_due = False
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
         self._outage_since: float | None = None
         self._outage_failures = 0
         self._denied_logged = False  # an AccessDenied logged in this outage
+        self._oom_warned_at: float | None = None  # the last -OOM warning (OOM_WARN_EVERY)
+        self._outage_oom = False  # the outage is Redis answering -OOM, nothing else
         # Jittered, so that the ranks of a job that lost Redis together do not reconnect in step.
         self._retry = config.backoff(options.max_backoff)
-        # When the loop last went round or shipped a batch. A put waits for room only while it
-        # is recent: longer than a few Redis calls may take (one that times out is an outage)
-        # means the shipper is stuck, for instance on a logging lock the waiting thread holds.
+        # When this thread last went round or encoded a batch (see STALL_AFTER).
         self._progress_at = time.monotonic()
-        self._stall_after = options.connect_timeout + 3 * options.socket_timeout + 1.0
-        outbox.may_wait = self.answering
+        outbox.may_wait = self.may_wait
 
     @property
     def unshipped(self) -> int:
         """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
         return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
 
-    def answering(self) -> bool:
-        """Whether a put that finds the outbox full should wait for room: Redis answers and
-        this thread is shipping (never on this thread itself, which would wait for itself)."""
+    def may_wait(self) -> bool:
+        """Whether a put that finds the outbox full should wait for room rather than drop: this
+        thread is moving events into a backlog with room, or Redis is taking them. Never on this
+        thread or the courier's, which would wait for themselves."""
+        now = time.monotonic()
+        current = threading.current_thread()
+        if current is self or current is self._courier or not self.is_alive():
+            return False
+        if now - self._progress_at > STALL_AFTER:
+            return False
+        return self.backlog.has_room() or self._redis_taking(now)
+
+    def _redis_taking(self, now: float) -> bool:
+        """Whether Redis takes events now: reached, no outage, no call in flight past REDIS_WAIT."""
+        call = self._call
         return (
             self.epoch is not None
             and self._outage_since is None
-            and threading.current_thread() is not self
-            and self.is_alive()
-            and time.monotonic() - self._progress_at < self._stall_after
+            and (call is None or now - call.started < REDIS_WAIT)
         )
 
     # -- the handshake -------------------------------------------------------------------------
 
     def handshake(self) -> None:
         """Claim the label's lease, a new epoch and (as the primary) the primary role, and
-        announce the stream.
+        announce the stream (from init(), before this thread starts).
 
         Raises LabelInUse when another live process holds this run and label, RunExists /
         RunNotFound as the resume mode says, PrimaryConflict when another label holds a live
         primary claim, and redis-py's ConnectionError / TimeoutError when Redis cannot be reached.
         """
+        self._took_epoch(self._claim())
+
+    def _claim(self) -> int:
         client = self._connection()
         epoch = self.lease.claim(client, self.primary)
         client.sadd(wire.REGISTRY_KEY, self.key)
+        return epoch
+
+    def _took_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self._secrets[epoch] = self.lease.secret
         if self.backlog.spool is not None:
-            self.backlog.spool.note_epoch(self.epoch, self.lease.secret)
+            self.backlog.spool.note_epoch(epoch, self.lease.secret)
         self._tell_keeper()
 
     def _tell_keeper(self) -> None:
@@ -227,34 +268,47 @@ class Shipper(threading.Thread):
         }
         capture.note_claim(claim)
 
-    def _handshake_later(self) -> bool:
-        """The handshake from this thread (Redis was away at init): another live primary demotes
-        this label; a label in use or a run not to join stops shipping. Whether it succeeded."""
+    def _claim_later(self) -> int:
+        """The courier's handshake (Redis was away at init): another live primary demotes this
+        label; LabelInUse, RunExists and RunNotFound are raised, to stop shipping."""
         try:
-            try:
-                self.handshake()
-            except PrimaryConflict as exc:
-                self._demote(exc)
-                self.handshake()
-        except (LabelInUse, RunExists, RunNotFound) as exc:
-            self._refuse(exc)
-            return False
-        return True
+            return self._claim()
+        except PrimaryConflict as exc:
+            self._demote(exc)
+            return self._claim()
 
-    def _renew_claims(self, client: SyncClient) -> None:
-        """With each heartbeat: extend the lease and the primary claim, if still ours."""
+    def _handshaken(self, epoch: int) -> None:
+        self._took_epoch(epoch)
+        self._encode_held_start()
+
+    def _describe(self) -> None:
+        """The courier describes the hardware for the start event: off the thread that encodes,
+        as NVML can take a second to start on a big host."""
+        self._hardware_info = self._describe_hardware()
+
+    def _described(self, _: None) -> None:
+        self._hardware_described = True
+        self._encode_held_start()
+
+    def _start_ready(self) -> bool:
+        """Whether the start event can be encoded: its primary flag is settled by the handshake,
+        and the hardware described (if asked for)."""
+        return self.epoch is not None and (self._hardware_described or not self.describe_hardware)
+
+    def _renew_claims(self) -> str | None:
+        """The courier's renewal of the lease and the primary claim, if still ours: the label of
+        another live primary, if any. Raises LabelInUse when the lease was taken over."""
         import redis
 
         if self.epoch is None or self.refused is not None:
-            return
+            return None
         try:
-            other_primary = self.lease.renew(client, self.primary)
-        except LabelInUse as exc:
-            self._refuse(exc)
-            return
-        except (redis.RedisError, OSError) as exc:  # the next flush finds the outage
+            return self.lease.renew(self._connection(), self.primary)
+        except (redis.RedisError, OSError) as exc:  # the next send finds the outage
             log.debug("runbus: could not renew the lease: %s", exc)
-            return
+            return None
+
+    def _renewed(self, other_primary: str | None) -> None:
         if other_primary is not None and self.primary:
             self._demote(
                 PrimaryConflict(
@@ -284,12 +338,15 @@ class Shipper(threading.Thread):
         self._held_start = None
         if self.backlog.spool is not None:
             self.backlog.spool.close(remove=True)
-        self.backlog = Backlog(self.options.max_buffer_bytes, None, 0, self.outbox.drops)
+        self.backlog = Backlog(
+            self.options.max_buffer_bytes, None, 0, self.outbox.drops, self.options.batch_size
+        )
         self.outbox.take(len(self.outbox))
 
     def _discard_until_stopped(self) -> None:
         """After a refusal: keep the queue that log() feeds empty until finish()."""
         while not self._stopping.wait(self.options.flush_interval):
+            self._progress_at = time.monotonic()
             self._discard()
         self._discard()
 
@@ -319,62 +376,120 @@ class Shipper(threading.Thread):
         self.outbox.demand.set()
 
     def run(self) -> None:
+        self._courier.start()
         try:
             self._loop()
         finally:
+            self._courier.close()
             self.outbox.wake_waiters()  # puts waiting for room drop instead: nobody ships now
 
     def _loop(self) -> None:
-        import redis
-
-        next_try, busy = 0.0, False
+        busy = False
         while True:
             self._progress_at = time.monotonic()
             if not busy:
                 self._rest()
-            busy = False
-            renew_claims = self._maybe_heartbeat()
+            self._maybe_heartbeat()
             if self.refused is not None:
                 self._discard_until_stopped()
                 return
-            if time.monotonic() < next_try and self._time_left() > 0:
-                # Redis is away: encoding goes on, so the queue feeding log() keeps room; the
-                # bounded backlog (and spool) decide what is kept.
-                self._encode_outbox()
-            else:
-                try:
-                    if self.epoch is None and not self._handshake_later():
-                        continue  # refused: the loop stops shipping at its next turn
-                    if renew_claims:
-                        self._renew_claims(self._connection())
-                    self._encode_held_start()
-                    if not self._orphans_checked:
-                        self._ship_orphans()
-                    busy = self._pump()
-                except (redis.RedisError, OSError) as exc:
-                    # Unreachable, or a refused command (OOM, READONLY replica, a wrong
-                    # password): retried as an outage, logged once.
-                    next_try = time.monotonic() + self.note_outage(exc)
-                    self._encode_outbox()
-                else:
-                    self._note_recovery()
-            if self._stopping.is_set():
-                if not self.unshipped:
-                    self._close_spool(remove=True)
-                    return
-                if self._time_left() <= 0:
-                    self._give_up()
-                    return
+            busy = self._work()
+            if self._stopping.is_set() and self._stopped():
+                return
+
+    def _stopped(self) -> bool:
+        """At finish: whether this thread is done, everything shipped or, past the deadline,
+        what is left spooled (if there is a spool)."""
+        if not self.unshipped:
+            self._close_spool(remove=True)
+            return True
+        if self._time_left() <= 0:
+            self._give_up()
+            return True
+        return False
 
     def _rest(self) -> None:
-        """Wait a flush interval, or less: until a put finds the outbox full, or stop()."""
+        """Wait a flush interval, or less: until a put finds the outbox full, a Redis call is
+        done, or stop()."""
         wake = self.outbox.demand
         wake.wait(max(0.0, min(self.options.flush_interval, self._time_left())))
         wake.clear()
 
+    def _work(self) -> bool:
+        """Collect the Redis call that is done and start the next, and encode the outbox into
+        the backlog a batch at a time, until neither has anything to do or a time slice has
+        passed: True when work is left then."""
+        until = time.monotonic() + PUMP_SLICE
+        while True:
+            called = self._dispatch()
+            encoded = self._encode_batch()
+            now = self._progress_at = time.monotonic()
+            if not (called or encoded) or self.refused is not None:
+                return False
+            if now > until or (self._stopping.is_set() and self._time_left() <= 0):
+                return True
+
+    def _dispatch(self) -> bool:
+        """Settle the call in flight if it is done, then start the next one due; whether either
+        happened."""
+        call = self._call
+        if call is not None:
+            if not call.done.is_set():
+                return False
+            self._call = None
+            self._settle(call)
+            if self.refused is not None:
+                return True
+        if time.monotonic() < self._next_try:
+            return call is not None
+        following = self._next_call()
+        if following is None:
+            return call is not None
+        self._call = following
+        self._courier.submit(following)
+        return True
+
+    def _next_call(self) -> Call | None:
+        """What the courier does next: the handshake (Redis was away at init), describing the
+        hardware (once, for the start event), a renewal of the claims, the spools of dead
+        processes, else shipping the backlog's oldest batch."""
+        if self.epoch is None:
+            return Call(self._claim_later, self._handshaken)
+        if self.describe_hardware and not self._hardware_described:
+            return Call(self._describe, self._described)
+        if self._renew_due:
+            self._renew_due = False
+            return Call(self._renew_claims, self._renewed)
+        if not self._orphans_checked:
+            self._orphans_checked = True
+            return Call(self._ship_orphans)
+        batch = self.backlog.peek(self.options.batch_size)
+        if not batch:
+            return None
+        epoch = self.epoch
+        return Call(lambda: self._send(rows_of(batch), epoch), lambda _: self._sent(batch))
+
+    def _settle(self, call: Call) -> None:
+        """A call's outcome, on this thread: its `then`, a refusal, or an outage."""
+        import redis
+
+        exc = call.error
+        if exc is None:
+            call.then(call.result)
+            self._note_recovery()
+        elif isinstance(exc, LabelInUse | RunExists | RunNotFound):
+            self._refuse(exc)
+        elif isinstance(exc, redis.RedisError | OSError):
+            # Unreachable, past the socket timeout, out of memory, a READONLY replica, a wrong
+            # password: retried with backoff, logged once; the events wait in the backlog.
+            self._next_try = time.monotonic() + self.note_outage(exc)
+        else:
+            raise exc
+
     def _note_recovery(self) -> None:
         if self._outage_since is not None:
-            log.warning(
+            log.log(
+                logging.INFO if self._outage_oom else logging.WARNING,
                 "runbus: Redis at %s is back after %.1fs; %d events shipped so far",
                 safe_url(self.identity.redis_url),
                 time.monotonic() - self._outage_since,
@@ -389,7 +504,8 @@ class Shipper(threading.Thread):
 
     def _give_up(self) -> None:
         """Out of time at finish: keep what is left in the spool (if any) for the next init()."""
-        self._encode_outbox()
+        while self._encode_batch(taking=False):
+            pass
         self._encode_held_start(force=True)
         spooled = self.backlog.persist()
         left = self.unshipped
@@ -409,34 +525,50 @@ class Shipper(threading.Thread):
             self.backlog.spool.close(remove=remove and not self.backlog.spool.unread())
 
     def note_outage(self, exc: Exception) -> float:
-        """Log an outage once (a refusal of access once too, as an error), drop the connection;
-        the delay before the next try."""
+        """Log an outage once (a refusal of access once too, as an error; an `-OOM` answer once,
+        as back-pressure), drop the connection (not for OOM); the delay before the next try."""
         from runbus.redis import access_denied
 
         denied = access_denied(exc, self.identity.redis_url)
-        # First, before anything is logged: a put waiting for room stops waiting (and drops),
-        # and so lets go of any logging lock it holds that the lines below may need.
+        oom = out_of_memory(exc)
+        # First, before anything is logged: a put waiting for room looks again (and drops if
+        # the backlog is full), and so lets go of any logging lock it holds that the lines below
+        # may need.
         outage_began = self._outage_since is None
+        now = time.monotonic()
         if outage_began:
-            self._outage_since = time.monotonic()
+            self._outage_since = now
+        self._outage_oom = oom and (outage_began or self._outage_oom)
         self.outbox.wake_waiters()
-        buffering = f"buffering up to {self.options.max_buffer_bytes >> 20} MiB in memory" + (
-            f", then in {self.options.spool_dir}" if self.options.spool_dir else ""
-        )
         if denied is not None and not self._denied_logged:
             self._denied_logged = True
-            log.error("runbus: %s; nothing is shipped until it is fixed, %s", denied, buffering)
-        elif outage_began and denied is None:
+            log.error("runbus: %s; nothing is shipped until it is fixed, %s", denied, self._buffering())
+        elif oom and (self._oom_warned_at is None or now - self._oom_warned_at > OOM_WARN_EVERY):
+            self._oom_warned_at = now
+            log.warning(
+                "runbus: Redis at %s is out of memory (%s); holding events and retrying, %s "
+                "(an ingester trims acknowledged entries to make room)",
+                safe_url(self.identity.redis_url),
+                exc,
+                self._buffering(),
+            )
+        elif outage_began and denied is None and not oom:
             log.warning(
                 "runbus: cannot ship to Redis at %s (%s); %s",
                 safe_url(self.identity.redis_url),
                 exc,
-                buffering,
+                self._buffering(),
             )
-        self._drop_connection()
+        if not oom:  # the connection is fine: Redis answered
+            self._drop_connection()
         delay = self._retry.compute(self._outage_failures)
         self._outage_failures += 1
         return delay
+
+    def _buffering(self) -> str:
+        return f"buffering up to {self.options.max_buffer_bytes >> 20} MiB in memory" + (
+            f", then in {self.options.spool_dir}" if self.options.spool_dir else ""
+        )
 
     def _drop_connection(self) -> None:
         client, self._client = self._client, None
@@ -446,41 +578,61 @@ class Shipper(threading.Thread):
             except Exception as exc:  # a broken socket may fail to close; it is gone either way
                 log.debug("runbus: closing a broken connection: %s", exc)
 
-    def _maybe_heartbeat(self) -> bool:
-        """Put a heartbeat when one is due (none once the finish is put: nothing follows it);
-        whether the label's lease (and the primary claim) are due a renewal too."""
+    def _maybe_heartbeat(self) -> None:
+        """Put a heartbeat when one is due (none once the finish is put: nothing follows it),
+        and mark the label's lease (and the primary claim) due a renewal."""
         now = time.monotonic()
         if now < self._next_heartbeat or self.outbox.closed:
-            return False
+            return
         self._next_heartbeat = now + self.options.heartbeat_interval
         self.outbox.put(
             "heartbeat",
             None,
             {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped},
         )
-        return self._client is not None and self._outage_since is None
+        if self._client is not None and self._outage_since is None:
+            self._renew_due = True
 
-    def _encode_outbox(self, one_batch: bool = False) -> None:
-        """Queued events → encoded records in the backlog (no network: also while Redis is away).
+    def _encode_batch(self, taking: bool | None = None) -> bool:
+        """Queued events → encoded records in the backlog, one batch (no network); whether any.
 
-        `one_batch` is for when Redis answers: a batch at a time, each added whatever the bound
-        (the caller takes one only when the backlog has room), so nothing is dropped.
+        While Redis takes events (`taking`, else asked) a batch is taken only when the backlog
+        has room, and when it is less than AHEAD batches ahead of shipping or a put has waited
+        for room longer than REDIS_WAIT; each of its events is kept whatever the bound: nothing
+        is dropped, log() waits instead. Otherwise every queued event is taken, and what finds
+        the backlog full is dropped.
         """
-        while True:
-            taken = self.outbox.take(self.options.batch_size)
-            for pending in taken:
-                if pending[0] == "start" and self.epoch is None:
-                    # Its primary flag is only settled by the handshake.
-                    self._held_start = pending
-                    continue
-                record = self._record(pending)
-                if record is not None:
-                    self.backlog.add(record, keep=one_batch)
-            if one_batch or not taken:
-                return
+        if not len(self.outbox) and not self.outbox.unnumbered_drops:
+            return False
+        now = time.monotonic()
+        if taking is None:
+            taking = self._redis_taking(now)
+        if taking and not self._room_ahead(now):
+            return False
+        taken = self.outbox.take(self.options.batch_size)
+        for pending in taken:
+            if pending[0] == "start" and not self._start_ready():
+                self._held_start = pending  # encoded first once ready (_encode_held_start)
+                continue
+            record = self._record(pending)
+            if record is not None:
+                self.backlog.add(record, keep=taking)
+        return bool(taken)
+
+    def _room_ahead(self, now: float) -> bool:
+        """While Redis takes events: whether the backlog takes another batch now."""
+        backlog = self.backlog
+        if not backlog.has_room():
+            return False
+        if len(backlog) < AHEAD * self.options.batch_size:
+            return True
+        since = self.outbox.waiting_since
+        return since is not None and now - since > REDIS_WAIT
 
     def _encode_held_start(self, force: bool = False) -> None:
-        if self._held_start is not None and (self.epoch is not None or force):
+        """The held start event, first in the backlog (only when no call is in flight, or at
+        the end: a batch in flight was peeked from the backlog's front)."""
+        if self._held_start is not None and (self._start_ready() or force):
             record = self._record(self._held_start)
             self._held_start = None
             if record is not None:
@@ -491,10 +643,11 @@ class Shipper(threading.Thread):
         if kind == "start":
             data = {**data, "primary": self.primary}
             if self.describe_hardware:
-                try:
-                    data["hardware"] = self._hardware()
-                except Exception as exc:  # the start is never lost for want of a description
-                    log.warning("runbus: cannot describe the hardware: %s", exc)
+                if not self._hardware_described:
+                    self._hardware_info = self._describe_hardware()
+                    self._hardware_described = True
+                if self._hardware_info is not None:
+                    data["hardware"] = self._hardware_info
         elif kind == "finish":
             data = {**data, **self.outbox.drops.report()}
         elif kind == "log":
@@ -520,50 +673,37 @@ class Shipper(threading.Thread):
         text = redactor(data["text"])
         return data if text is data["text"] else {**data, "text": text}
 
-    def _hardware(self) -> dict:
-        # Here, not in init(): NVML can take a second to start on a big host.
+    def _describe_hardware(self) -> dict | None:
+        # Not in init(): NVML can take a second to start on a big host.
         from runbus.producer.hardware import describe
         from runbus.producer.system import sampled_devices
 
-        return describe(sampled_devices(self.gpu_device_ids)[1])
+        try:
+            return describe(sampled_devices(self.gpu_device_ids)[1])
+        except Exception as exc:  # the start is never lost for want of a description
+            log.warning("runbus: cannot describe the hardware: %s", exc)
+            return None
 
-    def _send(self, client: SyncClient, records: list[Record], epoch: int) -> None:
+    def _send(self, records: list[Any], epoch: int) -> None:
+        """The courier's XADDs of one batch (records, each a sequence in Record's order), in one
+        round trip (a Lua script)."""
+        client = self._connection()
         xadd_many = self._xadd_many
         if xadd_many is None or xadd_many.registered_client is not client:
             xadd_many = self._xadd_many = client.register_script(wire.XADD_MANY_SCRIPT)
-        entries = ((r.kind, r.epoch or epoch, r.seq, r.ts, r.step, r.data) for r in records)
+        entries = ((kind, ep or epoch, seq, ts, step, data) for kind, ep, seq, ts, step, data in records)
         ident = self.identity
         xadd_many(
             keys=[self.key], args=wire.xadd_many_args(ident.run_id, ident.label, entries, self._secrets)
         )
 
-    def _pump(self) -> bool:
-        """Encode and ship, a batch at a time, while Redis answers: events are taken from the
-        outbox only while the backlog has room, so none is dropped (a full outbox makes the
-        caller of log() wait instead). True when work is left after a time slice."""
-        epoch = self.epoch
-        assert epoch is not None, "the handshake comes before any flush"
-        client = self._connection()
-        backlog, batch_size = self.backlog, self.options.batch_size
-        until = time.monotonic() + PUMP_SLICE
-        while True:
-            if backlog.has_room():
-                self._encode_outbox(one_batch=True)
-            records = backlog.peek(batch_size)
-            if not records:
-                return False
-            self._send(client, records, epoch)
-            backlog.shipped(records)
-            self.shipped += len(records)
-            if self._outage_since is not None:
-                self._note_recovery()  # at once: a full outbox makes log() wait again, not drop
-            now = self._progress_at = time.monotonic()
-            if now > until or (self._stopping.is_set() and self._time_left() <= 0):
-                return True
+    def _sent(self, batch: Chunk | list[Record]) -> None:
+        self.backlog.shipped(batch)
+        self.shipped += len(batch)
 
     def _ship_orphans(self) -> None:
-        """Ship spools that earlier processes of this run and label left behind when they died."""
-        self._orphans_checked = True
+        """The courier ships the spools that earlier processes of this run and label left behind
+        when they died (only this thread touches them)."""
         if not self.options.spool_dir:
             return
         client = self._connection()
@@ -582,9 +722,18 @@ class Shipper(threading.Thread):
                     # That process never reached Redis: its events get an epoch of their own.
                     epoch = self.lease.earlier_epoch(client)
                     self._secrets[epoch] = self.lease.secret
-                self._send(client, records, epoch or 0)
+                self._send(records, epoch or 0)
                 spool.read_offset = offset
                 shipped += len(records)
-                self._progress_at = time.monotonic()
             log.warning("runbus: shipped %d events left in %s by an earlier process", shipped, spool.path)
             spool.close(remove=True)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether Redis answered `-OOM` (over maxmemory with noeviction): back-pressure, not an
+    outage; the connection is fine."""
+    from redis.exceptions import OutOfMemoryError, ResponseError
+
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith("OOM")
+    )

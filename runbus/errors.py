@@ -77,6 +77,11 @@ class AccessDenied(RunbusError):
     user or password, the user's rights, or the certificate authority."""
 
 
+class GaveUp(RunbusError):
+    """A `runbus ingest --burst` worker found Redis or the store unreachable for longer than
+    `--give-up-after`: it stopped, leaving what it had read pending; run it again once they answer."""
+
+
 class CommandError(RunbusError):
     """A user-facing failure of a `runbus` command: printed as one line, exit code 1."""
 

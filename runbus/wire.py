@@ -31,6 +31,9 @@ DEAD_LETTER_KEY = f"{PREFIX}:dead"
 # Every stream a producer creates is announced here (a set of stream keys), so ingesters find
 # it within a poll instead of a keyspace scan.
 REGISTRY_KEY = f"{PREFIX}:streams"
+# Per consumer group made with `runbus ingest --from now`: the stream id it starts new streams
+# at (a hash, group -> id), fixed by the group's first such ingest, so restarts keep it.
+GROUP_STARTS_KEY = f"{PREFIX}:group-starts"
 
 KINDS = frozenset({"start", "metric", "log", "system", "heartbeat", "finish", "meta"})
 LOG_STREAMS = frozenset({"stdout", "stderr", "logging"})

@@ -148,3 +148,12 @@ async def assert_idle_connections_closed(port: int, path: str, count: int = 200,
         waits.cancel()
         for _, writer in connections:
             writer.close()
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll `check` until it returns something true (returned), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result

@@ -175,15 +175,29 @@ def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url
 def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_path):
     with redis.Redis.from_url(redis_url) as client:
         key, lock, slow = ingester_behind_lock(
-            client, redis_url, store_url, "slow", 20, "--consumer", "slow", "--claim-idle", "1"
+            client,
+            redis_url,
+            store_url,
+            "slow",
+            15,
+            "--consumer",
+            "slow",
+            "--claim-idle",
+            "1",
+            "--batch-size",
+            "5",
         )
-        wait_pending(client, key, 20)
+        # All read (no new entry for the other worker): a batch waiting for the store, the next
+        # waiting for it, and the one read ahead after.
+        wait_pending(client, key, 15)
+    group = store_group(store_url)  # the slow worker's: another store's group would claim nothing
 
     async def watch_other_worker() -> int:
         other = Worker(
             WorkerSettings(
                 redis_url=redis_url,
                 store_url=f"sqlite:///{tmp_path / 'other.db'}",
+                group=group,
                 claim_idle=1.0,
                 handle_signals=False,
                 consumer="other",
@@ -199,14 +213,14 @@ def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_pa
 
     assert asyncio.run(watch_other_worker()) == 0
     deadline = time.monotonic() + 20
-    while read_store(store_url, "run", "slow").counts["metric"] < 20:
+    while read_store(store_url, "run", "slow").counts["metric"] < 15:
         if time.monotonic() > deadline:
             slow.kill()
             raise AssertionError(slow.communicate()[1])
         time.sleep(0.1)
     slow.send_signal(signal.SIGTERM)
     _, err = slow.communicate(timeout=30)
-    assert slow.returncode == 0 and " 0 claimed" in err and "20 stored" in err
+    assert slow.returncode == 0 and " 0 claimed" in err and "15 stored" in err
 
 
 def test_sigterm_drains_within_the_timeout_and_leaves_the_rest_pending(redis_url, store_url):

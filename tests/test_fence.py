@@ -251,6 +251,17 @@ def test_the_readme_s_acl_users_run_a_producer_and_an_ingester(acl_redis, store_
         forged = xadd_event(producer, "acl", "rank0", "finish", epoch, 6, {"exit_code": 7})
     assert finish(rank) is True
     ingest(ingester_url, store_url)
+    # `--from now` reads Redis's clock (TIME) and the group starts (runbus:group-starts).
+    run_cli(
+        "--store",
+        store_url.replace("runbus.db", "now.db"),
+        "ingest",
+        "--redis",
+        ingester_url,
+        "--burst",
+        "--from",
+        "now",
+    )
 
     run = read_store(store_url, "run", "acl")
     assert (run.state, run.exit_code, run.counts["metric"], run.labels[0].missing) == ("finished", 0, 5, 0)

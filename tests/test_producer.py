@@ -152,7 +152,7 @@ def test_log_never_waits_for_an_absent_redis():
         system_interval=None,
         hardware=False,
         max_buffer_events=100,
-        max_buffer_bytes=20_000,
+        max_buffer_bytes=5_000,
         finish_timeout=0.5,
     )
     for step in range(250):
