@@ -266,7 +266,7 @@ class Tail:
             self._finished = True
             code = event.data.get("exit_code")
             if self._ending is None:
-                self._ending = "finished" if code == 0 else f"failed (exit {code})"
+                self._ending = {0: "finished", None: "crashed"}.get(code, f"failed (exit {code})")
 
     def _shown(self, label: str) -> bool:
         return self.settings.labels is None or label in self.settings.labels

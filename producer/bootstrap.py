@@ -23,14 +23,16 @@ A Run adopts the console as it starts its console capture (runbus.producer.conso
 from process start come first, and every later line follows, fd-level writes included. A rank
 that never calls runbus.init() gets a Run made for it as it ends, which stores its console with
 the exit code runbus.producer.exits reads (sys.exit's, an uncaught exception's, a signal's,
-os._exit's). A rank killed otherwise (SIGKILL, a crash) stores what its Run had shipped; the
-keeper shows the rest on the terminal regardless.
+os._exit's). A rank killed otherwise (SIGKILL, a segfault) stores what its Run had shipped; the
+keeper shows the rest on the terminal, and stores the label's end with the exit status it reads
+(runbus.producer.keeper): each Run tells it of its lease (note_claim) and of its finish.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import sys
@@ -191,6 +193,18 @@ class FdCapture:
         done = answered.wait(timeout)
         self._acks.pop(token, None)
         return done
+
+    def note_claim(self, claim: dict[str, str | int]) -> None:
+        """Tell the keeper that a Run of this rank holds a label's lease (run, label, token, seal
+        secret, Redis URL, host, pid): if the rank dies before note_finished, the keeper stores
+        the label's end. Over the private control pipe: the secret and URL go nowhere else."""
+        if self.pid == os.getpid() and not self.closed:
+            self._tell("claim " + json.dumps(claim, separators=(",", ":")) + "\n")
+
+    def note_finished(self, run: str, label: str) -> None:
+        """Tell the keeper that this Run's finish reached Redis: its end is stored."""
+        if self.pid == os.getpid() and not self.closed:
+            self._tell(f"finished {run} {label}\n")
 
     def write_marked(self, fd: int, flag: bytes, payload: bytes) -> bool:
         """Write a keeper mark to `fd` (1 or 2); False when `fd` no longer reaches the keeper."""

@@ -13,7 +13,9 @@
 - An uncaught exception in another thread ends only that thread (CPython exits 0 unless the
   main thread fails): the process's status is stored, the traceback is in the console.
 - SIGKILL, and whatever kills the process from outside without a handler, cannot be seen from
-  inside it: the ingester marks a label crashed once it has been silent for `--crash-after`.
+  inside it: under `runbus run` its console keeper stores the end at once, with the exit status
+  it reads (runbus.producer.keeper); otherwise the ingester marks a label crashed once it has
+  been silent for `--crash-after`.
 
 How the SystemExit's code is read: atexit handlers run after Python has taken the code from the
 exception and dropped it (Py_FinalizeEx after _Py_HandleSystemExit), and sys.excepthook never

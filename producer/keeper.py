@@ -16,6 +16,14 @@ from C++, NCCL's watchdog, os._exit) still reaches the terminal; reading never w
 rank's GIL, so C code writing while it holds the GIL cannot fill the pipe and hang; and the
 keeper does the cutting and matching off the training process.
 
+When the control pipe ends because the rank is exiting (not an exec) while a Run it claimed has
+not finished (SIGKILL, a segfault, the OOM killer: nothing ran in the rank), the keeper reads the
+rank's exit status from /proc/PID/stat (the rank is exiting or a zombie until its parent reaps
+it: a parent that reaps first leaves it unknown) and stores that the label ended: a `finish` of a
+new epoch with the exit code (128 + the signal for a signal), or with a null exit code (crashed)
+when the status could not be read (runbus.producer.lease.store_end). A few bounded tries; Redis
+away leaves the label to the ingester's crash detection, as before.
+
 Lines wait here (up to MAX_HELD_BYTES; past it the oldest are dropped and counted) and go to the
 rank by non-blocking writes: a rank that reads slowly costs memory here, never a blocked writer.
 
@@ -23,8 +31,11 @@ The protocol, all of it in this module:
 
 - control, rank to keeper, one ASCII line per message: `adopt ECHO LABEL` (start sending lines;
   the echo rule and label from now on), `release TOKEN` (read what the pipes hold, cut the
-  partial lines, send every line kept, then TOKEN; keep no more lines). The control pipe's end
-  (the rank exited or exec'd) means no one will read lines again.
+  partial lines, send every line kept, then TOKEN; keep no more lines), `claim JSON` (a Run of
+  the rank holds a label's lease: run, label, token, seal secret, Redis URL, host, pid; sent over
+  this private pipe, never argv, environment or files), `finished RUN LABEL` (that Run's finish
+  reached Redis). The control pipe's end (the rank exited or exec'd) means no one will read
+  lines again.
 - feed, keeper to rank: frames of a kind byte, a 4-byte length and a payload: a stdout, stderr
   or logging line (its level, NUL, its UTF-8 text), DROPPED (how many lines were dropped, in
   ASCII), ACK (a token).
@@ -39,10 +50,12 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import json
 import os
 import selectors
 import signal
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -56,6 +69,12 @@ MAX_MARKED_BYTES = 16 << 20
 READ_SIZE = 1 << 16
 # After the pipes close, how long lines still try to reach a rank that is alive and adopted them.
 LINGER_SECONDS = 2.0
+# Storing an unfinished Run's end: tries, each connection's timeouts, and the most the keeper
+# waits for them before it exits.
+END_TRIES = 3
+END_CONNECT_TIMEOUT, END_SOCKET_TIMEOUT = 1.0, 2.0
+END_WAIT_SECONDS = 12.0
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is exiting
 
 MARK = b"\x1b_runbus:"
 ST = b"\x1b\\"
@@ -236,9 +255,14 @@ class Keeper:
         echo: str,
         label: str,
         shown: tuple[int, int] = (1, 2),
+        rank: tuple[int, str] | None = None,
     ) -> None:
         """The pipes to read (`stdout`, `stderr`, `control`), the feed to write, the echo rule
-        and label to start with, and the fds to show the two streams on (`shown`)."""
+        and label to start with, the fds to show the two streams on (`shown`), and the rank's
+        pid and start time (`rank`: whose end to store for its unfinished Runs; None: none)."""
+        self.rank = rank
+        self.claims: dict[tuple[str, str], dict] = {}  # the rank's unfinished Runs' leases
+        self.ending: threading.Thread | None = None
         self.echo = echo
         self.prefix = f"[{label}] "
         self.control: int | None = control
@@ -313,10 +337,16 @@ class Keeper:
         self._control_text += data
         while b"\n" in self._control_text:
             line, _, self._control_text = self._control_text.partition(b"\n")
-            self._command(line.decode("ascii", "replace").split())
+            self._command(line)
 
-    def _command(self, words: list[str]) -> None:
-        if len(words) == 3 and words[0] == "adopt" and words[1] in ECHO_MODES:
+    def _command(self, line: bytes) -> None:
+        if line.startswith(b"claim "):
+            self._claim(line[len(b"claim ") :])
+            return
+        words = line.decode("ascii", "replace").split()
+        if len(words) == 3 and words[0] == "finished":
+            self.claims.pop((words[1], words[2]), None)
+        elif len(words) == 3 and words[0] == "adopt" and words[1] in ECHO_MODES:
             self.echo = words[1]
             self.prefix = f"[{words[2]}] "
             for stream in self.streams.values():
@@ -342,9 +372,23 @@ class Keeper:
                     break
                 stream.data(chunk)
 
+    def _claim(self, text: bytes) -> None:
+        try:
+            claim = json.loads(text)
+            self.claims[(claim["run"], claim["label"])] = claim
+        except (ValueError, TypeError, KeyError):  # not the rank's message: nothing to store
+            pass
+
     def control_closed(self) -> None:
         self.control = None
         self._discard()
+        if self.claims and self.rank is not None:
+            ended, status = rank_status(*self.rank)  # at once: a parent may reap the rank soon
+            if ended:
+                claims = list(self.claims.values())
+                self.claims.clear()
+                self.ending = threading.Thread(target=store_ends, args=(claims, status), daemon=True)
+                self.ending.start()
 
     def _close(self, source: int) -> None:
         stream = self.streams.pop(source)
@@ -355,7 +399,15 @@ class Keeper:
     # -- the loop --------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Until both pipes have closed (the rank and every child holding them have exited)."""
+        """Until both pipes have closed (the rank and every child holding them have exited), and
+        the end of the rank's unfinished Runs is stored (at most END_WAIT_SECONDS more)."""
+        try:
+            self._serve()
+        finally:
+            if self.ending is not None:
+                self.ending.join(END_WAIT_SECONDS)
+
+    def _serve(self) -> None:
         for fd in (*self.streams, self.feed):
             os.set_blocking(fd, False)
         selector = selectors.DefaultSelector()
@@ -419,6 +471,56 @@ class Keeper:
         self._close(source)
 
 
+def rank_status(pid: int, ticks: str) -> tuple[bool, int | None]:
+    """(whether the process `pid` that started at `ticks` has ended, its wait status if it can be
+    read): from /proc/PID/stat, whose field 52 holds it while the process exits and until its
+    parent reaps it (Linux 3.5+). Gone (reaped: a free pid, or another process) is ended,
+    status unknown; alive and not exiting (it exec'd) is not ended."""
+    fields = _proc_stat(pid)
+    if len(fields) < 20 or fields[19].decode() != ticks:
+        return True, None
+    if fields[0] not in (b"Z", b"X") and not int(fields[6]) & PF_EXITING:
+        return False, None
+    return True, (int(fields[49]) if len(fields) > 49 else None)
+
+
+def exit_code_of_status(status: int) -> tuple[int | None, int | None]:
+    """(the exit code as a shell shows it: 128 + N when killed by signal N, and N or None) of a
+    wait status; (None, None) for one that is no end."""
+    try:
+        code = os.waitstatus_to_exitcode(status)
+    except ValueError:
+        return None, None
+    return (128 - code, -code) if code < 0 else (code, None)
+
+
+def store_ends(claims: list[dict], status: int | None) -> None:
+    """Store that each claim's Run ended, with the rank's wait status (None: unknown), a few
+    bounded tries each (runbus.producer.lease.store_end)."""
+    exit_code, killed_by = exit_code_of_status(status) if status is not None else (None, None)
+    try:
+        from runbus.producer.lease import store_end
+        from runbus.redis import sync_client
+    except Exception:  # a broken install: the ingester's crash detection stays
+        return
+    for claim in claims:
+        for attempt in range(END_TRIES):
+            try:
+                client = sync_client(
+                    claim["url"],
+                    socket_connect_timeout=END_CONNECT_TIMEOUT,
+                    socket_timeout=END_SOCKET_TIMEOUT,
+                    retry_on_timeout=False,
+                )
+                try:
+                    store_end(client, claim, exit_code, killed_by)
+                finally:
+                    client.close()
+                break
+            except Exception:  # Redis away or refusing: tried again, then left to crash detection
+                time.sleep(0.2 * (attempt + 1))
+
+
 def serve(stdout: int, stderr: int, control: int, feed: int, echo: str, label: str) -> None:
     """The keeper process's body (in a process forked by the bootstrap, which then _exits)."""
     # Ctrl-C, a hang-up or a TERM sent to the whole process group are for the rank; the keeper
@@ -426,8 +528,27 @@ def serve(stdout: int, stderr: int, control: int, feed: int, echo: str, label: s
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         with contextlib.suppress(AttributeError, OSError, ValueError):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+    rank = os.getppid()  # forked by the rank: its parent is the rank, until the rank exits
+    ticks = _start_ticks(rank)
     _name_process(b"runbus-console")
-    Keeper(stdout, stderr, control, feed, echo, label).serve()
+    keeper = Keeper(stdout, stderr, control, feed, echo, label, rank=(rank, ticks) if ticks else None)
+    keeper.serve()
+
+
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name ([state, ppid, ...]); [] where there
+    is none. (runbus.producer.lease reads it too, but importing it costs every rank at start.)"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rpartition(b")")[2].split()
+    except OSError:
+        return []
+
+
+def _start_ticks(pid: int) -> str:
+    """Field 22 of /proc/PID/stat, the process's start time: with the pid, which process it is."""
+    fields = _proc_stat(pid)
+    return fields[19].decode() if len(fields) > 19 else ""
 
 
 def _name_process(name: bytes) -> None:

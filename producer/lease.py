@@ -160,6 +160,27 @@ return {epoch, odd}
 )
 
 
+# KEYS: lease, epoch counter, primary, finished marker. ARGV: token, label, the finished marker
+# ('' for none), its TTL s. A console keeper's notice that its rank, the lease holder under
+# `token`, ended without finishing: only while the lease is still that holder's (a finish gives it
+# back, a restarted process takes it over). Gives the lease up, and the primary claim where it
+# holds this label (leaving the marker, if any, as a finish does); replies a new epoch of the
+# label for the notice alone, above every epoch of the rank, or 0 when the lease is not the rank's.
+END_SCRIPT = (
+    _NEXT_EPOCH
+    + """
+if token_at(KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if text_at(KEYS[3]) == ARGV[2] then
+  redis.call('DEL', KEYS[3])
+  if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'EX', ARGV[4]) end
+end
+local epoch = next_epoch(KEYS[2])
+return epoch
+"""
+)
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as handle:
@@ -506,3 +527,40 @@ class LabelLease:
         pipe.hset(key, str(epoch), self.secret.hex())
         pipe.expire(key, wire.FINISHED_TTL)
         pipe.execute()
+
+
+def store_end(client: SyncClient, claim: dict[str, Any], exit_code: int | None, signal: int | None) -> bool:
+    """A console keeper's notice that the process holding `claim`'s lease (run, label, token,
+    secret, host, pid: what its rank told it) ended without finishing, with `exit_code` (None:
+    unknown), as a `finish` of a new epoch of the label: ordered after every event of the
+    process, sealed with the process's secret. False when the lease is no longer the process's
+    (it finished, or a restarted process took the label): then nothing is written."""
+    run, label = claim["run"], claim["label"]
+    marker = ""
+    if exit_code is not None:
+        done = {"label": label, "exit_code": exit_code, "ts": time.time()}
+        marker = orjson.dumps({**done, "host": claim["host"], "pid": claim["pid"]}).decode()
+    keys = [
+        wire.lease_key(run, label),
+        wire.epoch_key(run, label),
+        wire.primary_key(run),
+        wire.finished_key(run),
+    ]
+    epoch = int(
+        client.register_script(END_SCRIPT)(keys=keys, args=[claim["token"], label, marker, wire.FINISHED_TTL])
+    )
+    if not epoch:
+        return False
+    secret = bytes.fromhex(claim["secret"])
+    key = wire.seal_key(run, label)
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(key, str(epoch), secret.hex())  # before the entry: an ingester checks it by this
+    pipe.expire(key, wire.FINISHED_TTL)
+    pipe.execute()
+    data: dict[str, Any] = {"exit_code": exit_code, "noticed_by": "keeper"}
+    if signal is not None:
+        data["signal"] = signal
+    entry = ("finish", epoch, 1, time.time(), None, orjson.dumps(data))
+    args = wire.xadd_many_args(run, label, [entry], {epoch: secret})
+    client.register_script(wire.XADD_MANY_SCRIPT)(keys=[wire.stream_key(run, label)], args=args)
+    return True

@@ -447,6 +447,8 @@ class Run:
         shipped_all = shipped_all and self._shipper.refused is None
         if shipped_all:
             self._shipper.release(exit_code)
+        if not self._shipper.is_alive() and not self._shipper.unshipped:
+            self._tell_keeper_finished()
         if self.dropped:
             log.warning("runbus: %d events were dropped (their seqs are reported as gaps)", self.dropped)
         self._complete = shipped_all and not self.dropped
@@ -455,6 +457,14 @@ class Run:
         exits.forget(self)
         environment.withdraw_run_id(self.identity.run_id)
         return self._complete
+
+    def _tell_keeper_finished(self) -> None:
+        """Under `runbus run`: the finish is in Redis, so the console keeper stores no end."""
+        from runbus.producer import bootstrap
+
+        capture = bootstrap.current()
+        if capture is not None:
+            capture.note_finished(self.identity.run_id, self.identity.label)
 
     def _disown(self) -> None:
         """In a forked child: this Run belongs to the parent, so every call becomes a no-op."""

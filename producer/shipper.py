@@ -246,6 +246,27 @@ class Shipper(threading.Thread):
         self._secrets[epoch] = self.lease.secret
         if self.backlog.spool is not None:
             self.backlog.spool.note_epoch(epoch, self.lease.secret)
+        self._tell_keeper()
+
+    def _tell_keeper(self) -> None:
+        """Under `runbus run`, tell the console keeper of the lease: it stores the label's end if
+        this process dies before its finish reaches Redis (runbus.producer.keeper)."""
+        from runbus.producer import bootstrap
+
+        capture, holder = bootstrap.current(), self.lease.holder
+        if capture is None or holder is None:
+            return
+        ident = self.identity
+        claim: dict[str, str | int] = {
+            "run": ident.run_id,
+            "label": ident.label,
+            "token": holder.token,
+            "secret": self.lease.secret.hex(),
+            "url": ident.redis_url,
+            "host": holder.host,
+            "pid": holder.pid,
+        }
+        capture.note_claim(claim)
 
     def _claim_later(self) -> int:
         """The courier's handshake (Redis was away at init): another live primary demotes this

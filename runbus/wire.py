@@ -554,8 +554,10 @@ def _start_data(data: dict[str, Any]) -> dict[str, Any]:
 
 def _finish_data(data: dict[str, Any]) -> dict[str, Any]:
     code = data.get("exit_code")
+    if code is None and "exit_code" in data:  # ended, its exit status unknown (a keeper's notice)
+        return data
     if type(code) is not int:
-        raise InvalidEntry("finish data needs an integer 'exit_code'")
+        raise InvalidEntry("finish data needs an integer 'exit_code', or null")
     if code not in INT64:
         raise InvalidEntry(f"finish exit_code {code} does not fit in 64 bits")
     return data

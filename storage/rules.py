@@ -25,7 +25,9 @@ from runbus.wire import Event
 
 RUNNING, FINISHED, FAILED, CRASHED = "running", "finished", "failed", "crashed"
 STATES = (RUNNING, FINISHED, FAILED, CRASHED)
-ENDED = frozenset({FINISHED, FAILED})  # set by a finish event; crashed is set by silence
+# Set by a finish event with an exit code. Crashed is set by silence, or by a finish whose exit
+# code is null (a keeper saw the process end, not how): any finish with a code overrides that.
+ENDED = frozenset({FINISHED, FAILED})
 ORIGIN = (0, 0)
 
 
@@ -119,8 +121,10 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
 
     Whatever the order, the result is that of folding in (epoch, seq) order: the latest finish
     ends the label unless a start of a newer epoch follows it (a new life); a finish of an older
-    epoch than the latest start does not end the new life. A label marked crashed is revived
-    by any event beyond the position it had reached when it was marked.
+    epoch than the latest start does not end the new life. A finish whose exit code is null
+    (the process ended, its status unknown) marks the label crashed unless a finish with a code
+    ended it, whatever their order. A label marked crashed is revived by any event beyond the
+    position it had reached when it was marked.
     """
     top = (label.epoch, label.last_seq)
     first_ts, last_ts = label.first_ts, label.last_ts
@@ -144,9 +148,13 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
         elif kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
             dropped = merge_dropped(dropped, event.epoch, event.data["dropped_ranges"])
         if kind == "finish":
-            if (pos > state_pos) if state in ENDED else (event.epoch >= start_pos[0]):
-                exit_code = event.data["exit_code"]
-                state, state_pos, state_ts = (FINISHED if exit_code == 0 else FAILED), pos, ts
+            code = event.data["exit_code"]
+            if code is None:  # ended with no known status: crashed, unless a finish said how
+                if state not in ENDED and event.epoch >= start_pos[0]:
+                    state, exit_code, state_pos, state_ts = CRASHED, None, pos, ts
+            elif (pos > state_pos) if state in ENDED else (event.epoch >= start_pos[0]):
+                exit_code = code
+                state, state_pos, state_ts = (FINISHED if code == 0 else FAILED), pos, ts
         elif state in ENDED:
             if kind == "start" and event.epoch > state_pos[0]:  # a restarted process: a new life
                 state, exit_code, state_pos, state_ts = RUNNING, None, ORIGIN, None

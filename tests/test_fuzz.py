@@ -222,7 +222,7 @@ def data_of(draw, kind: str) -> dict[str, Any]:
     if kind == "start":
         return {"primary": draw(st.booleans()), "config": {"lr": 0.1}, "world_size": 2}
     if kind == "finish":
-        return {"exit_code": draw(st.integers(-5, 300))}
+        return {"exit_code": draw(st.none() | st.integers(-5, 300))}  # null: a keeper's notice
     if kind == "meta":
         return draw(meta_data)
     return draw(st.sampled_from([{}, {"dropped": 3, "buffered": 0}]))  # heartbeat

@@ -185,6 +185,46 @@ def test_crash_detection_applies_to_running_labels_only():
     assert (late.state, late.exit_code) == (FAILED, 7)
 
 
+def test_a_finish_with_a_null_exit_code_marks_the_label_crashed_at_once():
+    """A console keeper's notice (the rank ended, its status unknown): a finish of a new epoch,
+    seq 1, with a null exit code. Crashed as silence would mark it, without the wait."""
+    life = [ev("rank0", "start", 1, 1, primary=True), ev("rank0", "metric", 1, 4)]
+    notice = ev("rank0", "finish", 2, 1, exit_code=None)
+    crashed = fold("rank0", [*life, notice])
+    assert (crashed.state, crashed.exit_code, crashed.state_pos) == (CRASHED, None, (2, 1))
+    assert run_state([crashed], "rank0") == RunState(CRASHED, "rank0", None, notice.ts)
+    # Late events of the rank's epoch do not revive it; a restarted process's start does.
+    assert apply_events(crashed, [ev("rank0", "log", 1, 9)]).state == CRASHED
+    assert apply_events(crashed, [ev("rank0", "start", 3, 1, primary=True)]).state == RUNNING
+    # A finish with a code says how the life ended, whichever arrives first.
+    finish = ev("rank0", "finish", 1, 5, exit_code=0)
+    for events in ([*life, finish, notice], [*life, notice, finish]):
+        assert (fold("rank0", events).state, fold("rank0", events).exit_code) == (FINISHED, 0)
+    # The notice of a killed rank whose status was read is a plain finish: it ends the label.
+    killed = fold("rank0", [*life, ev("rank0", "finish", 2, 1, exit_code=137, signal=9)])
+    assert (killed.state, killed.exit_code) == (FAILED, 137)
+
+
+@given(every_kind, st.randoms(use_true_random=False), st.integers(1, 6))
+def test_a_null_finish_after_every_event_gives_crashed_unless_a_finish_said_how(raw, rnd, batches):
+    """The notice comes after everything its rank wrote, in a newer epoch: whatever order and
+    batch cuts the rank's own events arrive in, the label is crashed unless a finish with a code
+    ended its latest life."""
+    by_position = {}
+    for epoch, seq, kind, code in raw:
+        data = {"exit_code": code} if kind == "finish" else {"primary": True} if kind == "start" else {}
+        by_position[epoch, seq] = ev("rank0", kind, epoch, seq, **data)
+    events = list(by_position.values())
+    mixed = events + rnd.sample(events, k=min(5, len(events)))
+    rnd.shuffle(mixed)
+    label = LabelState("r", "rank0")
+    for n in range(batches):
+        label = apply_events(label, mixed[n * len(mixed) // batches : (n + 1) * len(mixed) // batches])
+    label = apply_events(label, [ev("rank0", "finish", 4, 1, exit_code=None)])
+    state, code = lives(events)
+    assert (label.state, label.exit_code) == ((CRASHED, None) if state == RUNNING else (state, code))
+
+
 def test_the_first_primary_claim_wins_and_later_ones_are_refused():
     stray = ev("stray", "start", 1, 1, primary=True)
     real = ev("rank0", "start", 1, 1, primary=True)

@@ -220,6 +220,21 @@ def test_labels_get_their_own_colour_on_a_terminal(redis_url):
     assert format_line("rank0", 6, "zero", None) == "rank0  | zero"
 
 
+@pytest.mark.parametrize(("code", "ending"), [(None, "crashed"), (137, "failed (exit 137)")])
+def test_tail_ends_at_a_keepers_notice_saying_how_the_primary_ended(redis_url, code, ending):
+    """`runbus run`'s keeper stores a killed rank's end as a finish of a new epoch: with its
+    exit code, or a null one when it could not read the status (crashed)."""
+    with redis.Redis.from_url(redis_url) as client:
+        xadd_event(client, RUN, "rank0", "start", 1, 1, {"primary": True})
+        log(client, "rank0", 2, "training")
+        xadd_event(client, RUN, "rank0", "finish", 2, 1, {"exit_code": code, "noticed_by": "keeper"})
+    out, err = io.StringIO(), io.StringIO()
+    settings = TailSettings(redis_url=redis_url, run_id=RUN, from_start=True, finish_grace=0.2)
+    assert Tail(settings, out=out, err=err).run() == 0
+    assert out.getvalue().splitlines() == ["rank0 | training"]
+    assert err.getvalue().splitlines()[-1] == f"runbus: run {RUN} {ending}"
+
+
 PRIMARY = """
 import sys, time, runbus
 run = runbus.init(run_id=sys.argv[1], system_interval=None, hardware=False)
