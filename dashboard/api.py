@@ -39,6 +39,7 @@ from runbus.dashboard import downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, InvalidName, StoreRejected
 from runbus.storage import base, documents, system_charts
+from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
@@ -166,7 +167,8 @@ def _series(
     for point in points:
         by_label.setdefault(point.label, []).append(point)
     series = []
-    for label, mine in sorted(by_label.items()):
+    for label in sorted(by_label, key=natural_key):
+        mine = by_label[label]
         mine.sort(key=lambda p: (x_of(p), p.epoch, p.seq))
         rows = downsample.downsample([x_of(p) for p in mine], [p.value for p in mine], limit)
         series.append(

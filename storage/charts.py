@@ -54,6 +54,7 @@ from runbus.storage.rollups import (
     N,
     Partial,
 )
+from runbus.storage.rules import natural_key
 
 # Values in view up to this many are read as stored: exact band and lines.
 RAW_POINTS = 50_000
@@ -475,7 +476,7 @@ def _lines(rows: Sequence[LabelBucket], by_ts: bool, start: float | None, end: f
             segment = segments[row.epoch] = LineSegment(row.epoch, row.generation, [])
         x = part[TS_HI] if by_ts else part[X_HI]
         segment.points.append(LinePoint(x, part[LAST], _mean(part), part[LO], part[HI], part[N]))
-    return [Line(label, list(segments.values())) for label, segments in sorted(lines.items())]
+    return [Line(label, list(lines[label].values())) for label in sorted(lines, key=natural_key)]
 
 
 async def _ranking(
@@ -527,7 +528,9 @@ def rank_outliers(
             spread = max(abs(median), 1e-12) * 1e-3
         for label, mean in label_means.items():
             distances.setdefault(label, []).append(abs(mean - median) / spread)
-    ranked = sorted(((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], t[1]))
+    ranked = sorted(
+        ((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], natural_key(t[1]))
+    )
     return [(label, distance) for distance, label in ranked[:count]]
 
 
@@ -605,7 +608,7 @@ async def stragglers(
         rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
         cells = _rollup_cells(rows, time_key)
     present = sorted({bucket for _, bucket in cells})
-    names = sorted({label for label, _ in cells})
+    names = sorted({label for label, _ in cells}, key=natural_key)
     column = {bucket: i for i, bucket in enumerate(present)}
     times: dict[str, list[float | None]] = {name: [None] * len(present) for name in names}
     for (label, bucket), (amount, steps) in cells.items():

@@ -17,6 +17,7 @@ from runbus.errors import CommandError
 from runbus.redact import redact_text
 from runbus.storage import Store, documents, open_store, safe_url, tables
 from runbus.storage.base import RunSummary
+from runbus.storage.rules import natural_key
 from runbus.terminal import printable
 
 T = TypeVar("T")
@@ -160,7 +161,9 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         run = await known_run(store, args.run)
         _check_label(run, args.label)
         await _check_key(store, run, args.key)
-        return await store.metrics(run.run_id, key=args.key, label=args.label)
+        found = await store.metrics(run.run_id, key=args.key, label=args.label)
+        # The store orders labels as text; stable, this keeps each label's key and step order.
+        return sorted(found, key=lambda p: natural_key(p.label))
 
     found = read(args.store, points)
     if args.json:
@@ -175,9 +178,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     async def lines(store: Store):
         run = await known_run(store, args.run)
         _check_label(run, args.label)
-        return await store.logs(
+        found = await store.logs(
             run.run_id, label=args.label, level=args.level, grep=args.grep, limit=args.limit
         )
+        # Lines logged at one time keep their labels' natural order (and each label's own order).
+        return sorted(found, key=lambda line: (line.ts, natural_key(line.label)))
 
     found = documents.shown_log_lines(read(args.store, lines))
     if args.json:

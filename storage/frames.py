@@ -35,6 +35,7 @@ from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
 from runbus.storage.cli import known_run
+from runbus.storage.rules import natural_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -198,11 +199,11 @@ def _labels(run: RunSummary, labels: str | Iterable[str] | None) -> list[str]:
     known = [lab.label for lab in run.labels]
     chosen = names(labels, "labels")
     if chosen is None:
-        return sorted(known)
+        return sorted(known, key=natural_key)
     for label in chosen:
         if label not in known:
             raise CommandError(f"run {run.run_id!r} has no label {label!r}; its labels: {_listing(known)}")
-    return sorted(set(chosen))
+    return sorted(set(chosen), key=natural_key)
 
 
 async def _check_keys(store: Store, run: RunSummary, keys: list[str]) -> None:
