@@ -17,6 +17,7 @@ from runbus.errors import CommandError
 from runbus.redact import redact_text
 from runbus.storage import Store, documents, open_store, safe_url, tables
 from runbus.storage.base import RunSummary
+from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
 from runbus.terminal import printable
 
@@ -94,8 +95,10 @@ def _listing(names: Sequence[str]) -> str:
 
 
 async def known_run(store: Store, run_id: str) -> RunSummary:
-    """The run, or a CommandError naming the store's most recent runs."""
-    run = await store.run(run_id)
+    """The run `run_id` names (its id or a unique prefix of it: storage.lookup), or a
+    CommandError naming the store's most recent runs."""
+    found = await run_id_of(store, run_id)
+    run = None if found is None else await store.run(found)
     if run is not None:
         return run
     runs = await store.runs()

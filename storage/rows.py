@@ -56,6 +56,17 @@ SEEN_MIGRATION = """
     DROP TABLE events
 """
 
+# The ids of runs that start with a prefix: a range of the primary key (both backends compare ids
+# by code point), from the prefix up to its successor (prefix_bounds).
+RUN_IDS_SQL = "SELECT run_id FROM runs WHERE run_id >= {lo} AND run_id < {hi} ORDER BY run_id LIMIT {limit}"
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str]:
+    """The range of ids that start with `prefix` (not empty): from it, up to and not including
+    the prefix with its last character's successor."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
 # Per label and epoch of a run: the highest seq received and how many distinct seqs were.
 EPOCHS_SQL = """
     SELECT s.label_id, s.epoch, max(s.last_seq) AS top,

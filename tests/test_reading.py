@@ -1,5 +1,6 @@
 """What a person reads back, on SQLite and PostgreSQL: labels in their natural order (rank2
-before rank10) in `runbus show`, `metrics`, `logs`, runbus.Api and the dashboard's API.
+before rank10) in `runbus show`, `metrics`, `logs`, runbus.Api and the dashboard's API; runs
+named by a unique prefix of their id wherever an id is taken.
 
 Each store is written through the Store interface; the CLI runs as its own process.
 """
@@ -9,12 +10,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import redis
+from aiohttp.test_utils import TestClient, TestServer
 
 import runbus
+from runbus.dashboard.api import create_app
+from runbus.errors import AmbiguousRun
 from runbus.storage import Store
+from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
 from runbus.wire import Event
-from tests.helpers import OpenStore, run_cli
+from tests.helpers import OpenStore, get_json, run_cli
 
 RUN = "natural-run"
 T0 = 1_700_000_000.0
@@ -23,7 +29,7 @@ NATURAL = [f"rank{i}" for i in range(RANKS)]  # rank0, rank1, rank2, ..., rank10
 
 
 def labelled_run(run: str = RUN, ranks: int = RANKS) -> list[Event]:
-    """`ranks` labels, each a start, a metric at step 0 and a log line, all at one ts."""
+    """`ranks` labels, each a start, a metric at step 0, a log line and a finish."""
     events = []
     for rank in range(ranks):
         label = f"rank{rank}"
@@ -31,6 +37,7 @@ def labelled_run(run: str = RUN, ranks: int = RANKS) -> list[Event]:
             Event(run, label, "start", 1, 1, T0, {"primary": rank == 0, "config": {}}, None),
             Event(run, label, "metric", 1, 2, T0 + 1, {"loss": float(rank)}, 0),
             Event(run, label, "log", 1, 3, T0 + 2, {"stream": "stdout", "text": "hi", "level": "INFO"}, None),
+            Event(run, label, "finish", 1, 4, T0 + 3, {"exit_code": 0}, None),
         ]
     return events
 
@@ -86,3 +93,78 @@ async def test_the_api_lists_labels_in_natural_order(store: Store, any_store_url
             "rank2",
             "rank10",
         ]
+
+
+# -- run ids by unique prefix ------------------------------------------------------------------------
+
+UUID = "42738683-5f0e-4c1b-9d51-0c7e4b0f6a11"  # what torchrun gives as its run id
+TWIN = "42738699-0000-4000-8000-000000000000"
+IDS = [UUID, TWIN, "abc", "abcd", "a_b", "axb"]
+
+
+async def several_runs(store: Store) -> None:
+    for run in IDS:
+        await store.write(labelled_run(run, ranks=2))
+
+
+async def test_a_run_is_found_by_its_id_or_a_unique_prefix_of_it(store: Store):
+    await several_runs(store)
+    assert await store.run_ids("4273", 10) == [UUID, TWIN]
+    assert await run_id_of(store, "42738683") == UUID
+    assert await run_id_of(store, UUID) == UUID
+    assert await run_id_of(store, "abc") == "abc"  # the exact id wins over abcd
+    assert await run_id_of(store, "abcd") == "abcd"
+    assert await run_id_of(store, "a_") == "a_b"  # '_' is a character, not a wildcard
+    assert await run_id_of(store, "A") is None  # ids are case-sensitive
+    assert await run_id_of(store, "nope") is None
+    assert await run_id_of(store, "ab%") is None  # no run id can hold it
+    with pytest.raises(AmbiguousRun, match=f"'4273' starts the ids of several runs: {UUID}, {TWIN}"):
+        await run_id_of(store, "4273")
+
+
+async def test_the_cli_takes_a_unique_prefix_and_names_an_ambiguous_one(store: Store, any_store_url: str):
+    await several_runs(store)
+    shown = json.loads(run_cli("--store", any_store_url, "show", "42738683", "--json").stdout)
+    assert shown["run_id"] == UUID
+    metrics = json.loads(run_cli("--store", any_store_url, "metrics", "4273868", "--json").stdout)
+    assert {point["label"] for point in metrics} == {"rank0", "rank1"} and len(metrics) == 2
+    logs = run_cli("--store", any_store_url, "logs", "4273868").stdout
+    assert logs.count("\n") == 2
+    export = run_cli("--store", any_store_url, "export", "4273868", "--format", "jsonl").stdout
+    assert len(export.splitlines()) == 2
+    assert json.loads(run_cli("--store", any_store_url, "show", "abc", "--json").stdout)["run_id"] == "abc"
+    ambiguous = run_cli("--store", any_store_url, "show", "4273", check=False)
+    assert ambiguous.returncode == 1
+    assert ambiguous.stderr == (
+        f"runbus: '4273' starts the ids of several runs: {UUID}, {TWIN}; give more of the id\n"
+    )
+
+
+async def test_tail_finds_a_stored_run_by_a_prefix(store: Store, any_store_url: str, redis_url: str):
+    await several_runs(store)
+    with redis.Redis.from_url(redis_url) as client:
+        client.flushdb()
+    result = run_cli("tail", "4273868", "--redis", redis_url, "--store", any_store_url)
+    assert f"run {UUID} is finished and has no streams left in Redis" in result.stderr
+
+
+async def test_the_api_takes_a_unique_prefix(store: Store, any_store_url: str):
+    await several_runs(store)
+    with runbus.Api(any_store_url) as api:
+        assert api.run("42738683").run_id == UUID
+        assert len(api.run("4273868").history()) == 2
+        with pytest.raises(AmbiguousRun):
+            api.run("4273")
+
+
+async def test_the_dashboard_takes_a_unique_prefix(store: Store, any_store_url: str):
+    await several_runs(store)
+    async with TestClient(TestServer(create_app(any_store_url))) as client:
+        assert (await get_json(client, "/api/runs/42738683"))["run_id"] == UUID
+        assert (await get_json(client, "/api/runs/4273868/labels"))["run_id"] == UUID
+        series = await get_json(client, "/api/runs/4273868/metrics/series", key="loss")
+        assert [line["label"] for line in series["series"]] == ["rank0", "rank1"]
+        assert (await get_json(client, "/api/runs/abc"))["run_id"] == "abc"
+        error = await get_json(client, "/api/runs/4273", status=404)
+        assert UUID in error["error"] and TWIN in error["error"]
+        await get_json(client, "/api/runs/nope", status=404)
