@@ -1,6 +1,7 @@
 """What a person reads back, on SQLite and PostgreSQL: labels in their natural order (rank2
 before rank10) in `runbus show`, `metrics`, `logs`, runbus.Api and the dashboard's API; runs
-named by a unique prefix of their id wherever an id is taken.
+named by a unique prefix of their id wherever an id is taken; an unknown run is RunNotFound,
+saying so where its events wait in Redis.
 
 Each store is written through the Store interface; the CLI runs as its own process.
 """
@@ -15,12 +16,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 import runbus
 from runbus.dashboard.api import create_app
-from runbus.errors import AmbiguousRun
+from runbus.errors import AmbiguousRun, CommandError
 from runbus.storage import Store
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
 from runbus.wire import Event
-from tests.helpers import OpenStore, get_json, run_cli
+from tests.helpers import QUIET, OpenStore, get_json, run_cli
 
 RUN = "natural-run"
 T0 = 1_700_000_000.0
@@ -168,3 +169,49 @@ async def test_the_dashboard_takes_a_unique_prefix(store: Store, any_store_url: 
         error = await get_json(client, "/api/runs/4273", status=404)
         assert UUID in error["error"] and TWIN in error["error"]
         await get_json(client, "/api/runs/nope", status=404)
+
+
+# -- unknown runs and keys -------------------------------------------------------------------------
+
+
+async def test_an_unknown_run_is_run_not_found_naming_the_store_s_runs(store: Store, any_store_url: str):
+    await store.write(labelled_run(ranks=2))
+    with runbus.Api(any_store_url) as api, pytest.raises(runbus.RunNotFound) as error:
+        api.run("nope")
+    assert not isinstance(error.value, CommandError)
+    assert str(error.value).endswith(f"; its runs: {RUN}")
+    shown = run_cli("--store", any_store_url, "show", "nope", check=False)
+    assert shown.returncode == 1 and shown.stderr.startswith("runbus: unknown run 'nope' in ")
+
+
+async def test_an_unknown_system_key_is_named_as_history_names_an_unknown_metric(store: Store, any_store_url):
+    await store.write(
+        [*labelled_run(ranks=1), Event(RUN, "rank0", "system", 1, 5, T0 + 4, {"gpu.0.util": 50.0}, None)]
+    )
+    with runbus.Api(any_store_url) as api:
+        run = api.run(RUN)
+        assert list(run.system(keys="gpu.0.util").value) == [50.0]
+        with pytest.raises(CommandError) as error:
+            run.system(keys="gpu0.util")
+        assert str(error.value) == f"run {RUN!r} has no system key 'gpu0.util'; its system keys: gpu.0.util"
+        with pytest.raises(CommandError, match=r"has no metric 'gpu\.0\.util'"):
+            run.history(keys="gpu.0.util")
+
+
+async def test_a_run_waiting_in_redis_says_what_to_run(
+    store: Store, any_store_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    with runbus.init(run_id="waiting-run", label="rank0", redis_url=redis_url, **QUIET) as run:
+        run.log({"loss": 1.0}, step=0)
+    shown = run_cli("--store", any_store_url, "--redis", redis_url, "show", "waiting-run", check=False)
+    assert shown.returncode == 1 and shown.stderr.count("\n") == 1
+    assert "unknown run 'waiting-run'" in shown.stderr
+    assert "its events wait in Redis" in shown.stderr and "`runbus ingest --burst`" in shown.stderr
+    metrics = run_cli("--store", any_store_url, "metrics", "waiting-run", "--redis", redis_url, check=False)
+    assert "its events wait in Redis" in metrics.stderr
+    monkeypatch.setenv("RUNBUS_REDIS_URL", redis_url)
+    with runbus.Api(any_store_url) as api, pytest.raises(runbus.RunNotFound, match="`runbus ingest --burst`"):
+        api.run("waiting-run")
+    # A run Redis knows nothing of is named as before.
+    nowhere = run_cli("--store", any_store_url, "--redis", redis_url, "show", "other-run", check=False)
+    assert "wait in Redis" not in nowhere.stderr and "it has no runs yet" in nowhere.stderr
