@@ -61,9 +61,13 @@ RAW_POINTS = 50_000
 # Outliers are ranked on at most this many buckets per label (the widest width that has them).
 RANKING_BUCKETS = 8
 QUANTILES = (0.1, 0.5, 0.9)
-# A label's step is slow in a bucket where it takes SLOW times the median label's or more; the
-# label is chronic if slow in at least half of its buckets, one-off if in fewer.
+# A label's step is slow in a bucket where it takes SLOW times the median label's or more. A
+# label is a straggler only when it is behind the median: chronic when its steps took SLOW times
+# the median's time for the same steps or more, slow in at least half of its buckets; one-off when
+# it lost time overall and one stretch took STALL times the median's or more. Jitter (a label on
+# time, or faster, that is a few percent slow in some bucket) is neither.
 SLOW = 1.05
+STALL = 1.25
 
 
 # -- what backends read ----------------------------------------------------------------------------
@@ -680,15 +684,17 @@ def _straggler(
     ranges: list[tuple[int, int]],
 ) -> StragglerLabel:
     ratios = [(t / m, i) for i, (t, m) in enumerate(zip(times, median, strict=True)) if t is not None and m]
-    behind = sum(
-        (t - m) * n for t, m, n in zip(times, median, steps, strict=True) if t is not None and m is not None
-    )
+    shared = [
+        (t, m, n) for t, m, n in zip(times, median, steps, strict=True) if t is not None and m is not None
+    ]
+    behind = sum((t - m) * n for t, m, n in shared)
+    typical = sum(m * n for _, m, n in shared)  # the median label's seconds for the same steps
     slow = sum(1 for r, _ in ratios if r >= SLOW)
     worst = max(ratios, default=None)
     kind: Literal["chronic", "one-off", "normal"] = "normal"
-    if slow and slow * 2 >= len(ratios):
+    if slow * 2 >= len(ratios) and typical > 0 and behind >= (SLOW - 1) * typical:
         kind = "chronic"
-    elif slow:
+    elif worst is not None and worst[0] >= STALL and behind > 0:
         kind = "one-off"
     mean = sum(r for r, _ in ratios) / len(ratios) if ratios else None
     return StragglerLabel(

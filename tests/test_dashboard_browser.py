@@ -592,6 +592,8 @@ def test_the_straggler_view_names_the_slow_labels(page, site):
     heatmap = page.locator("#straggler-heatmap")
     assert heatmap.evaluate(f"c => c.width > 300 && c.height > {seeds.STEPPED_RANKS} * 8")
     rows = page.locator("#straggler-table tbody tr")
+    # Only the labels behind the median: the others, on time, are not listed.
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.label)") == [seeds.SLOW_RANK, seeds.HICCUP_RANK]
     first = rows.first
     assert first.get_attribute("data-label") == seeds.SLOW_RANK
     assert first.locator(".kind").inner_text() == "chronic"

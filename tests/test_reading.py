@@ -215,3 +215,48 @@ async def test_a_run_waiting_in_redis_says_what_to_run(
     # A run Redis knows nothing of is named as before.
     nowhere = run_cli("--store", any_store_url, "--redis", redis_url, "show", "other-run", check=False)
     assert "wait in Redis" not in nowhere.stderr and "it has no runs yet" in nowhere.stderr
+
+
+# -- stragglers: only the labels behind the median ---------------------------------------------------
+
+
+def step_seconds(rank: int, step: int) -> float:
+    """rank0 at the median; rank1 8% slow for steps 8-15 and 8% fast for 40-47 (jitter, on time
+    overall); rank2 1% faster than the median, 6% slow for steps 16-23; rank3 1.3x throughout;
+    rank4 3x for steps 24-29 only."""
+    if rank == 1:
+        return 1.08 if 8 <= step < 16 else 0.92 if 40 <= step < 48 else 1.0
+    if rank == 2:
+        return 1.06 if 16 <= step < 24 else 0.99
+    if rank == 3:
+        return 1.3
+    if rank == 4:
+        return 3.0 if 24 <= step < 30 else 1.0
+    return 1.0
+
+
+def timed_run(steps: int = 64) -> list[Event]:
+    """A loss logged at every step by five ranks, each step taking step_seconds."""
+    events = []
+    for rank in range(5):
+        label, ts = f"rank{rank}", T0
+        events.append(Event(RUN, label, "start", 1, 1, ts, {"primary": rank == 0, "config": {}}, None))
+        for step in range(steps):
+            ts += step_seconds(rank, step)
+            events.append(Event(RUN, label, "metric", 1, step + 2, ts, {"loss": 1.0}, step))
+    return events
+
+
+async def test_only_labels_behind_the_median_are_stragglers(store: Store):
+    await store.write(timed_run())
+    found = await store.stragglers(RUN, "loss", buckets=8)
+    assert found is not None
+    kinds = {s.label: s.kind for s in found.labels}
+    assert kinds == {
+        "rank0": "normal",
+        "rank1": "normal",
+        "rank2": "normal",
+        "rank3": "chronic",
+        "rank4": "one-off",
+    }
+    assert [s.label for s in found.labels[:2]] == ["rank3", "rank4"]  # slowest first
