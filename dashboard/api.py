@@ -1,7 +1,8 @@
 """The dashboard's HTTP side: JSON routes over the store, and the page's static files.
 
 Every route is a GET and answers JSON; a bad query parameter is a 400 and an unknown run a 404,
-each with `{"error": REASON}`. Non-finite numbers are written as the CLI writes them: "NaN",
+each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an ambiguous one is a
+404 naming a few runs). Non-finite numbers are written as the CLI writes them: "NaN",
 "Infinity", "-Infinity".
 
 - `/api/runs?limit=100&offset=0`: runs, newest first, with labels (state, primary) and counts
@@ -37,8 +38,9 @@ from aiohttp import web
 from runbus import storage, wire
 from runbus.dashboard import downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
-from runbus.errors import AccessDenied, InvalidName, StoreRejected
-from runbus.storage import base, documents, system_charts
+from runbus.errors import AccessDenied, AmbiguousRun, InvalidName, StoreRejected
+from runbus.storage import base, documents, lookup, system_charts
+from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
 DEFAULT_RUNS = 100
@@ -122,15 +124,21 @@ def _points(request: web.Request) -> int:
     )
 
 
-def _run_id(request: web.Request) -> str:
+async def _run_id(request: web.Request) -> str:
+    """The id of the run the URL names: its id, or a unique prefix of it (storage.lookup); as
+    given where no run has it, for the route's own 404."""
     try:
-        return wire.check_name("run id", request.match_info["run"])
+        given = wire.check_name("run id", request.match_info["run"])
     except InvalidName as exc:
         raise BadParameter(str(exc)) from None
+    try:
+        return await lookup.run_id_of(request.app[STORE], given) or given
+    except AmbiguousRun as exc:
+        raise web.HTTPNotFound(reason=str(exc)) from None
 
 
 async def _known_run(request: web.Request) -> storage.RunSummary:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     run = await request.app[STORE].run(run_id)
     if run is None:
         raise web.HTTPNotFound(reason=f"unknown run {run_id!r}")
@@ -166,7 +174,8 @@ def _series(
     for point in points:
         by_label.setdefault(point.label, []).append(point)
     series = []
-    for label, mine in sorted(by_label.items()):
+    for label in sorted(by_label, key=natural_key):
+        mine = by_label[label]
         mine.sort(key=lambda p: (x_of(p), p.epoch, p.seq))
         rows = downsample.downsample([x_of(p) for p in mine], [p.value for p in mine], limit)
         series.append(
@@ -273,7 +282,7 @@ async def system_keys(request: web.Request) -> web.Response:
 
 
 async def system_envelope(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     key = _text(request, "key", MAX_KEY)
     if not key:
         raise BadParameter("key is required")
@@ -345,14 +354,14 @@ def _chart_view(request: web.Request) -> tuple[float | None, float | None, int, 
 
 async def _unknown(request: web.Request, what: str) -> web.HTTPNotFound:
     """404 for a run that does not exist, else for `what` the run does not have."""
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     if await request.app[STORE].run(run_id) is None:
         return web.HTTPNotFound(reason=f"unknown run {run_id!r}")
     return web.HTTPNotFound(reason=f"run {run_id!r} has no {what}")
 
 
 async def key_page(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     prefix, contains = _text(request, "prefix"), _text(request, "q")
     limit = _integer(request, "limit", DEFAULT_KEYS, 1, MAX_KEYS)
     offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
@@ -372,7 +381,7 @@ async def key_page(request: web.Request) -> web.Response:
 
 
 async def envelope(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     key = _text(request, "key", MAX_KEY)
     if not key:
         raise BadParameter("key is required")
@@ -398,7 +407,7 @@ async def envelope(request: web.Request) -> web.Response:
 
 
 async def stragglers(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     key, time_key = _text(request, "key", MAX_KEY), _text(request, "time_key", MAX_KEY)
     if bool(key) == bool(time_key):
         raise BadParameter("give key (step times from when it was logged) or time_key (a key of step times)")
@@ -421,7 +430,7 @@ async def stragglers(request: web.Request) -> web.Response:
 
 
 async def labels(request: web.Request) -> web.Response:
-    run_id = _run_id(request)
+    run_id = await _run_id(request)
     limit = _integer(request, "limit", DEFAULT_LABELS, 1, MAX_LABELS)
     offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
     starts = await request.app[STORE].label_starts(run_id)

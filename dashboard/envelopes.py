@@ -15,6 +15,7 @@ from typing import Any
 
 from runbus.redact import redact
 from runbus.storage import base
+from runbus.storage.rules import natural_key
 from runbus.wire import finite_to_wire
 
 BAND_COLUMNS = ("x0", "x1", "n", "nan", "inf", "min", "p10", "p50", "p90", "max", "mean")
@@ -134,7 +135,7 @@ def labels_document(
 ) -> dict[str, Any]:
     """GET /api/runs/RUN/labels: each label's identity, hardware and command line (from its
     latest start), a page of labels; and the distinct hardware among all, with their counts."""
-    names = sorted(starts)
+    names = sorted(starts, key=natural_key)
     alike: dict[str, dict[str, Any]] = {}
     for name in names:
         hardware = starts[name].get("hardware")

@@ -24,7 +24,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TextIO
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,7 +35,7 @@ from runbus.config import safe_url
 from runbus.errors import CommandError, InvalidEntry, StoreMissing
 from runbus.redact import LineRedactor, redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
-from runbus.storage import RunSummary, open_store
+from runbus.storage import RunSummary, lookup, open_store
 from runbus.storage.rules import decide_primary, primary_claims
 from runbus.storage.tables import state_text
 from runbus.terminal import printable
@@ -106,7 +106,12 @@ class Tail:
 
     def _follow(self, client: SyncClient) -> int:
         s = self.settings
-        stored = stored_run(s.store_url, s.run_id) if s.store_url else None
+        stored = stored_run(s.store_url, s.run_id, prefix=True) if s.store_url else None
+        if stored is not None and stored.run_id != s.run_id:
+            if self._stream_keys(client):
+                stored = None  # a run of exactly this id, in Redis: it wins over a prefix match
+            else:
+                s = self.settings = replace(s, run_id=stored.run_id)
         if stored is not None and stored.primary is not None:
             self._primary = stored.primary
         self._discover(client, initial=True)
@@ -305,14 +310,16 @@ def _shown(message: str, redis_url: str) -> str:
     return printable(redact_text(message, url_secrets(redis_url)))
 
 
-def stored_run(store_url: str, run_id: str) -> RunSummary | None:
-    """The run as the store has it; None where the store has no such run, or there is no store."""
+def stored_run(store_url: str, run_id: str, prefix: bool = False) -> RunSummary | None:
+    """The run as the store has it (with `prefix`, the run `run_id` names: its id or a unique
+    prefix of it, storage.lookup); None where the store has no such run, or there is no store."""
 
     async def read() -> RunSummary | None:
         store = open_store(store_url, create=False)
         try:
             await store.connect()
-            return await store.run(run_id)
+            found = await lookup.run_id_of(store, run_id) if prefix else run_id
+            return None if found is None else await store.run(found)
         except StoreMissing:
             return None
         finally:

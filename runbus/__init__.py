@@ -32,6 +32,7 @@ _LAZY = {
     "LabelInUse": "runbus.errors",
     "RunExists": "runbus.errors",
     "RunNotFound": "runbus.errors",
+    "AmbiguousRun": "runbus.errors",
     "StoreError": "runbus.errors",
     "StoreUnavailable": "runbus.errors",
     "StoreMissing": "runbus.errors",
@@ -46,6 +47,7 @@ _LAZY = {
 
 __all__ = [
     "AccessDenied",
+    "AmbiguousRun",
     "Api",
     "CannotListen",
     "CommandError",
@@ -73,6 +75,7 @@ __all__ = [
 if TYPE_CHECKING:
     from runbus.errors import (
         AccessDenied,
+        AmbiguousRun,
         CannotListen,
         CommandError,
         IdentityUnknown,

@@ -49,7 +49,13 @@ class RunExists(RunbusError, RuntimeError):
 
 
 class RunNotFound(RunbusError, RuntimeError):
-    """resume="must" named a run that Redis knows nothing of: check the run id and the Redis URL."""
+    """No run has this id: resume="must" named a run that Redis knows nothing of, or a reader
+    (runbus.Api, the CLI) a run the store does not hold (the message says whether its events wait
+    in Redis for `runbus ingest`). Check the run id, the Redis URL and the store."""
+
+
+class AmbiguousRun(RunNotFound):
+    """A run id prefix that starts several runs' ids (the message names some): give more of it."""
 
 
 class StoreError(RunbusError):

@@ -389,6 +389,10 @@ class Store(RollupReader, Protocol):
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""
 
+    async def run_ids(self, prefix: str, limit: int) -> list[str]:
+        """Up to `limit` ids of runs that start with `prefix` (not empty), in code point order
+        (storage/lookup.py finds a run by its id or a unique prefix of it)."""
+
     async def metric_keys(self, run_id: str) -> list[str]:
         """The metric names logged in a run."""
 

@@ -54,15 +54,20 @@ from runbus.storage.rollups import (
     N,
     Partial,
 )
+from runbus.storage.rules import natural_key
 
 # Values in view up to this many are read as stored: exact band and lines.
 RAW_POINTS = 50_000
 # Outliers are ranked on at most this many buckets per label (the widest width that has them).
 RANKING_BUCKETS = 8
 QUANTILES = (0.1, 0.5, 0.9)
-# A label's step is slow in a bucket where it takes SLOW times the median label's or more; the
-# label is chronic if slow in at least half of its buckets, one-off if in fewer.
+# A label's step is slow in a bucket where it takes SLOW times the median label's or more. A
+# label is a straggler only when it is behind the median: chronic when its steps took SLOW times
+# the median's time for the same steps or more, slow in at least half of its buckets; one-off when
+# it lost time overall and one stretch took STALL times the median's or more. Jitter (a label on
+# time, or faster, that is a few percent slow in some bucket) is neither.
 SLOW = 1.05
+STALL = 1.25
 
 
 # -- what backends read ----------------------------------------------------------------------------
@@ -475,7 +480,7 @@ def _lines(rows: Sequence[LabelBucket], by_ts: bool, start: float | None, end: f
             segment = segments[row.epoch] = LineSegment(row.epoch, row.generation, [])
         x = part[TS_HI] if by_ts else part[X_HI]
         segment.points.append(LinePoint(x, part[LAST], _mean(part), part[LO], part[HI], part[N]))
-    return [Line(label, list(segments.values())) for label, segments in sorted(lines.items())]
+    return [Line(label, list(lines[label].values())) for label in sorted(lines, key=natural_key)]
 
 
 async def _ranking(
@@ -527,7 +532,9 @@ def rank_outliers(
             spread = max(abs(median), 1e-12) * 1e-3
         for label, mean in label_means.items():
             distances.setdefault(label, []).append(abs(mean - median) / spread)
-    ranked = sorted(((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], t[1]))
+    ranked = sorted(
+        ((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], natural_key(t[1]))
+    )
     return [(label, distance) for distance, label in ranked[:count]]
 
 
@@ -605,7 +612,7 @@ async def stragglers(
         rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
         cells = _rollup_cells(rows, time_key)
     present = sorted({bucket for _, bucket in cells})
-    names = sorted({label for label, _ in cells})
+    names = sorted({label for label, _ in cells}, key=natural_key)
     column = {bucket: i for i, bucket in enumerate(present)}
     times: dict[str, list[float | None]] = {name: [None] * len(present) for name in names}
     for (label, bucket), (amount, steps) in cells.items():
@@ -677,15 +684,17 @@ def _straggler(
     ranges: list[tuple[int, int]],
 ) -> StragglerLabel:
     ratios = [(t / m, i) for i, (t, m) in enumerate(zip(times, median, strict=True)) if t is not None and m]
-    behind = sum(
-        (t - m) * n for t, m, n in zip(times, median, steps, strict=True) if t is not None and m is not None
-    )
+    shared = [
+        (t, m, n) for t, m, n in zip(times, median, steps, strict=True) if t is not None and m is not None
+    ]
+    behind = sum((t - m) * n for t, m, n in shared)
+    typical = sum(m * n for _, m, n in shared)  # the median label's seconds for the same steps
     slow = sum(1 for r, _ in ratios if r >= SLOW)
     worst = max(ratios, default=None)
     kind: Literal["chronic", "one-off", "normal"] = "normal"
-    if slow and slow * 2 >= len(ratios):
+    if slow * 2 >= len(ratios) and typical > 0 and behind >= (SLOW - 1) * typical:
         kind = "chronic"
-    elif slow:
+    elif worst is not None and worst[0] >= STALL and behind > 0:
         kind = "one-off"
     mean = sum(r for r, _ in ratios) / len(ratios) if ratios else None
     return StragglerLabel(

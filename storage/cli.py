@@ -12,15 +12,20 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from runbus.cli import add_store_option, level_argument
-from runbus.errors import CommandError
+from runbus import wire
+from runbus.cli import add_redis_option, add_store_option, level_argument
+from runbus.errors import CommandError, RunNotFound
 from runbus.redact import redact_text
+from runbus.redis import reply_text, sync_client
 from runbus.storage import Store, documents, open_store, safe_url, tables
 from runbus.storage.base import RunSummary
+from runbus.storage.lookup import run_id_of
+from runbus.storage.rules import natural_key
 from runbus.terminal import printable
 
 T = TypeVar("T")
 RECENT_RUNS = 5  # runs an unknown run's error names
+REDIS_HELP = "asked, for a run not in the store, whether its events wait there"
 LISTED_NAMES = 20  # keys or labels an unknown one's error names
 NAME_WIDTH, TAGS_WIDTH = 40, 30  # what `runbus runs` shows of a run's name and tags, at most
 
@@ -34,6 +39,7 @@ def add_runs(parser: argparse.ArgumentParser) -> None:
 def add_show(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
+    add_redis_option(parser, REDIS_HELP)
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(handler=cmd_show)
 
@@ -41,6 +47,7 @@ def add_show(parser: argparse.ArgumentParser) -> None:
 def add_metrics(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
+    add_redis_option(parser, REDIS_HELP)
     parser.add_argument("--key", help="only this metric")
     parser.add_argument("--label", help="only this label")
     parser.add_argument("--json", action="store_true", help="print a JSON list")
@@ -50,6 +57,7 @@ def add_metrics(parser: argparse.ArgumentParser) -> None:
 def add_logs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
+    add_redis_option(parser, REDIS_HELP)
     parser.add_argument("--label", help="only this label")
     parser.add_argument(
         "--level", type=level_argument, help="at least this level (DEBUG, INFO, WARNING, ERROR)"
@@ -92,21 +100,47 @@ def _listing(names: Sequence[str]) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > LISTED_NAMES else "")
 
 
-async def known_run(store: Store, run_id: str) -> RunSummary:
-    """The run, or a CommandError naming the store's most recent runs."""
-    run = await store.run(run_id)
+async def known_run(store: Store, run_id: str, redis_url: str | None = None) -> RunSummary:
+    """The run `run_id` names (its id or a unique prefix of it: storage.lookup), or RunNotFound:
+    where Redis at `redis_url` holds streams of the run, saying they wait for `runbus ingest`,
+    else naming the store's most recent runs."""
+    found = await run_id_of(store, run_id)
+    run = None if found is None else await store.run(found)
     if run is not None:
         return run
-    runs = await store.runs()
     where = f"unknown run {run_id!r} in {safe_url(store.url)}"
+    waiting = None if redis_url is None else waiting_streams(redis_url, run_id)
+    if waiting:
+        raise RunNotFound(
+            f"{where}: its events wait in Redis at {safe_url(redis_url or '')} ({waiting} stream(s)); "
+            "`runbus ingest --burst` stores them (or keep `runbus ingest` running)"
+        )
+    runs = await store.runs()
     if not runs:
-        raise CommandError(f"{where}: it has no runs yet")
+        raise RunNotFound(f"{where}: it has no runs yet")
     recent = ", ".join(r.run_id for r in runs[:RECENT_RUNS])
     if len(runs) <= RECENT_RUNS:
-        raise CommandError(f"{where}; its runs: {recent}")
-    raise CommandError(
+        raise RunNotFound(f"{where}; its runs: {recent}")
+    raise RunNotFound(
         f"{where}; the {RECENT_RUNS} most recent of its {len(runs)} runs: {recent} (`runbus runs` lists all)"
     )
+
+
+def waiting_streams(redis_url: str, run_id: str) -> int | None:
+    """How many streams of the run Redis announces (wire.REGISTRY_KEY); None where Redis cannot
+    be asked (it only adds a hint to an error)."""
+    import redis
+
+    try:
+        client = sync_client(redis_url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            keys = client.sscan_iter(wire.REGISTRY_KEY, match=wire.stream_key(run_id, "*"), count=1000)
+            names = [wire.parse_stream_key(reply_text(key)) for key in keys]
+            return sum(1 for name in names if name is not None and name[0] == run_id)
+        finally:
+            client.close()
+    except (redis.RedisError, ValueError):  # unreachable, refused, or a bad URL: no hint, the error stands
+        return None
 
 
 def _check_label(run: RunSummary, label: str | None) -> None:
@@ -150,17 +184,19 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run = read(args.store, lambda store: known_run(store, args.run))
+    run = read(args.store, lambda store: known_run(store, args.run, args.redis))
     print(documents.dumps(documents.run_document(run)) if args.json else tables.show_text(run))
     return 0
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     async def points(store: Store):
-        run = await known_run(store, args.run)
+        run = await known_run(store, args.run, args.redis)
         _check_label(run, args.label)
         await _check_key(store, run, args.key)
-        return await store.metrics(run.run_id, key=args.key, label=args.label)
+        found = await store.metrics(run.run_id, key=args.key, label=args.label)
+        # The store orders labels as text; stable, this keeps each label's key and step order.
+        return sorted(found, key=lambda p: natural_key(p.label))
 
     found = read(args.store, points)
     if args.json:
@@ -173,11 +209,13 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     async def lines(store: Store):
-        run = await known_run(store, args.run)
+        run = await known_run(store, args.run, args.redis)
         _check_label(run, args.label)
-        return await store.logs(
+        found = await store.logs(
             run.run_id, label=args.label, level=args.level, grep=args.grep, limit=args.limit
         )
+        # Lines logged at one time keep their labels' natural order (and each label's own order).
+        return sorted(found, key=lambda line: (line.ts, natural_key(line.label)))
 
     found = documents.shown_log_lines(read(args.store, lines))
     if args.json:

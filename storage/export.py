@@ -19,10 +19,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from runbus.cli import add_store_option
+from runbus.cli import add_redis_option, add_store_option
 from runbus.errors import CommandError, MissingDependency
 from runbus.storage import Store, frames
-from runbus.storage.cli import read
+from runbus.storage.cli import REDIS_HELP, known_run, read
 from runbus.storage.documents import json_value
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ JSON_ROWS = 10_000  # rows turned into JSON lines at a time
 def add_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
+    add_redis_option(parser, REDIS_HELP)
     parser.add_argument(
         "--format",
         choices=FORMATS,
@@ -74,7 +75,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         require_pyarrow()
     frames.require_pandas()
     build = TABLES[args.what]
-    table: pd.DataFrame = read(args.store, lambda store: build(store, args.run))
+
+    async def exported(store: Store) -> pd.DataFrame:
+        run = await known_run(store, args.run, args.redis)
+        return await build(store, run.run_id)
+
+    table: pd.DataFrame = read(args.store, exported)
     if to_stdout:
         write(table, form, sys.stdout.buffer)
         return 0

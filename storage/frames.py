@@ -35,6 +35,7 @@ from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
 from runbus.storage.cli import known_run
+from runbus.storage.rules import natural_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -131,7 +132,10 @@ async def system_table(
     """Every system sample of a run (of `labels`, of `keys`)."""
     require_pandas()
     run = await known_run(store, run_id)
-    points = await _read_points(store, "system", run, _labels(run, labels), names(keys, "keys"), page_rows)
+    chosen_keys = names(keys, "keys")
+    if chosen_keys is not None:
+        await _check_keys(store, run, chosen_keys, "system")
+    points = await _read_points(store, "system", run, _labels(run, labels), chosen_keys, page_rows)
     return points.table(with_step=False)
 
 
@@ -198,19 +202,23 @@ def _labels(run: RunSummary, labels: str | Iterable[str] | None) -> list[str]:
     known = [lab.label for lab in run.labels]
     chosen = names(labels, "labels")
     if chosen is None:
-        return sorted(known)
+        return sorted(known, key=natural_key)
     for label in chosen:
         if label not in known:
             raise CommandError(f"run {run.run_id!r} has no label {label!r}; its labels: {_listing(known)}")
-    return sorted(set(chosen))
+    return sorted(set(chosen), key=natural_key)
 
 
-async def _check_keys(store: Store, run: RunSummary, keys: list[str]) -> None:
-    known = await store.metric_keys(run.run_id)
+async def _check_keys(store: Store, run: RunSummary, keys: list[str], table: PointTable = "metrics") -> None:
+    """Each of `keys` logged in the run's `table`, else a CommandError naming the keys it has."""
+    if table == "metrics":
+        known, what = await store.metric_keys(run.run_id), "metric"
+    else:
+        known, what = await store.system_keys(run.run_id), "system key"
     for key in keys:
         if rows.storable_text(key) not in known:
-            listed = f"its metrics: {_listing(known)}" if known else "it has no metrics"
-            raise CommandError(f"run {run.run_id!r} has no metric {key!r}; {listed}")
+            listed = f"its {what}s: {_listing(known)}" if known else f"it has no {what}s"
+            raise CommandError(f"run {run.run_id!r} has no {what} {key!r}; {listed}")
 
 
 def page_size(page_rows: int | None) -> int:

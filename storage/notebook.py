@@ -130,10 +130,13 @@ class Api:
         return self.read(frames.runs_table)
 
     def run(self, run_id: str) -> StoredRun:
-        """One run; an unknown id is an error naming the store's most recent runs."""
+        """One run, by its id or a unique prefix of it; an unknown id is RunNotFound, naming the
+        store's most recent runs, or saying that the run's events wait in Redis (RUNBUS_REDIS_URL)
+        for `runbus ingest`; an ambiguous prefix is AmbiguousRun."""
+        from runbus.config import redis_url
         from runbus.storage.cli import known_run
 
-        return StoredRun(self, self.read(lambda store: known_run(store, run_id)))
+        return StoredRun(self, self.read(lambda store: known_run(store, run_id, redis_url())))
 
 
 class StoredRun:

@@ -939,6 +939,11 @@ class PostgresStore:
             )
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
+    async def run_ids(self, prefix: str, limit: int) -> list[str]:
+        query = rows.RUN_IDS_SQL.format(lo="$1", hi="$2", limit="$3")
+        found = await self._call(lambda con: con.fetch(query, *rows.prefix_bounds(prefix), limit))
+        return [row[0] for row in found]
+
     async def metric_keys(self, run_id: str) -> list[str]:
         # The rollups' list of the run's keys (its index), not a scan of every value.
         query = "SELECT key FROM series WHERE run_id = $1 ORDER BY key"

@@ -23,6 +23,7 @@ from runbus.storage.rules import (
     latest_settings,
     merge_settings,
     missing_count,
+    natural_key,
     primary_claims,
     refuse,
     refused_claims,
@@ -54,6 +55,17 @@ SEEN_MIGRATION = """
         system_events = (SELECT count(*) FROM events e WHERE e.label_id = labels.id AND e.kind = 'system');
     DROP TABLE events
 """
+
+# The ids of runs that start with a prefix: a range of the primary key (both backends compare ids
+# by code point), from the prefix up to its successor (prefix_bounds).
+RUN_IDS_SQL = "SELECT run_id FROM runs WHERE run_id >= {lo} AND run_id < {hi} ORDER BY run_id LIMIT {limit}"
+
+
+def prefix_bounds(prefix: str) -> tuple[str, str]:
+    """The range of ids that start with `prefix` (not empty): from it, up to and not including
+    the prefix with its last character's successor."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
 
 # Per label and epoch of a run: the highest seq received and how many distinct seqs were.
 EPOCHS_SQL = """
@@ -399,7 +411,7 @@ def run_summary(
         last_ts=row["last_ts"],
         label_count=row["label_count"],
         counts={kind: (counts or {}).get(kind, 0) for kind in KINDS_COUNTED},
-        labels=labels or [],
+        labels=sorted(labels or [], key=lambda lab: natural_key(lab.label)),
         config=config,
         name=row.get("name"),
         tags=tags or [],

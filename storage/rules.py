@@ -15,6 +15,7 @@ the primary never set shows the latest (by ts) any other label set (merge_settin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
@@ -29,6 +30,15 @@ STATES = (RUNNING, FINISHED, FAILED, CRASHED)
 # code is null (a keeper saw the process end, not how): any finish with a code overrides that.
 ENDED = frozenset({FINISHED, FAILED})
 ORIGIN = (0, 0)
+_DIGITS = re.compile(r"([0-9]+)")
+
+
+def natural_key(label: str) -> tuple[list[str | int], str]:
+    """How labels sort wherever a person reads them: runs of digits as numbers (rank2 before
+    rank10), then the text itself to order names those read alike (rank1, rank01)."""
+    # re.split puts text at even places and digits at odd ones, so two keys compare like with like.
+    parts: list[str | int] = [int(p) if i % 2 else p for i, p in enumerate(_DIGITS.split(label))]
+    return parts, label
 
 
 @dataclass(frozen=True, slots=True)

@@ -975,6 +975,13 @@ class SQLiteStore:
             labels.append(rows.label_summary(label, mine, gaps, row["primary_label"], values))
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
+    async def run_ids(self, prefix: str, limit: int) -> list[str]:
+        return await self._call(self._run_ids, prefix, limit)
+
+    def _run_ids(self, prefix: str, limit: int) -> list[str]:
+        query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
+        return [row[0] for row in self._db().execute(query, (*rows.prefix_bounds(prefix), limit))]
+
     async def metric_keys(self, run_id: str) -> list[str]:
         return await self._call(self._metric_keys, run_id)
 

@@ -34,6 +34,7 @@ from runbus.storage.base import (
     Span,
     Store,
 )
+from runbus.storage.rules import natural_key
 
 _GPU_KEY = re.compile(r"gpu\.(\d+)\.(.+)")
 
@@ -234,7 +235,7 @@ def _merged_buckets(buckets: Iterable[RunBucket]) -> list[RunBucket]:
 async def host_labels(store: Store, run_id: str, host: str) -> list[str]:
     """The labels of a run whose latest start names `host`."""
     starts: Mapping[str, Mapping[str, object]] = await store.label_starts(run_id)
-    return sorted(label for label, start in starts.items() if start.get("host") == host)
+    return sorted((label for label, start in starts.items() if start.get("host") == host), key=natural_key)
 
 
 async def system_envelope(

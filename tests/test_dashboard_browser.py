@@ -592,6 +592,8 @@ def test_the_straggler_view_names_the_slow_labels(page, site):
     heatmap = page.locator("#straggler-heatmap")
     assert heatmap.evaluate(f"c => c.width > 300 && c.height > {seeds.STEPPED_RANKS} * 8")
     rows = page.locator("#straggler-table tbody tr")
+    # Only the labels behind the median: the others, on time, are not listed.
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.label)") == [seeds.SLOW_RANK, seeds.HICCUP_RANK]
     first = rows.first
     assert first.get_attribute("data-label") == seeds.SLOW_RANK
     assert first.locator(".kind").inner_text() == "chronic"
@@ -645,6 +647,25 @@ def test_hardware_of_every_label(page, site):
     # Alike hardware counted once, whichever GPU index each label has.
     groups = page.locator("#hardware-groups .hw-group")
     assert groups.count() == 1 and groups.locator(".hw-count").inner_text() == f"{seeds.SWEEP_RANKS} labels"
+
+
+def test_labels_are_in_natural_order_in_every_list_of_the_page(page, site):
+    url = site[0]
+    natural = [f"rank{i}" for i in range(seeds.SWEEP_RANKS)]  # rank2 before rank10
+    assert [lab["label"] for lab in api_json(url, f"/api/runs/{seeds.SWEEP}")["labels"]] == natural
+    assert [lab["label"] for lab in api_json(url, f"/api/runs/{seeds.SWEEP}/labels")["labels"]] == natural
+    page.goto(url)
+    chips = page.locator(f"tr.run-row[data-run='{seeds.SWEEP}'] .chip:not(.more):not(.tag)")
+    chips.first.wait_for()
+    assert chips.all_inner_texts() == natural[:8]
+    page.goto(f"{url}#/run/{seeds.SWEEP}")
+    page.wait_for_selector(".labels-table tbody tr")
+    rows = page.locator(".labels-table tbody tr")
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.label)") == natural
+    page.wait_for_function(
+        "n => document.querySelectorAll('#log-label option').length === n", arg=len(natural) + 1
+    )
+    assert page.locator("#log-label option").evaluate_all("os => os.map(o => o.value)")[1:] == natural
 
 
 def test_compare_runs_on_the_same_charts(page, site):

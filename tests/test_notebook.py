@@ -431,7 +431,7 @@ def test_a_missing_store_or_an_unknown_run_is_a_clear_error(tmp_path, postgres_u
         runbus.Api(postgres_url)  # a database without the runbus schema, left as it is
     with pytest.raises(ValueError, match="unsupported store URL"):
         runbus.Api("mysql://u:secret@h/db")
-    with runbus.Api(seeded) as api, pytest.raises(CommandError) as error:
+    with runbus.Api(seeded) as api, pytest.raises(runbus.RunNotFound) as error:
         api.run("nope")
     assert str(error.value).startswith(
         f"unknown run 'nope' in {runbus.storage.safe_url(seeded)}; its runs: {RUN}"

@@ -294,6 +294,45 @@ def _drain(connection: socket.socket, size: int) -> None:
         size -= len(connection.recv(1 << 20))
 
 
+def test_loopback_bytes_count_as_sent_and_as_received() -> None:
+    """Why sys.net_sent_mb_s equals sys.net_recv_mb_s on a host whose traffic is loopback: the
+    kernel counts each loopback byte on lo's transmit and its receive side (a real property,
+    read here from the real counters), and the sampler sums every interface."""
+    payload = b"x" * (20 * MIB)
+    before = psutil.net_io_counters(pernic=True)["lo"]
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as client,
+    ):
+        peer, _ = server.accept()
+        with peer:
+            reader = threading.Thread(target=lambda: _drain(peer, len(payload)))
+            reader.start()
+            client.sendall(payload)  # one way only: the reader sends nothing back
+            reader.join()
+    after = psutil.net_io_counters(pernic=True)["lo"]
+    sent, received = after.bytes_sent - before.bytes_sent, after.bytes_recv - before.bytes_recv
+    assert sent >= len(payload) and received >= len(payload)
+    # Other processes' loopback traffic counts both ways too; only packets in flight differ.
+    assert abs(sent - received) < 2 * MIB
+
+
+def test_sent_and_received_rates_come_from_their_own_counters(sampler, monkeypatch) -> None:
+    # psutil's totals given as a host with one-way traffic would show them (no real interface
+    # here sends only one way): 8 MiB sent and 2 MiB received between two samples.
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    readings = iter([(0, 0), (8 * MIB, 2 * MIB)])
+
+    def net_io_counters():
+        sent, received = next(readings)
+        return types.SimpleNamespace(bytes_sent=sent, bytes_recv=received)
+
+    monkeypatch.setattr(psutil, "net_io_counters", net_io_counters)
+    figures = sampler(machine_wide=True).sample()
+    assert figures["sys.net_sent_mb_s"] == pytest.approx(4 * figures["sys.net_recv_mb_s"])
+    assert figures["sys.net_recv_mb_s"] > 0
+
+
 def test_no_elapsed_time_omits_rates(sampler, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setattr(system, "time", types.SimpleNamespace(monotonic=lambda: 100.0))

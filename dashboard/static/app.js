@@ -12,7 +12,7 @@ import { labelColor, runColor } from './js/colors.js';
 import { STATES, ago, clock, count, dateTime, duration, el, setCrumbs, stateBadge, swatch } from './js/dom.js';
 import { logsPanel } from './js/logs.js';
 import { PanelGrid } from './js/panels.js';
-import { MAX_LINES } from './js/series.js';
+import { MAX_LINES, byName } from './js/series.js';
 import { Settings } from './js/settings.js';
 import * as sources from './js/sources.js';
 import { stragglerView } from './js/stragglers.js';
@@ -26,6 +26,11 @@ import { chartToolbar, pager } from './js/toolbar.js';
   const MAX_COMPARED = 8;
   const TABS = ['charts', 'stragglers', 'hardware'];
   const ZOOM_SETTLE_MS = 250;
+
+  // A run's labels in their natural order (rank2 before rank10), as every list on the page shows them.
+  function byLabel(labels) {
+    return [...labels].sort((a, b) => byName(a.label, b.label));
+  }
 
   // -- views -----------------------------------------------------------------------------------
 
@@ -104,7 +109,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
 
   function runRow(run, picked, pickedChanged) {
     const href = '#/run/' + encodeURIComponent(run.run_id);
-    const chips = run.labels.slice(0, 8).map((lab) => el('span', { class: 'chip', title: lab.label + ': ' + lab.state },
+    const chips = byLabel(run.labels).slice(0, 8).map((lab) => el('span', { class: 'chip', title: lab.label + ': ' + lab.state },
       el('span', { class: 'dot dot-' + (STATES.has(lab.state) ? lab.state : 'unknown') }), lab.label));
     if (run.labels.length > 8) chips.push(el('span', { class: 'chip more' }, '+' + (run.labels.length - 8)));
     const end = run.state === 'running' ? Date.now() / 1000 : (run.ended_ts ?? run.last_ts);
@@ -313,6 +318,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
     async function refresh() {
       try {
         runDoc = await sources.run(runId);
+        runDoc.labels = byLabel(runDoc.labels);
       } catch (error) {
         if (error.status === 404 || error.status === 400) {
           main.replaceChildren(errorCard(error));

@@ -3,6 +3,7 @@
 import { api, poll, runPath } from './api.js';
 import { labelColor, tint } from './colors.js';
 import { clock, count, dateTime, el } from './dom.js';
+import { byName } from './series.js';
 
 const LEVELS = ['DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL'];
 const FOLLOW_EVERY_MS = 1500;
@@ -106,9 +107,10 @@ export function logsPanel(runId) {
 
   return {
     element,
-    setLabels(names) {
+    setLabels(given) {
+      const names = [...given].sort(byName);
       if (names.join('\n') === known.join('\n')) return;
-      known = names.slice();
+      known = names;
       const chosen = labelSelect.value;
       labelSelect.replaceChildren(el('option', { value: '' }, 'All labels'), ...names.map((n) => el('option', { value: n }, n)));
       labelSelect.value = names.includes(chosen) ? chosen : '';

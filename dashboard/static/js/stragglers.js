@@ -1,6 +1,7 @@
 // The straggler view: a label x step heatmap of seconds per step (a canvas; each cell coloured by
 // its ratio to that step bucket's median across labels) and the table of the slowest labels,
-// chronic (behind in most buckets) or one-off (one bad stretch), with how far behind they are.
+// chronic (behind in most buckets) or one-off (one bad stretch), with how far behind they are: only
+// the labels behind the median (the server's kind), not those on time or faster.
 
 import { count, duration, el, printable, swatch, value } from './dom.js';
 import { labelColor } from './colors.js';
@@ -108,7 +109,8 @@ export function stragglerView(data, { hostOf = () => null, labelClicked = () => 
       return el('span', { class: 'heat-stop' }, box, r === 1 ? '≤ median' : '×' + r);
     }));
 
-  const rows = slowest.slice(0, TABLE_ROWS).map((s, rank) => el('tr', { class: 'straggler-row', dataset: { label: s.label },
+  const behind = slowest.filter((s) => s.kind);
+  const rows = behind.slice(0, TABLE_ROWS).map((s, rank) => el('tr', { class: 'straggler-row', dataset: { label: s.label },
     title: 'show ' + s.label + ' on the charts', onclick: () => labelClicked(s.label) },
   el('td', { class: 'num' }, rank + 1),
   el('td', { class: 'mono nowrap' }, swatch(labelColor(s.label)), s.label),
@@ -120,9 +122,10 @@ export function stragglerView(data, { hostOf = () => null, labelClicked = () => 
   const table = el('table', { class: 'table straggler-table', id: 'straggler-table' },
     el('thead', null, el('tr', null, ['#', 'Label', 'Host', 'Kind', 'Behind median (mean)', 'Worst', 'Time lost'].map((h) => el('th', null, h)))),
     el('tbody', null, rows));
+  const none = behind.length ? null : el('p', { class: 'empty', id: 'straggler-none' }, 'No label is behind the median.');
 
   const element = el('div', { class: 'stragglers' }, legend, wrap,
-    el('h3', { class: 'subhead' }, 'Slowest labels'), el('div', { class: 'table-wrap' }, table));
+    el('h3', { class: 'subhead' }, 'Labels behind the median'), none ?? el('div', { class: 'table-wrap' }, table));
   const resize = new ResizeObserver(() => draw());
   resize.observe(wrap);
   return { element, stop: () => resize.disconnect() };
