@@ -86,9 +86,7 @@ def bounds(blob: bytes) -> Bounds:
     return Bounds(count, *spans, bool(flags & FLAG_STEPS), bool(flags & FLAG_INTS))
 
 
-def header(
-    count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int
-) -> bytes:
+def header(count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int) -> bytes:
     """The header of a chunk of `count` points; `steps` are the non-null steps only."""
     if count > MAX_COUNT:
         raise ValueError(f"a chunk holds at most {MAX_COUNT} points, not {count}")

@@ -217,7 +217,11 @@ def arrays_of(chunk: Chunk) -> Arrays:
     ints = bool(values) and all(type(value) is int for value in values)
     column_values = np.array(values, np.int64) if ints else np.array([float(v) for v in values], np.float64)
     return Arrays(
-        np.array(seqs, np.int64), filled, nulls if nulls.any() else None, np.array(ts, np.int64), column_values
+        np.array(seqs, np.int64),
+        filled,
+        nulls if nulls.any() else None,
+        np.array(ts, np.int64),
+        column_values,
     )
 
 
