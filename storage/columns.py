@@ -134,6 +134,55 @@ def inflate(payload: bytes, size: int) -> bytes:
     return raw
 
 
+def incompressible(plane: bytes) -> bool:
+    """Whether a plane is left as it is: zlib's fastest level saves it under a sixteenth. Noise
+    (a float's low mantissa bytes, a clock's jitter) costs more to inflate than to copy."""
+    return len(zlib.compress(plane, 1)) >= len(plane) - len(plane) // 16
+
+
+def pack_planes(planes: Sequence[bytes], count: int) -> bytes:
+    """A shuffled column's payload from its 8 planes of `count` bytes: a byte whose bit k says
+    plane k is kept (planes of zeros are not), a byte whose bit k says plane k is stored as it is,
+    those planes in order, then zlib of the other kept planes in order."""
+    empty = bytes(count)
+    kept = [index for index, plane in enumerate(planes) if plane != empty]
+    stored = [index for index in kept if incompressible(planes[index])]
+    packed = [index for index in kept if index not in stored]
+    return b"".join(
+        [
+            bytes([sum(1 << index for index in kept), sum(1 << index for index in stored)]),
+            *(planes[index] for index in stored),
+            zlib.compress(b"".join(planes[index] for index in packed), ZLIB_LEVEL),
+        ]
+    )
+
+
+def unpack_planes(payload: bytes, count: int) -> list[memoryview | None]:
+    """The 8 planes of a shuffled column's payload; None for a plane of zeros."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = count * bin(stored).count("1")
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    raw = memoryview(payload)[2 : 2 + stored_size]
+    packed = memoryview(inflate(payload[2 + stored_size :], count * bin(kept & ~stored).count("1")))
+    planes: list[memoryview | None] = []
+    for index in range(8):
+        source = raw if stored >> index & 1 else packed
+        if not kept >> index & 1:
+            planes.append(None)
+        elif source is raw:
+            planes.append(raw[:count])
+            raw = raw[count:]
+        else:
+            planes.append(packed[:count])
+            packed = packed[count:]
+    return planes
+
+
 # The reference: one point at a time, in Python.
 
 
@@ -142,15 +191,17 @@ def _signed(word: int) -> int:
 
 
 def _shuffle(words: Sequence[int]) -> bytes:
-    """uint64 words as 8 planes: every word's first byte, then every word's second, and so on."""
+    """uint64 words as byte planes (every word's first byte, then every word's second, and so
+    on), packed by pack_planes."""
     raw = struct.pack(f"<{len(words)}Q", *words)
-    return b"".join(raw[plane::8] for plane in range(8))
+    return pack_planes([raw[plane::8] for plane in range(8)], len(words))
 
 
-def _unshuffle(raw: bytes, count: int) -> list[int]:
+def _unshuffle(payload: bytes, count: int) -> list[int]:
     words = bytearray(8 * count)
-    for plane in range(8):
-        words[plane::8] = raw[plane * count : (plane + 1) * count]
+    for index, plane in enumerate(unpack_planes(payload, count)):
+        if plane is not None:
+            words[index::8] = plane
     return list(struct.unpack(f"<{count}Q", words))
 
 
@@ -177,11 +228,11 @@ def _undod_words(words: Sequence[int]) -> list[int]:
 
 
 def _pack_ints(values: Sequence[int]) -> bytes:
-    return zlib.compress(_shuffle(_dod_words(values)), ZLIB_LEVEL)
+    return _shuffle(_dod_words(values))
 
 
 def _unpack_ints(payload: bytes, count: int) -> list[int]:
-    return _undod_words(_unshuffle(inflate(payload, 8 * count), count))
+    return _undod_words(_unshuffle(payload, count))
 
 
 def _float_bits(values: Sequence[float]) -> list[int]:
@@ -212,7 +263,7 @@ def float_payload_reference(values: Sequence[float], encoding: int) -> bytes | N
     bits = _float_bits(values)
     if encoding == FLOAT_XOR:
         bits = [word ^ before for word, before in zip(bits, [0, *bits], strict=False)]
-    return zlib.compress(_shuffle(bits), ZLIB_LEVEL)
+    return _shuffle(bits)
 
 
 def _unpack_floats(encoding: int, payload: bytes, count: int) -> list[float]:
@@ -220,7 +271,7 @@ def _unpack_floats(encoding: int, payload: bytes, count: int) -> list[float]:
         return [float(value) for value in _unpack_ints(payload, count)]
     if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
         raise FormatError(f"unknown float column encoding {encoding}")
-    bits = _unshuffle(inflate(payload, 8 * count), count)
+    bits = _unshuffle(payload, count)
     if encoding == FLOAT_XOR:
         for index in range(1, count):
             bits[index] ^= bits[index - 1]

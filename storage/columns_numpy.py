@@ -8,6 +8,7 @@ runbus.storage.columns and the tests that compare the two paths bit for bit.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -32,7 +33,9 @@ from runbus.storage.columns import (
     columns,
     header,
     inflate,
+    pack_planes,
     smallest,
+    unpack_planes,
 )
 
 Ints = npt.NDArray[np.int64]
@@ -56,12 +59,22 @@ class Arrays(NamedTuple):
 
 
 def _shuffle(words: Words) -> bytes:
-    return words.astype(_WORD, copy=False).view(np.uint8).reshape(-1, 8).T.tobytes()
+    planes = words.astype(_WORD, copy=False).view(np.uint8).reshape(-1, 8).T
+    return pack_planes([plane.tobytes() for plane in planes], len(words))
 
 
-def _unshuffle(raw: bytes, count: int) -> Words:
-    planes = np.frombuffer(raw, np.uint8).reshape(8, count)
-    return np.ascontiguousarray(planes.T).view(_WORD).reshape(count)
+def _unshuffle(payload: bytes, count: int) -> Words:
+    words = np.zeros((8, count), np.uint8)
+    _put_planes(words, payload, 0, count)
+    return np.ascontiguousarray(words.T).view(_WORD).reshape(count)
+
+
+def _put_planes(planes: npt.NDArray[np.uint8], payload: bytes, at: int, count: int) -> int:
+    """Puts a payload's planes in `planes` at offset `at`; returns its mask of kept planes."""
+    for index, plane in enumerate(unpack_planes(payload, count)):
+        if plane is not None:
+            planes[index, at : at + count] = np.frombuffer(plane, np.uint8)
+    return payload[0]
 
 
 def _dod_words(values: Ints) -> Words:
@@ -83,11 +96,11 @@ def _undod_words(words: Words) -> Ints:
 
 
 def pack_ints(values: Ints) -> bytes:
-    return zlib.compress(_shuffle(_dod_words(np.ascontiguousarray(values, np.int64))), ZLIB_LEVEL)
+    return _shuffle(_dod_words(np.ascontiguousarray(values, np.int64)))
 
 
 def unpack_ints(payload: bytes, count: int) -> Ints:
-    return _undod_words(_unshuffle(inflate(payload, 8 * count), count))
+    return _undod_words(_unshuffle(payload, count))
 
 
 def _integral(values: Floats) -> Ints | None:
@@ -108,7 +121,7 @@ def float_payload(values: Floats, encoding: int) -> bytes | None:
     if encoding == FLOAT_XOR:
         bits = bits.copy()
         bits[1:] ^= values.view(np.uint64)[:-1]
-    return zlib.compress(_shuffle(bits), ZLIB_LEVEL)
+    return _shuffle(bits)
 
 
 def unpack_floats(encoding: int, payload: bytes, count: int) -> Floats:
@@ -116,7 +129,7 @@ def unpack_floats(encoding: int, payload: bytes, count: int) -> Floats:
         return unpack_ints(payload, count).astype(np.float64)
     if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
         raise FormatError(f"unknown float column encoding {encoding}")
-    bits = _unshuffle(inflate(payload, 8 * count), count)
+    bits = _unshuffle(payload, count)
     if encoding == FLOAT_XOR:
         bits = np.bitwise_xor.accumulate(bits)
     return bits.view(np.float64)
@@ -171,11 +184,22 @@ def encode_arrays(arrays: Arrays) -> bytes:
     )
 
 
-def _int_column(part: tuple[int, bytes], count: int) -> Ints:
+def _int_words(part: tuple[int, bytes], count: int) -> Words:
     encoding, payload = part
     if encoding != INT_DOD:
         raise FormatError(f"unknown integer column encoding {encoding}")
-    return unpack_ints(payload, count)
+    return _unshuffle(payload, count)
+
+
+def _int_column(part: tuple[int, bytes], count: int) -> Ints:
+    return _undod_words(_int_words(part, count))
+
+
+def _nulls(parts: list[tuple[int, bytes]], count: int) -> Mask:
+    if parts[2][0] != NULL_MASK:
+        raise FormatError(f"a null mask column with encoding {parts[2][0]}")
+    packed = np.frombuffer(inflate(parts[2][1], (count + 7) // 8), np.uint8)
+    return np.unpackbits(packed, count=count, bitorder="little").view(np.bool_)
 
 
 def _decode_steps(
@@ -191,11 +215,7 @@ def _decode_steps(
         steps = (steps.view(np.uint64) + seqs.view(np.uint64)).view(np.int64)
     if not flags & FLAG_STEP_NULLS:
         return steps, None
-    if parts[2][0] != NULL_MASK:
-        raise FormatError(f"a null mask column with encoding {parts[2][0]}")
-    packed = np.frombuffer(inflate(parts[2][1], (count + 7) // 8), np.uint8)
-    nulls = np.unpackbits(packed, count=count, bitorder="little").view(np.bool_)
-    return steps, nulls
+    return steps, _nulls(parts, count)
 
 
 def decode_arrays(blob: bytes) -> Arrays:
@@ -207,6 +227,143 @@ def decode_arrays(blob: bytes) -> Arrays:
     ts = _int_column(parts[-2], count)
     values = _int_column(parts[-1], count) if flags & FLAG_INTS else unpack_floats(*parts[-1], count)
     return Arrays(seqs, steps, nulls, ts, values)
+
+
+def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
+    """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
+    the running sums start again at each chunk, in a few passes over all of them at once."""
+    steps = (words >> np.uint64(1)) ^ (np.uint64(0) - (words & np.uint64(1)))
+    firsts = steps[starts]
+    steps[starts] = 0
+    sums = np.cumsum(steps, dtype=np.uint64)
+    deltas = sums - np.repeat(sums[starts], counts)
+    deltas[starts] = firsts
+    sums = np.cumsum(deltas, dtype=np.uint64)
+    return (sums - np.repeat(sums[starts] - firsts, counts)).view(np.int64)
+
+
+# How a chunk's values column decodes in decode_many: its encoding, with ints apart.
+_LOGGED_INTS = -1
+
+
+class _Planes:
+    """One column of many chunks as byte planes side by side: each chunk's planes go in at its
+    offset, and the words of every chunk come out at once at the end."""
+
+    def __init__(self, total: int) -> None:
+        self.planes = np.zeros((8, total), np.uint8)
+        self.used = 0  # bit k: some chunk has plane k
+
+    def put(self, payload: bytes, at: int, count: int) -> None:
+        self.used |= _put_planes(self.planes, payload, at, count)
+
+    def words(self) -> Words:
+        used = [index for index in range(8) if self.used >> index & 1]
+        if len(used) > 3:
+            return np.ascontiguousarray(self.planes.T).view(_WORD).reshape(-1)
+        # An integer column keeps a plane or three: shifting those in beats moving all eight.
+        words = np.zeros(self.planes.shape[1], np.uint64)
+        for index in used:
+            words |= self.planes[index].astype(np.uint64) << np.uint64(8 * index)
+        return words
+
+
+class _Gathered(NamedTuple):
+    counts: Ints
+    seqs: Words
+    steps: Words
+    steps_from_seqs: Mask  # a chunk at a time
+    nulls: Mask
+    ts: Words
+    values: Words
+    value_encodings: Ints  # a chunk at a time, _LOGGED_INTS for ints
+
+
+def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, bytes]]]]:
+    """(count, flags, columns) of each chunk that holds points, its encodings checked."""
+    found = []
+    for blob in blobs:
+        bounds, encoded = columns(blob)
+        flags = blob[1]
+        if not bounds.count:
+            continue
+        values = encoded[-1][0]
+        if (encoded[0][0], encoded[-2][0]) != (INT_DOD, INT_DOD) or values not in (INT_DOD, *FLOAT_CHOICES):
+            raise FormatError("a column chunk with an unknown column encoding")
+        if flags & FLAG_STEPS and encoded[1][0] not in STEP_CHOICES:
+            raise FormatError(f"unknown steps column encoding {encoded[1][0]}")
+        found.append((bounds.count, flags, encoded))
+    return found
+
+
+def _gather(blobs: Sequence[bytes]) -> _Gathered:
+    found = _parsed(blobs)
+    counts = np.array([count for count, _, _ in found], np.int64)
+    total = int(counts.sum())
+    seqs, steps, ts, values = _Planes(total), _Planes(total), _Planes(total), _Planes(total)
+    nulls = np.zeros(total, np.bool_)
+    from_seqs, encodings, at = [], [], 0
+    for count, flags, encoded in found:
+        seqs.put(encoded[0][1], at, count)
+        ts.put(encoded[-2][1], at, count)
+        values.put(encoded[-1][1], at, count)
+        encodings.append(_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0])
+        from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
+        if flags & FLAG_STEPS:
+            steps.put(encoded[1][1], at, count)
+        if flags & FLAG_STEP_NULLS:
+            nulls[at : at + count] = _nulls(encoded, count)
+        elif not flags & FLAG_STEPS:
+            nulls[at : at + count] = True
+        at += count
+    return _Gathered(
+        counts,
+        seqs.words(),
+        steps.words(),
+        np.array(from_seqs, np.bool_),
+        nulls,
+        ts.words(),
+        values.words(),
+        np.array(encodings, np.int64),
+    )
+
+
+def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
+    """The values of chunks decoded together, whatever each chunk's encoding."""
+    counts, encodings, words = gathered.counts, gathered.value_encodings, gathered.values
+    by_point = np.repeat(encodings, counts)
+    if (encodings == _LOGGED_INTS).all():
+        return _undod_segments(words, starts, counts)
+    xor = by_point == FLOAT_XOR
+    running = np.bitwise_xor.accumulate(np.where(xor, words, np.uint64(0)))
+    before = np.concatenate([np.zeros(1, np.uint64), running[starts[1:] - 1]])
+    bits = np.where(xor, running ^ np.repeat(before, counts), words).view(np.float64)
+    as_ints = np.isin(by_point, (_LOGGED_INTS, FLOAT_INTEGRAL))
+    if not as_ints.any():
+        return bits
+    ints = _undod_segments(np.where(as_ints, words, np.uint64(0)), starts, counts)
+    return np.where(as_ints, ints.astype(np.float64), bits)
+
+
+def decode_many(blobs: Sequence[bytes]) -> Arrays:
+    """The points of many chunks, one chunk after another, as one set of arrays: what a read of
+    a key across its chunks wants, at a fraction of decode_arrays' cost per chunk. Values are
+    int64 where every chunk's were logged as ints, else float64 (ints converted, as a store of
+    float64 values keeps them)."""
+    gathered = _gather(blobs)
+    counts = gathered.counts
+    if not len(counts):
+        return Arrays(np.zeros(0, np.int64), np.zeros(0, np.int64), None, np.zeros(0, np.int64), np.zeros(0))
+    starts = np.cumsum(counts) - counts
+    seqs = _undod_segments(gathered.seqs, starts, counts)
+    ts = _undod_segments(gathered.ts, starts, counts)
+    steps = _undod_segments(gathered.steps, starts, counts)
+    if gathered.steps_from_seqs.any():
+        relative = np.repeat(gathered.steps_from_seqs, counts)
+        steps[relative] = (steps[relative].view(np.uint64) + seqs[relative].view(np.uint64)).view(np.int64)
+    nulls = gathered.nulls
+    steps[nulls] = 0
+    return Arrays(seqs, steps, nulls if nulls.any() else None, ts, _values_of(gathered, starts))
 
 
 def arrays_of(chunk: Chunk) -> Arrays:

@@ -168,3 +168,21 @@ def test_damaged_or_foreign_bytes_are_refused_with_a_format_error() -> None:
         for decode in (columns.decode_reference, columns_numpy.decode_arrays):
             with pytest.raises(FormatError):
                 decode(bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(chunks(), max_size=6))
+def test_many_chunks_decode_at_once_as_one_by_one(chunks_: list[Chunk]) -> None:
+    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    together = columns_numpy.decode_many(blobs)
+    points = [point for chunk in chunks_ for point in zip(*chunk, strict=True)]
+    assert together.seqs.tolist() == [point[0] for point in points]
+    assert together.ts.tolist() == [point[2] for point in points]
+    nulls = [False] * len(points) if together.step_nulls is None else together.step_nulls.tolist()
+    steps = [None if null else step for step, null in zip(together.steps.tolist(), nulls, strict=True)]
+    assert steps == [point[1] for point in points]
+    logged = [point[3] for point in points]
+    if together.values.dtype == np.int64:
+        assert together.values.tolist() == logged
+    else:
+        assert together.values.view(np.uint64).tolist() == np.array(logged, np.float64).view(np.uint64).tolist()
