@@ -6,10 +6,11 @@ Python. runbus.storage.columns_numpy gives the same bytes and values a column at
 (`use()` switches; the tests run both and compare them bit for bit).
 
 A chunk holds the consecutive points of one (run, label, key, epoch). Integers (seqs, steps,
-timestamps, values logged as ints) are kept as delta-of-delta, zigzagged, byte-shuffled and
-compressed with zlib; floats as the smallest of three encodings (XOR with the previous value,
-plain, or integral values as integers), each byte-shuffled and compressed. Every float64 comes back
-bit for bit (NaN payloads, -0.0, ±inf); steps never given stay None.
+timestamps, values logged as ints) are kept as delta-of-delta, zigzagged and byte-shuffled;
+floats as the smallest of three encodings (XOR with the previous value, plain, or integral values
+as integers), byte-shuffled. Of the shuffled planes, those of zeros are left out, noise is stored as
+it is and the rest is compressed with zlib. Every float64 comes back bit for bit (NaN payloads,
+-0.0, ±inf); steps never given stay None.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ FLAG_STEP_NULLS = 2  # some point has none: a null mask follows the steps
 FLAG_INTS = 4  # the values were logged as ints: they come back as ints
 
 # Encodings, one code space for every column (the byte before each payload).
-INT_DOD = 0  # int64: delta-of-delta, zigzag, byte-shuffled, zlib
+INT_DOD = 0  # int64: delta-of-delta, zigzag, byte planes (pack_planes)
 INT_DOD_FROM_SEQS = 1  # steps only: steps minus seqs, then as INT_DOD
-FLOAT_PLAIN = 2  # float64 bits, byte-shuffled, zlib
-FLOAT_XOR = 3  # float64 bits XOR the previous value's (the first XOR 0), byte-shuffled, zlib
+FLOAT_PLAIN = 2  # float64 bits as byte planes
+FLOAT_XOR = 3  # float64 bits XOR the previous value's (the first XOR 0), as byte planes
 FLOAT_INTEGRAL = 4  # float64 that are all integers (no -0.0): as int64, then as INT_DOD
 NULL_MASK = 5  # one bit a point, least significant bit first, 1 where the step is null; zlib
 
