@@ -19,7 +19,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 VERSION = 1
 
@@ -59,7 +59,7 @@ class Bounds(NamedTuple):
     """What a chunk spans, read from its header alone: for the row that indexes it.
     Bounds of an empty chunk, and steps of a chunk without any, are 0."""
 
-    count: int
+    points: int
     first_seq: int
     last_seq: int
     min_step: int
@@ -290,7 +290,7 @@ def _mask_bytes(nulls: Sequence[bool]) -> bytes:
 def _values_column(values: list[float] | list[int]) -> tuple[int, bytes, bool]:
     """(encoding, payload, ints): ints when every value is an int (bools are not), else floats."""
     if values and all(type(value) is int for value in values):
-        return INT_DOD, _pack_ints(values), True
+        return INT_DOD, _pack_ints(cast(list[int], values)), True
     floats = [float(value) for value in values]
     tried = [(code, float_payload_reference(floats, code)) for code in FLOAT_CHOICES]
     return (*smallest([(code, payload) for code, payload in tried if payload is not None]), False)
@@ -358,7 +358,7 @@ def _decode_steps(
 def decode_reference(blob: bytes) -> Chunk:
     """A chunk's points from its bytes, point by point in Python."""
     found, parts = columns(blob)
-    count, flags = found.count, blob[1]
+    count, flags = found.points, blob[1]
     seqs = _int_column(parts[0], count)
     steps: list[int | None] = [None] * count
     if flags & FLAG_STEPS:

@@ -221,7 +221,7 @@ def _decode_steps(
 def decode_arrays(blob: bytes) -> Arrays:
     """A chunk's arrays from its bytes."""
     found, parts = columns(blob)
-    count, flags = found.count, blob[1]
+    count, flags = found.points, blob[1]
     seqs = _int_column(parts[0], count)
     steps, nulls = _decode_steps(parts, seqs, count, flags)
     ts = _int_column(parts[-2], count)
@@ -285,14 +285,14 @@ def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, byte
     for blob in blobs:
         bounds, encoded = columns(blob)
         flags = blob[1]
-        if not bounds.count:
+        if not bounds.points:
             continue
         values = encoded[-1][0]
         if (encoded[0][0], encoded[-2][0]) != (INT_DOD, INT_DOD) or values not in (INT_DOD, *FLOAT_CHOICES):
             raise FormatError("a column chunk with an unknown column encoding")
         if flags & FLAG_STEPS and encoded[1][0] not in STEP_CHOICES:
             raise FormatError(f"unknown steps column encoding {encoded[1][0]}")
-        found.append((bounds.count, flags, encoded))
+        found.append((bounds.points, flags, encoded))
     return found
 
 

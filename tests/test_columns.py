@@ -78,7 +78,7 @@ def test_both_paths_write_the_same_bytes_and_read_back_every_bit(chunk: Chunk) -
     assert same(columns_numpy.decode_chunk(blob), chunk)
     found = columns.bounds(blob)
     given_steps = [step for step in chunk.steps if step is not None]
-    assert found.count == len(chunk.seqs)
+    assert found.points == len(chunk.seqs)
     if chunk.seqs:
         assert (found.first_seq, found.last_seq) == (chunk.seqs[0], chunk.seqs[-1])
         assert (found.first_ts, found.last_ts) == (chunk.ts[0], chunk.ts[-1])
@@ -185,4 +185,6 @@ def test_many_chunks_decode_at_once_as_one_by_one(chunks_: list[Chunk]) -> None:
     if together.values.dtype == np.int64:
         assert together.values.tolist() == logged
     else:
-        assert together.values.view(np.uint64).tolist() == np.array(logged, np.float64).view(np.uint64).tolist()
+        assert (
+            together.values.view(np.uint64).tolist() == np.array(logged, np.float64).view(np.uint64).tolist()
+        )
