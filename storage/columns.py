@@ -83,8 +83,18 @@ def bounds(blob: bytes) -> Bounds:
     """The bounds of an encoded chunk, from its header."""
     if len(blob) < HEADER.size or blob[0] != VERSION:
         raise FormatError(f"not a version {VERSION} column chunk")
-    _, flags, count, *spans = HEADER.unpack_from(blob)
-    return Bounds(count, *spans, bool(flags & FLAG_STEPS), bool(flags & FLAG_INTS))
+    _, flags, count, first_seq, last_seq, min_step, max_step, first_ts, last_ts = HEADER.unpack_from(blob)
+    return Bounds(
+        count,
+        first_seq,
+        last_seq,
+        min_step,
+        max_step,
+        first_ts,
+        last_ts,
+        bool(flags & FLAG_STEPS),
+        bool(flags & FLAG_INTS),
+    )
 
 
 def header(count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int) -> bytes:
