@@ -19,6 +19,11 @@ INT64 = st.integers(-(2**63), 2**63 - 1)
 # Every float64 bit pattern: NaNs with any payload and sign, -0.0, ±inf, subnormals.
 FLOAT_BITS = st.integers(0, 2**64 - 1).map(lambda word: struct.unpack("<d", struct.pack("<Q", word))[0])
 FLOATS = st.one_of(FLOAT_BITS, st.floats(allow_nan=True), st.integers(-(2**53), 2**53).map(float))
+# Floats that are integers, but for a -0.0 or a 2**63 now and then: where FLOAT_INTEGRAL applies or
+# must not.
+INTEGRAL = st.one_of(
+    st.integers(-1000, 1000).map(float), st.sampled_from([-0.0, 2.0**63, -(2.0**63), 2.0**62, 0.5])
+)
 # Mostly-regular sequences (the common case the encodings favour), or anything at all.
 SMOOTH = st.builds(
     lambda start, stride, jitter: [start + stride * index + noise for index, noise in enumerate(jitter)],
@@ -62,10 +67,11 @@ def chunks(draw: st.DrawFn) -> Chunk:
         options = INT64 if steps_kind == "all" else st.one_of(st.none(), INT64)
         steps = draw(st.lists(options, min_size=count, max_size=count))
     values: list[float] | list[int]
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["ints", "floats", "integral"]))
+    if kind == "ints":
         values = draw(st.lists(INT64, min_size=count, max_size=count))
     else:
-        values = draw(st.lists(FLOATS, min_size=count, max_size=count))
+        values = draw(st.lists(FLOATS if kind == "floats" else INTEGRAL, min_size=count, max_size=count))
     return Chunk(seqs, steps, ts[:count], values)
 
 
@@ -88,8 +94,8 @@ def test_both_paths_write_the_same_bytes_and_read_back_every_bit(chunk: Chunk) -
     assert found.ints == (bool(chunk.values) and all(type(value) is int for value in chunk.values))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(FLOAT_BITS, max_size=60), st.sampled_from(columns.FLOAT_CHOICES))
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(FLOAT_BITS, INTEGRAL), max_size=60), st.sampled_from(columns.FLOAT_CHOICES))
 def test_every_float_encoding_agrees_and_round_trips(values: list[float], encoding: int) -> None:
     reference = columns.float_payload_reference(values, encoding)
     array = np.array(values, np.float64)
@@ -130,6 +136,18 @@ def test_ints_as_logged_come_back_as_ints_and_integral_floats_as_floats() -> Non
     assert not columns.bounds(blob).ints
     back = columns.decode_reference(blob).values
     assert all(type(value) is float for value in back) and back == floats
+
+
+def test_integers_as_floats_keep_their_bits_and_minus_zero_stays_a_float() -> None:
+    for values in ([0.0, -0.0, 1.0], [-0.0], [3.0, 2.0**63], [-(2.0**63), 1.0], [2.0**62, 7.0]):
+        chunk = Chunk(list(range(len(values))), [None] * len(values), [0] * len(values), values)
+        blob = columns.encode_reference(chunk)
+        assert columns_numpy.encode_chunk(chunk) == blob
+        assert same(columns.decode_reference(blob), chunk) and same(columns_numpy.decode_chunk(blob), chunk)
+        assert same(
+            columns_numpy.chunk_of(columns_numpy.decode_many([blob, blob])),
+            chunk._replace(seqs=chunk.seqs * 2, steps=chunk.steps * 2, ts=chunk.ts * 2, values=values * 2),
+        )
 
 
 def test_regular_columns_compress_to_almost_nothing() -> None:
