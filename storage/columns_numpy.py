@@ -233,11 +233,12 @@ def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
     the running sums start again at each chunk, in a few passes over all of them at once."""
     steps = (words >> np.uint64(1)) ^ (np.uint64(0) - (words & np.uint64(1)))
+    # Each chunk's first word is its first value, not a delta: taken out of both sums (as 0) and
+    # added back to the chunk's values at the end.
     firsts = steps[starts]
     steps[starts] = 0
     sums = np.cumsum(steps, dtype=np.uint64)
-    deltas = sums - np.repeat(sums[starts], counts)
-    deltas[starts] = firsts
+    deltas = sums - np.repeat(sums[starts], counts)  # 0 at each chunk's start
     sums = np.cumsum(deltas, dtype=np.uint64)
     return (sums - np.repeat(sums[starts] - firsts, counts)).view(np.int64)
 
