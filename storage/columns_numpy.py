@@ -35,7 +35,6 @@ from runbus.storage.columns import (
     inflate,
     pack_planes,
     smallest,
-    unpack_planes,
 )
 
 Ints = npt.NDArray[np.int64]
@@ -44,6 +43,9 @@ Floats = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
 
 _WORD = np.dtype("<u8")
+# For a mask byte: which planes it names (as row indexes), and how many.
+_PLANES_OF = [np.flatnonzero([mask >> index & 1 for index in range(8)]) for mask in range(256)]
+_PLANES_IN = [bin(mask).count("1") for mask in range(256)]
 _LIMIT = 2.0**63
 
 
@@ -70,11 +72,24 @@ def _unshuffle(payload: bytes, count: int) -> Words:
 
 
 def _put_planes(planes: npt.NDArray[np.uint8], payload: bytes, at: int, count: int) -> int:
-    """Puts a payload's planes in `planes` at offset `at`; returns its mask of kept planes."""
-    for index, plane in enumerate(unpack_planes(payload, count)):
-        if plane is not None:
-            planes[index, at : at + count] = np.frombuffer(plane, np.uint8)
-    return payload[0]
+    """Puts a payload's planes (as unpack_planes reads them) in `planes` at offset `at`, the
+    stored ones and the inflated ones a block each; returns its mask of kept planes."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = _PLANES_IN[stored] * count
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    packed = kept & ~stored
+    raw = inflate(payload[2 + stored_size :], _PLANES_IN[packed] * count)
+    if stored_size:
+        block = np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count)
+        planes[_PLANES_OF[stored], at : at + count] = block
+    if raw:
+        planes[_PLANES_OF[packed], at : at + count] = np.frombuffer(raw, np.uint8).reshape(-1, count)
+    return kept
 
 
 def _dod_words(values: Ints) -> Words:
