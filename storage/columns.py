@@ -48,7 +48,9 @@ STEP_CHOICES = (INT_DOD, INT_DOD_FROM_SEQS)
 ZLIB_LEVEL = 6
 MASK = (1 << 64) - 1
 SIGN = 1 << 63
-MAX_COUNT = (1 << 32) - 1
+# Points in a chunk at most: a header that says more is damaged, and is refused before anything
+# is allocated for it (a column of zeros holds any count in a few bytes).
+MAX_COUNT = 1 << 20
 
 
 class FormatError(ValueError):
@@ -84,6 +86,8 @@ def bounds(blob: bytes) -> Bounds:
     if len(blob) < HEADER.size or blob[0] != VERSION:
         raise FormatError(f"not a version {VERSION} column chunk")
     _, flags, count, first_seq, last_seq, min_step, max_step, first_ts, last_ts = HEADER.unpack_from(blob)
+    if count > MAX_COUNT:
+        raise FormatError(f"a column chunk of {count} points, over the limit of {MAX_COUNT}")
     return Bounds(
         count,
         first_seq,
@@ -97,10 +101,18 @@ def bounds(blob: bytes) -> Bounds:
     )
 
 
+def checked_count(*lengths: int) -> int:
+    """The points of a chunk to encode from its columns' lengths; raises ValueError unless they
+    are one length within MAX_COUNT."""
+    if len(set(lengths)) != 1:
+        raise ValueError("a chunk's columns must be of one length")
+    if lengths[0] > MAX_COUNT:
+        raise ValueError(f"a chunk holds at most {MAX_COUNT} points, not {lengths[0]}")
+    return lengths[0]
+
+
 def header(count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int) -> bytes:
     """The header of a chunk of `count` points; `steps` are the non-null steps only."""
-    if count > MAX_COUNT:
-        raise ValueError(f"a chunk holds at most {MAX_COUNT} points, not {count}")
     if not count:
         return HEADER.pack(VERSION, flags, 0, 0, 0, 0, 0, 0, 0)
     low, high = (min(steps), max(steps)) if len(steps) else (0, 0)
@@ -324,9 +336,7 @@ def _steps_columns(seqs: list[int], steps: list[int | None]) -> tuple[int, list[
 def encode_reference(chunk: Chunk) -> bytes:
     """A chunk's bytes, point by point in Python: the contract the numpy path follows."""
     seqs, steps, ts, values = chunk
-    count = len(seqs)
-    if not len(steps) == len(ts) == len(values) == count:
-        raise ValueError("a chunk's columns must be of one length")
+    count = checked_count(len(seqs), len(steps), len(ts), len(values))
     step_flags, step_parts, given = _steps_columns(seqs, steps)
     encoding, payload, ints = _values_column(values)
     flags = step_flags | (FLAG_INTS if ints else 0)

@@ -29,6 +29,7 @@ from runbus.storage.columns import (
     ZLIB_LEVEL,
     Chunk,
     FormatError,
+    checked_count,
     column,
     columns,
     header,
@@ -177,11 +178,8 @@ def encode_arrays(arrays: Arrays) -> bytes:
     seqs = np.ascontiguousarray(arrays.seqs, np.int64)
     steps = np.ascontiguousarray(arrays.steps, np.int64)
     ts = np.ascontiguousarray(arrays.ts, np.int64)
-    count = len(seqs)
-    if not len(steps) == len(ts) == len(arrays.values) == count:
-        raise ValueError("a chunk's columns must be of one length")
-    if arrays.step_nulls is not None and len(arrays.step_nulls) != count:
-        raise ValueError("a chunk's columns must be of one length")
+    nulls = () if arrays.step_nulls is None else (len(arrays.step_nulls),)
+    count = checked_count(len(seqs), len(steps), len(ts), len(arrays.values), *nulls)
     step_flags, step_parts, given = _steps_columns(seqs, steps, arrays.step_nulls)
     encoding, payload, ints = _values_column(arrays.values)
     flags = step_flags | (FLAG_INTS if ints else 0)

@@ -150,6 +150,15 @@ def test_integers_as_floats_keep_their_bits_and_minus_zero_stays_a_float() -> No
         )
 
 
+def test_a_chunk_over_the_limit_is_not_encoded() -> None:
+    count = columns.MAX_COUNT + 1
+    arrays = columns_numpy.Arrays(
+        np.arange(count), np.arange(count), None, np.arange(count), np.zeros(count, np.float64)
+    )
+    with pytest.raises(ValueError, match="at most"):
+        columns_numpy.encode_arrays(arrays)
+
+
 def test_regular_columns_compress_to_almost_nothing() -> None:
     count = 4096
     seqs = list(range(1, count + 1))
@@ -182,6 +191,8 @@ def test_damaged_or_foreign_bytes_are_refused_with_a_format_error() -> None:
     ]
     at = len(blob) - len(columns.columns(blob)[1][-1][1]) - columns.COLUMN.size
     damaged.append(blob[:at] + bytes([99]) + blob[at + 1 :])  # an unknown encoding
+    # A count past the limit: refused from the header, before 8 bytes a point are allocated.
+    damaged.append(blob[:2] + (columns.MAX_COUNT + 1).to_bytes(4, "little") + blob[6:])
     for bad in damaged:
         for decode in (columns.decode_reference, columns_numpy.decode_arrays):
             with pytest.raises(FormatError):
