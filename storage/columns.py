@@ -1,0 +1,423 @@
+"""Column chunks: one stretch of a key's points (seqs, steps, timestamps, values) as compressed bytes.
+
+The format (docs/columns.md, byte by byte) and its readable reference encoder and decoder, in pure
+Python. runbus.storage.columns_numpy gives the same bytes and values a column at a time with numpy;
+`encode_chunk` and `decode_chunk` are the path in use: numpy's where it imports, else this one
+(`use()` switches; the tests run both and compare them bit for bit).
+
+A chunk holds the consecutive points of one (run, label, key, epoch). Integers (seqs, steps,
+timestamps, values logged as ints) are kept as delta-of-delta, zigzagged and byte-shuffled;
+floats as the smallest of three encodings (XOR with the previous value, plain, or integral values
+as integers), byte-shuffled. Of the shuffled planes, those of zeros are left out, noise is stored as
+it is and the rest is compressed with zlib. Every float64 comes back bit for bit (NaN payloads,
+-0.0, ±inf); steps never given stay None.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, cast
+
+VERSION = 1
+
+# The header: version, flags, count, then the chunk's bounds (first/last seq, min/max step,
+# first/last ts) as little-endian int64s.
+HEADER = struct.Struct("<BBI6q")
+# Before each column's payload: its encoding and the payload's length in bytes.
+COLUMN = struct.Struct("<BI")
+
+FLAG_STEPS = 1  # some point has a step: a steps column follows the seqs
+FLAG_STEP_NULLS = 2  # some point has none: a null mask follows the steps
+FLAG_INTS = 4  # the values were logged as ints: they come back as ints
+
+# Encodings, one code space for every column (the byte before each payload).
+INT_DOD = 0  # int64: delta-of-delta, zigzag, byte planes (pack_planes)
+INT_DOD_FROM_SEQS = 1  # steps only: steps minus seqs, then as INT_DOD
+FLOAT_PLAIN = 2  # float64 bits as byte planes
+FLOAT_XOR = 3  # float64 bits XOR the previous value's (the first XOR 0), as byte planes
+FLOAT_INTEGRAL = 4  # float64 that are all integers (no -0.0): as int64, then as INT_DOD
+NULL_MASK = 5  # one bit a point, least significant bit first, 1 where the step is null; zlib
+
+# Tried in this order; the smallest payload wins, the earlier on a tie.
+FLOAT_CHOICES = (FLOAT_XOR, FLOAT_PLAIN, FLOAT_INTEGRAL)
+STEP_CHOICES = (INT_DOD, INT_DOD_FROM_SEQS)
+
+ZLIB_LEVEL = 6
+MASK = (1 << 64) - 1
+SIGN = 1 << 63
+# Points in a chunk at most: a header that says more is damaged, and is refused before anything
+# is allocated for it (a column of zeros holds any count in a few bytes).
+MAX_COUNT = 1 << 20
+
+
+class FormatError(ValueError):
+    """The bytes are no column chunk this version of runbus reads: the caller cannot retry."""
+
+
+class Bounds(NamedTuple):
+    """What a chunk spans, read from its header alone: for the row that indexes it.
+    Bounds of an empty chunk, and steps of a chunk without any, are 0."""
+
+    points: int
+    first_seq: int
+    last_seq: int
+    min_step: int
+    max_step: int
+    first_ts: int
+    last_ts: int
+    has_steps: bool
+    ints: bool
+
+
+class Chunk(NamedTuple):
+    """A chunk's points as Python lists: what the reference encodes and decodes."""
+
+    seqs: list[int]
+    steps: list[int | None]
+    ts: list[int]
+    values: list[float] | list[int]
+
+
+def bounds(blob: bytes) -> Bounds:
+    """The bounds of an encoded chunk, from its header."""
+    if len(blob) < HEADER.size or blob[0] != VERSION:
+        raise FormatError(f"not a version {VERSION} column chunk")
+    _, flags, count, first_seq, last_seq, min_step, max_step, first_ts, last_ts = HEADER.unpack_from(blob)
+    if count > MAX_COUNT:
+        raise FormatError(f"a column chunk of {count} points, over the limit of {MAX_COUNT}")
+    return Bounds(
+        count,
+        first_seq,
+        last_seq,
+        min_step,
+        max_step,
+        first_ts,
+        last_ts,
+        bool(flags & FLAG_STEPS),
+        bool(flags & FLAG_INTS),
+    )
+
+
+def checked_count(*lengths: int) -> int:
+    """The points of a chunk to encode from its columns' lengths; raises ValueError unless they
+    are one length within MAX_COUNT."""
+    if len(set(lengths)) != 1:
+        raise ValueError("a chunk's columns must be of one length")
+    if lengths[0] > MAX_COUNT:
+        raise ValueError(f"a chunk holds at most {MAX_COUNT} points, not {lengths[0]}")
+    return lengths[0]
+
+
+def header(count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int) -> bytes:
+    """The header of a chunk of `count` points; `steps` are the non-null steps only."""
+    if not count:
+        return HEADER.pack(VERSION, flags, 0, 0, 0, 0, 0, 0, 0)
+    low, high = (min(steps), max(steps)) if len(steps) else (0, 0)
+    return HEADER.pack(VERSION, flags, count, seqs[0], seqs[-1], low, high, ts[0], ts[-1])
+
+
+def column(encoding: int, payload: bytes) -> bytes:
+    return COLUMN.pack(encoding, len(payload)) + payload
+
+
+def columns(blob: bytes) -> tuple[Bounds, list[tuple[int, bytes]]]:
+    """A chunk's bounds and its columns' (encoding, payload), in order."""
+    found, parts, at = bounds(blob), [], HEADER.size
+    while at < len(blob):
+        if at + COLUMN.size > len(blob):
+            raise FormatError("a column chunk ends inside a column's header")
+        encoding, size = COLUMN.unpack_from(blob, at)
+        at += COLUMN.size
+        if at + size > len(blob):
+            raise FormatError("a column chunk ends inside a column")
+        parts.append((encoding, blob[at : at + size]))
+        at += size
+    expected = 3 + bool(found.has_steps) + bool(blob[1] & FLAG_STEP_NULLS)
+    if len(parts) != expected:
+        raise FormatError(f"a column chunk with {len(parts)} columns where its flags say {expected}")
+    return found, parts
+
+
+def smallest(candidates: Sequence[tuple[int, bytes]]) -> tuple[int, bytes]:
+    """The (encoding, payload) with the fewest bytes, the earliest of equals."""
+    return min(candidates, key=lambda candidate: len(candidate[1]))
+
+
+def inflate(payload: bytes, size: int) -> bytes:
+    """A zlib payload that must hold exactly `size` bytes."""
+    try:
+        raw = zlib.decompress(payload)
+    except zlib.error as error:
+        raise FormatError(f"a column does not decompress: {error}") from None
+    if len(raw) != size:
+        raise FormatError(f"a column holds {len(raw)} bytes where its chunk needs {size}")
+    return raw
+
+
+def incompressible(plane: bytes) -> bool:
+    """Whether a plane is left as it is: zlib's fastest level saves it under a sixteenth. Noise
+    (a float's low mantissa bytes, a clock's jitter) costs more to inflate than to copy."""
+    return len(zlib.compress(plane, 1)) >= len(plane) - len(plane) // 16
+
+
+def pack_planes(planes: Sequence[bytes], count: int) -> bytes:
+    """A shuffled column's payload from its 8 planes of `count` bytes: a byte whose bit k says
+    plane k is kept (planes of zeros are not), a byte whose bit k says plane k is stored as it is,
+    those planes in order, then zlib of the other kept planes in order."""
+    empty = bytes(count)
+    kept = [index for index, plane in enumerate(planes) if plane != empty]
+    stored = [index for index in kept if incompressible(planes[index])]
+    packed = [index for index in kept if index not in stored]
+    return b"".join(
+        [
+            bytes([sum(1 << index for index in kept), sum(1 << index for index in stored)]),
+            *(planes[index] for index in stored),
+            zlib.compress(b"".join(planes[index] for index in packed), ZLIB_LEVEL),
+        ]
+    )
+
+
+def unpack_planes(payload: bytes, count: int) -> list[memoryview | None]:
+    """The 8 planes of a shuffled column's payload; None for a plane of zeros."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = count * bin(stored).count("1")
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    raw = memoryview(payload)[2 : 2 + stored_size]
+    packed = memoryview(inflate(payload[2 + stored_size :], count * bin(kept & ~stored).count("1")))
+    planes: list[memoryview | None] = []
+    for index in range(8):
+        source = raw if stored >> index & 1 else packed
+        if not kept >> index & 1:
+            planes.append(None)
+        elif source is raw:
+            planes.append(raw[:count])
+            raw = raw[count:]
+        else:
+            planes.append(packed[:count])
+            packed = packed[count:]
+    return planes
+
+
+# The reference: one point at a time, in Python.
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word & SIGN else word
+
+
+def _shuffle(words: Sequence[int]) -> bytes:
+    """uint64 words as byte planes (every word's first byte, then every word's second, and so
+    on), packed by pack_planes."""
+    raw = struct.pack(f"<{len(words)}Q", *words)
+    return pack_planes([raw[plane::8] for plane in range(8)], len(words))
+
+
+def _unshuffle(payload: bytes, count: int) -> list[int]:
+    words = bytearray(8 * count)
+    for index, plane in enumerate(unpack_planes(payload, count)):
+        if plane is not None:
+            words[index::8] = plane
+    return list(struct.unpack(f"<{count}Q", words))
+
+
+def _dod_words(values: Sequence[int]) -> list[int]:
+    """int64s as zigzagged delta-of-delta words: x0, x1 - x0, then each delta minus the one before."""
+    words, last, last_delta = [], 0, 0
+    for index, value in enumerate(values):
+        delta = (value - last) & MASK
+        step = delta if index < 2 else (delta - last_delta) & MASK
+        signed = _signed(step)
+        words.append(((signed << 1) ^ (signed >> 63)) & MASK)
+        last, last_delta = value, delta
+    return words
+
+
+def _undod_words(words: Sequence[int]) -> list[int]:
+    values, last, delta = [], 0, 0
+    for index, word in enumerate(words):
+        step = (word >> 1) ^ (-(word & 1) & MASK)
+        delta = step if index < 2 else (delta + step) & MASK
+        last = (last + delta) & MASK
+        values.append(_signed(last))
+    return values
+
+
+def _pack_ints(values: Sequence[int]) -> bytes:
+    return _shuffle(_dod_words(values))
+
+
+def _unpack_ints(payload: bytes, count: int) -> list[int]:
+    return _undod_words(_unshuffle(payload, count))
+
+
+def _float_bits(values: Sequence[float]) -> list[int]:
+    return list(struct.unpack(f"<{len(values)}Q", struct.pack(f"<{len(values)}d", *values)))
+
+
+def _bits_float(words: Sequence[int]) -> list[float]:
+    return list(struct.unpack(f"<{len(words)}d", struct.pack(f"<{len(words)}Q", *words)))
+
+
+def _integral(values: Sequence[float]) -> list[int] | None:
+    """The values as ints if every one is an integer an int64 holds and -0.0 is not among them."""
+    ints = []
+    for value in values:
+        if not (math.isfinite(value) and abs(value) < 2.0**63 and value == math.trunc(value)):
+            return None
+        if math.copysign(1.0, value) < 0 and value == 0:
+            return None
+        ints.append(int(value))
+    return ints
+
+
+def float_payload_reference(values: Sequence[float], encoding: int) -> bytes | None:
+    """The float column's payload in `encoding`; None where it cannot hold these values."""
+    if encoding == FLOAT_INTEGRAL:
+        ints = _integral(values)
+        return None if ints is None else _pack_ints(ints)
+    bits = _float_bits(values)
+    if encoding == FLOAT_XOR:
+        bits = [word ^ before for word, before in zip(bits, [0, *bits], strict=False)]
+    return _shuffle(bits)
+
+
+def _unpack_floats(encoding: int, payload: bytes, count: int) -> list[float]:
+    if encoding == FLOAT_INTEGRAL:
+        return [float(value) for value in _unpack_ints(payload, count)]
+    if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
+        raise FormatError(f"unknown float column encoding {encoding}")
+    bits = _unshuffle(payload, count)
+    if encoding == FLOAT_XOR:
+        for index in range(1, count):
+            bits[index] ^= bits[index - 1]
+    return _bits_float(bits)
+
+
+def _mask_bytes(nulls: Sequence[bool]) -> bytes:
+    packed = bytearray((len(nulls) + 7) // 8)
+    for index, null in enumerate(nulls):
+        if null:
+            packed[index >> 3] |= 1 << (index & 7)
+    return bytes(packed)
+
+
+def _values_column(values: list[float] | list[int]) -> tuple[int, bytes, bool]:
+    """(encoding, payload, ints): ints when every value is an int (bools are not), else floats."""
+    if values and all(type(value) is int for value in values):
+        return INT_DOD, _pack_ints(cast(list[int], values)), True
+    floats = [float(value) for value in values]
+    tried = [(code, float_payload_reference(floats, code)) for code in FLOAT_CHOICES]
+    return (*smallest([(code, payload) for code, payload in tried if payload is not None]), False)
+
+
+def _steps_columns(seqs: list[int], steps: list[int | None]) -> tuple[int, list[bytes], list[int]]:
+    """(flags, columns, the given steps) for a chunk's steps."""
+    given = [step for step in steps if step is not None]
+    if not given:
+        return 0, [], given
+    filled = [0 if step is None else step for step in steps]
+    relative = [(step - seq + SIGN) % (1 << 64) - SIGN for step, seq in zip(filled, seqs, strict=True)]
+    encoding, payload = smallest([(INT_DOD, _pack_ints(filled)), (INT_DOD_FROM_SEQS, _pack_ints(relative))])
+    parts = [column(encoding, payload)]
+    if len(given) == len(steps):
+        return FLAG_STEPS, parts, given
+    mask = zlib.compress(_mask_bytes([step is None for step in steps]), ZLIB_LEVEL)
+    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
+
+
+def encode_reference(chunk: Chunk) -> bytes:
+    """A chunk's bytes, point by point in Python: the contract the numpy path follows."""
+    seqs, steps, ts, values = chunk
+    count = checked_count(len(seqs), len(steps), len(ts), len(values))
+    step_flags, step_parts, given = _steps_columns(seqs, steps)
+    encoding, payload, ints = _values_column(values)
+    flags = step_flags | (FLAG_INTS if ints else 0)
+    return b"".join(
+        [
+            header(count, seqs, given, ts, flags),
+            column(INT_DOD, _pack_ints(seqs)),
+            *step_parts,
+            column(INT_DOD, _pack_ints(ts)),
+            column(encoding, payload),
+        ]
+    )
+
+
+def _int_column(part: tuple[int, bytes], count: int) -> list[int]:
+    encoding, payload = part
+    if encoding != INT_DOD:
+        raise FormatError(f"unknown integer column encoding {encoding}")
+    return _unpack_ints(payload, count)
+
+
+def _decode_steps(
+    parts: list[tuple[int, bytes]], seqs: list[int], count: int, nulls: bool
+) -> list[int | None]:
+    encoding, payload = parts[0]
+    if encoding not in STEP_CHOICES:
+        raise FormatError(f"unknown steps column encoding {encoding}")
+    steps = _unpack_ints(payload, count)
+    if encoding == INT_DOD_FROM_SEQS:
+        steps = [_signed((step + seq) & MASK) for step, seq in zip(steps, seqs, strict=True)]
+    if not nulls:
+        return list(steps)
+    if parts[1][0] != NULL_MASK:
+        raise FormatError(f"a null mask column with encoding {parts[1][0]}")
+    mask = inflate(parts[1][1], (count + 7) // 8)
+    return [None if mask[index >> 3] >> (index & 7) & 1 else step for index, step in enumerate(steps)]
+
+
+def decode_reference(blob: bytes) -> Chunk:
+    """A chunk's points from its bytes, point by point in Python."""
+    found, parts = columns(blob)
+    count, flags = found.points, blob[1]
+    seqs = _int_column(parts[0], count)
+    steps: list[int | None] = [None] * count
+    if flags & FLAG_STEPS:
+        width = 2 if flags & FLAG_STEP_NULLS else 1
+        steps = _decode_steps(parts[1 : 1 + width], seqs, count, bool(flags & FLAG_STEP_NULLS))
+    ts = _int_column(parts[-2], count)
+    values: list[float] | list[int] = (
+        _int_column(parts[-1], count) if flags & FLAG_INTS else _unpack_floats(*parts[-1], count)
+    )
+    return Chunk(seqs, steps, ts, values)
+
+
+# The path in use: numpy's where numpy imports (runbus.storage.columns_numpy), else the reference.
+PATHS = ("numpy", "reference")
+encode_chunk: Callable[[Chunk], bytes] = encode_reference
+decode_chunk: Callable[[bytes], Chunk] = decode_reference
+path_in_use = "reference"
+
+
+def use(name: str) -> None:
+    """Encode and decode with the path named `name`, 'numpy' or 'reference', from now on."""
+    global encode_chunk, decode_chunk, path_in_use
+    if name not in PATHS:
+        raise ValueError(f"unknown column path {name!r}: use one of {', '.join(PATHS)}")
+    if name == "numpy":
+        from runbus.storage import columns_numpy
+
+        encode_chunk, decode_chunk = columns_numpy.encode_chunk, columns_numpy.decode_chunk
+    else:
+        encode_chunk, decode_chunk = encode_reference, decode_reference
+    path_in_use = name
+
+
+def _use_the_fastest() -> None:
+    try:
+        use("numpy")
+    except ImportError:
+        # numpy is optional: without it the reference encodes the same bytes, slower.
+        use("reference")
+
+
+_use_the_fastest()

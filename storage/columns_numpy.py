@@ -1,0 +1,412 @@
+"""Column chunks a column at a time with numpy: the bytes and values of runbus.storage.columns' reference.
+
+`encode_arrays` and `decode_arrays` work on numpy arrays (what the store's reads build tables
+from); `encode_chunk` and `decode_chunk` take and give the reference's lists, for the switch in
+runbus.storage.columns and the tests that compare the two paths bit for bit.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from runbus.storage.columns import (
+    FLAG_INTS,
+    FLAG_STEP_NULLS,
+    FLAG_STEPS,
+    FLOAT_CHOICES,
+    FLOAT_INTEGRAL,
+    FLOAT_PLAIN,
+    FLOAT_XOR,
+    INT_DOD,
+    INT_DOD_FROM_SEQS,
+    NULL_MASK,
+    STEP_CHOICES,
+    ZLIB_LEVEL,
+    Chunk,
+    FormatError,
+    checked_count,
+    column,
+    columns,
+    header,
+    inflate,
+    pack_planes,
+    smallest,
+)
+
+Ints = npt.NDArray[np.int64]
+Words = npt.NDArray[np.uint64]
+Floats = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+
+_WORD = np.dtype("<u8")
+# For a mask byte: which planes it names (as row indexes), and how many.
+_PLANES_OF = [np.flatnonzero([mask >> index & 1 for index in range(8)]) for mask in range(256)]
+_PLANES_IN = [bin(mask).count("1") for mask in range(256)]
+_LIMIT = 2.0**63
+
+
+class Arrays(NamedTuple):
+    """A chunk's points as arrays. `step_nulls` is None where every point has a step, and all
+    True where none has (`steps` then holds zeros); `values` are int64 where logged as ints."""
+
+    seqs: Ints
+    steps: Ints
+    step_nulls: Mask | None
+    ts: Ints
+    values: Floats | Ints
+
+
+def _shuffle(words: Words) -> bytes:
+    planes = words.astype(_WORD, copy=False).view(np.uint8).reshape(-1, 8).T
+    return pack_planes([plane.tobytes() for plane in planes], len(words))
+
+
+def _unshuffle(payload: bytes, count: int) -> Words:
+    words = np.zeros((8, count), np.uint8)
+    _put_planes(words, payload, 0, count)
+    return np.ascontiguousarray(words.T).view(_WORD).reshape(count)
+
+
+def _put_planes(planes: npt.NDArray[np.uint8], payload: bytes, at: int, count: int) -> int:
+    """Puts a payload's planes (as unpack_planes reads them) in `planes` at offset `at`, the
+    stored ones and the inflated ones a block each; returns its mask of kept planes."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = _PLANES_IN[stored] * count
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    packed = kept & ~stored
+    raw = inflate(payload[2 + stored_size :], _PLANES_IN[packed] * count)
+    if stored_size:
+        block = np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count)
+        planes[_PLANES_OF[stored], at : at + count] = block
+    if raw:
+        planes[_PLANES_OF[packed], at : at + count] = np.frombuffer(raw, np.uint8).reshape(-1, count)
+    return kept
+
+
+def _dod_words(values: Ints) -> Words:
+    """As the reference's: x0, x1 - x0, then each delta minus the one before, zigzagged."""
+    words = values.view(np.uint64)
+    deltas = words.copy()
+    deltas[1:] -= words[:-1]
+    steps = deltas.copy()
+    steps[2:] -= deltas[1:-1]
+    signed = steps.view(np.int64)
+    return ((signed << 1) ^ (signed >> 63)).view(np.uint64)
+
+
+def _undod_words(words: Words) -> Ints:
+    steps = (words >> np.uint64(1)) ^ (np.uint64(0) - (words & np.uint64(1)))
+    deltas = steps
+    deltas[1:] = np.cumsum(steps[1:], dtype=np.uint64)
+    return np.cumsum(deltas, dtype=np.uint64).view(np.int64)
+
+
+def pack_ints(values: Ints) -> bytes:
+    return _shuffle(_dod_words(np.ascontiguousarray(values, np.int64)))
+
+
+def unpack_ints(payload: bytes, count: int) -> Ints:
+    return _undod_words(_unshuffle(payload, count))
+
+
+def _integral(values: Floats) -> Ints | None:
+    finite = np.isfinite(values)
+    if not finite.all() or not (np.abs(values) < _LIMIT).all():
+        return None
+    ints = values.astype(np.int64)
+    # Bits compared, not values: -0.0 and fractions come back different.
+    return ints if np.array_equal(ints.astype(np.float64).view(np.uint64), values.view(np.uint64)) else None
+
+
+def float_payload(values: Floats, encoding: int) -> bytes | None:
+    """The float column's payload in `encoding`; None where it cannot hold these values."""
+    if encoding == FLOAT_INTEGRAL:
+        ints = _integral(values)
+        return None if ints is None else pack_ints(ints)
+    bits = values.view(np.uint64)
+    if encoding == FLOAT_XOR:
+        bits = bits.copy()
+        bits[1:] ^= values.view(np.uint64)[:-1]
+    return _shuffle(bits)
+
+
+def unpack_floats(encoding: int, payload: bytes, count: int) -> Floats:
+    if encoding == FLOAT_INTEGRAL:
+        return unpack_ints(payload, count).astype(np.float64)
+    if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
+        raise FormatError(f"unknown float column encoding {encoding}")
+    bits = _unshuffle(payload, count)
+    if encoding == FLOAT_XOR:
+        bits = np.bitwise_xor.accumulate(bits)
+    return bits.view(np.float64)
+
+
+def _values_column(values: Floats | Ints) -> tuple[int, bytes, bool]:
+    if values.dtype == np.int64 and len(values):
+        return INT_DOD, pack_ints(values.view(np.int64)), True
+    floats = np.ascontiguousarray(values, np.float64)
+    tried = [(code, float_payload(floats, code)) for code in FLOAT_CHOICES]
+    return (*smallest([(code, payload) for code, payload in tried if payload is not None]), False)
+
+
+def _steps_columns(seqs: Ints, steps: Ints, nulls: Mask | None) -> tuple[int, list[bytes], Ints]:
+    filled = steps if nulls is None else np.where(nulls, 0, steps)
+    given = filled if nulls is None else steps[~nulls]
+    if not len(given):
+        return 0, [], given
+    relative = (filled.view(np.uint64) - seqs.view(np.uint64)).view(np.int64)
+    encoding, payload = smallest([(INT_DOD, pack_ints(filled)), (INT_DOD_FROM_SEQS, pack_ints(relative))])
+    parts = [column(encoding, payload)]
+    if nulls is None or not nulls.any():
+        return FLAG_STEPS, parts, given
+    mask = zlib.compress(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
+    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
+
+
+def encode_arrays(arrays: Arrays) -> bytes:
+    """A chunk's bytes from its arrays: the same bytes as the reference's for the same points."""
+    seqs = np.ascontiguousarray(arrays.seqs, np.int64)
+    steps = np.ascontiguousarray(arrays.steps, np.int64)
+    ts = np.ascontiguousarray(arrays.ts, np.int64)
+    nulls = () if arrays.step_nulls is None else (len(arrays.step_nulls),)
+    count = checked_count(len(seqs), len(steps), len(ts), len(arrays.values), *nulls)
+    step_flags, step_parts, given = _steps_columns(seqs, steps, arrays.step_nulls)
+    encoding, payload, ints = _values_column(arrays.values)
+    flags = step_flags | (FLAG_INTS if ints else 0)
+    # The header's bounds as Python ints: numpy scalars would pack the same, at more cost.
+    ends = (seqs[[0, -1]].tolist(), ts[[0, -1]].tolist()) if count else ([], [])
+    bounds = [int(given.min()), int(given.max())] if len(given) else []
+    return b"".join(
+        [
+            header(count, ends[0], bounds, ends[1], flags),
+            column(INT_DOD, pack_ints(seqs)),
+            *step_parts,
+            column(INT_DOD, pack_ints(ts)),
+            column(encoding, payload),
+        ]
+    )
+
+
+def _int_words(part: tuple[int, bytes], count: int) -> Words:
+    encoding, payload = part
+    if encoding != INT_DOD:
+        raise FormatError(f"unknown integer column encoding {encoding}")
+    return _unshuffle(payload, count)
+
+
+def _int_column(part: tuple[int, bytes], count: int) -> Ints:
+    return _undod_words(_int_words(part, count))
+
+
+def _nulls(parts: list[tuple[int, bytes]], count: int) -> Mask:
+    if parts[2][0] != NULL_MASK:
+        raise FormatError(f"a null mask column with encoding {parts[2][0]}")
+    packed = np.frombuffer(inflate(parts[2][1], (count + 7) // 8), np.uint8)
+    return np.unpackbits(packed, count=count, bitorder="little").view(np.bool_)
+
+
+def _decode_steps(
+    parts: list[tuple[int, bytes]], seqs: Ints, count: int, flags: int
+) -> tuple[Ints, Mask | None]:
+    if not flags & FLAG_STEPS:
+        return np.zeros(count, np.int64), np.ones(count, np.bool_)
+    encoding, payload = parts[1]
+    if encoding not in STEP_CHOICES:
+        raise FormatError(f"unknown steps column encoding {encoding}")
+    steps = unpack_ints(payload, count)
+    if encoding == INT_DOD_FROM_SEQS:
+        steps = (steps.view(np.uint64) + seqs.view(np.uint64)).view(np.int64)
+    if not flags & FLAG_STEP_NULLS:
+        return steps, None
+    return steps, _nulls(parts, count)
+
+
+def decode_arrays(blob: bytes) -> Arrays:
+    """A chunk's arrays from its bytes."""
+    found, parts = columns(blob)
+    count, flags = found.points, blob[1]
+    seqs = _int_column(parts[0], count)
+    steps, nulls = _decode_steps(parts, seqs, count, flags)
+    ts = _int_column(parts[-2], count)
+    values = _int_column(parts[-1], count) if flags & FLAG_INTS else unpack_floats(*parts[-1], count)
+    return Arrays(seqs, steps, nulls, ts, values)
+
+
+def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
+    """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
+    the running sums start again at each chunk, in a few passes over all of them at once."""
+    steps = (words >> np.uint64(1)) ^ (np.uint64(0) - (words & np.uint64(1)))
+    # Each chunk's first word is its first value, not a delta: taken out of both sums (as 0) and
+    # added back to the chunk's values at the end.
+    firsts = steps[starts]
+    steps[starts] = 0
+    sums = np.cumsum(steps, dtype=np.uint64)
+    deltas = sums - np.repeat(sums[starts], counts)  # 0 at each chunk's start
+    sums = np.cumsum(deltas, dtype=np.uint64)
+    return (sums - np.repeat(sums[starts] - firsts, counts)).view(np.int64)
+
+
+# How a chunk's values column decodes in decode_many: its encoding, with ints apart.
+_LOGGED_INTS = -1
+
+
+class _Planes:
+    """One column of many chunks as byte planes side by side: each chunk's planes go in at its
+    offset, and the words of every chunk come out at once at the end."""
+
+    def __init__(self, total: int) -> None:
+        self.planes = np.zeros((8, total), np.uint8)
+        self.used = 0  # bit k: some chunk has plane k
+
+    def put(self, payload: bytes, at: int, count: int) -> None:
+        self.used |= _put_planes(self.planes, payload, at, count)
+
+    def words(self) -> Words:
+        used = [index for index in range(8) if self.used >> index & 1]
+        if len(used) > 3:
+            return np.ascontiguousarray(self.planes.T).view(_WORD).reshape(-1)
+        # An integer column keeps a plane or three: shifting those in beats moving all eight.
+        words = np.zeros(self.planes.shape[1], np.uint64)
+        for index in used:
+            words |= self.planes[index].astype(np.uint64) << np.uint64(8 * index)
+        return words
+
+
+class _Gathered(NamedTuple):
+    counts: Ints
+    seqs: Words
+    steps: Words
+    steps_from_seqs: Mask  # a chunk at a time
+    nulls: Mask
+    ts: Words
+    values: Words
+    value_encodings: Ints  # a chunk at a time, _LOGGED_INTS for ints
+
+
+def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, bytes]]]]:
+    """(count, flags, columns) of each chunk that holds points, its encodings checked."""
+    found = []
+    for blob in blobs:
+        bounds, encoded = columns(blob)
+        flags = blob[1]
+        if not bounds.points:
+            continue
+        values = encoded[-1][0]
+        if (encoded[0][0], encoded[-2][0]) != (INT_DOD, INT_DOD) or values not in (INT_DOD, *FLOAT_CHOICES):
+            raise FormatError("a column chunk with an unknown column encoding")
+        if flags & FLAG_STEPS and encoded[1][0] not in STEP_CHOICES:
+            raise FormatError(f"unknown steps column encoding {encoded[1][0]}")
+        found.append((bounds.points, flags, encoded))
+    return found
+
+
+def _gather(blobs: Sequence[bytes]) -> _Gathered:
+    found = _parsed(blobs)
+    counts = np.array([count for count, _, _ in found], np.int64)
+    total = int(counts.sum())
+    seqs, steps, ts, values = _Planes(total), _Planes(total), _Planes(total), _Planes(total)
+    nulls = np.zeros(total, np.bool_)
+    from_seqs, encodings, at = [], [], 0
+    for count, flags, encoded in found:
+        seqs.put(encoded[0][1], at, count)
+        ts.put(encoded[-2][1], at, count)
+        values.put(encoded[-1][1], at, count)
+        encodings.append(_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0])
+        from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
+        if flags & FLAG_STEPS:
+            steps.put(encoded[1][1], at, count)
+        if flags & FLAG_STEP_NULLS:
+            nulls[at : at + count] = _nulls(encoded, count)
+        elif not flags & FLAG_STEPS:
+            nulls[at : at + count] = True
+        at += count
+    return _Gathered(
+        counts,
+        seqs.words(),
+        steps.words(),
+        np.array(from_seqs, np.bool_),
+        nulls,
+        ts.words(),
+        values.words(),
+        np.array(encodings, np.int64),
+    )
+
+
+def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
+    """The values of chunks decoded together, whatever each chunk's encoding."""
+    counts, encodings, words = gathered.counts, gathered.value_encodings, gathered.values
+    by_point = np.repeat(encodings, counts)
+    if (encodings == _LOGGED_INTS).all():
+        return _undod_segments(words, starts, counts)
+    xor = by_point == FLOAT_XOR
+    running = np.bitwise_xor.accumulate(np.where(xor, words, np.uint64(0)))
+    before = np.concatenate([np.zeros(1, np.uint64), running[starts[1:] - 1]])
+    bits = np.where(xor, running ^ np.repeat(before, counts), words).view(np.float64)
+    as_ints = np.isin(by_point, (_LOGGED_INTS, FLOAT_INTEGRAL))
+    if not as_ints.any():
+        return bits
+    ints = _undod_segments(np.where(as_ints, words, np.uint64(0)), starts, counts)
+    return np.where(as_ints, ints.astype(np.float64), bits)
+
+
+def decode_many(blobs: Sequence[bytes]) -> Arrays:
+    """The points of many chunks, one chunk after another, as one set of arrays: what a read of
+    a key across its chunks wants, at a fraction of decode_arrays' cost per chunk. Values are
+    int64 where every chunk's were logged as ints, else float64 (ints converted, as a store of
+    float64 values keeps them)."""
+    gathered = _gather(blobs)
+    counts = gathered.counts
+    if not len(counts):
+        return Arrays(np.zeros(0, np.int64), np.zeros(0, np.int64), None, np.zeros(0, np.int64), np.zeros(0))
+    starts = np.cumsum(counts) - counts
+    seqs = _undod_segments(gathered.seqs, starts, counts)
+    ts = _undod_segments(gathered.ts, starts, counts)
+    steps = _undod_segments(gathered.steps, starts, counts)
+    if gathered.steps_from_seqs.any():
+        relative = np.repeat(gathered.steps_from_seqs, counts)
+        steps[relative] = (steps[relative].view(np.uint64) + seqs[relative].view(np.uint64)).view(np.int64)
+    nulls = gathered.nulls
+    steps[nulls] = 0
+    return Arrays(seqs, steps, nulls if nulls.any() else None, ts, _values_of(gathered, starts))
+
+
+def arrays_of(chunk: Chunk) -> Arrays:
+    """The reference's lists as arrays (ints where every value is an int, as the reference keeps)."""
+    seqs, steps, ts, values = chunk
+    nulls = np.array([step is None for step in steps], np.bool_)
+    filled = np.array([0 if step is None else step for step in steps], np.int64)
+    ints = bool(values) and all(type(value) is int for value in values)
+    column_values = np.array(values, np.int64) if ints else np.array([float(v) for v in values], np.float64)
+    return Arrays(
+        np.array(seqs, np.int64),
+        filled,
+        nulls if nulls.any() else None,
+        np.array(ts, np.int64),
+        column_values,
+    )
+
+
+def chunk_of(arrays: Arrays) -> Chunk:
+    """Arrays as the reference's lists."""
+    steps: list[int | None] = list(arrays.steps.tolist())
+    if arrays.step_nulls is not None:
+        steps = [None if null else step for step, null in zip(steps, arrays.step_nulls.tolist(), strict=True)]
+    return Chunk(arrays.seqs.tolist(), steps, arrays.ts.tolist(), arrays.values.tolist())
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    return encode_arrays(arrays_of(chunk))
+
+
+def decode_chunk(blob: bytes) -> Chunk:
+    return chunk_of(decode_arrays(blob))

@@ -1,0 +1,219 @@
+"""Column chunks (runbus.storage.columns): every point comes back bit for bit, and the numpy path
+writes the reference's bytes and reads back its points, on arbitrary arrays as on training-like ones."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runbus.storage import columns, columns_numpy
+from runbus.storage.columns import Chunk, FormatError
+
+INT64 = st.integers(-(2**63), 2**63 - 1)
+# Every float64 bit pattern: NaNs with any payload and sign, -0.0, ±inf, subnormals.
+FLOAT_BITS = st.integers(0, 2**64 - 1).map(lambda word: struct.unpack("<d", struct.pack("<Q", word))[0])
+FLOATS = st.one_of(FLOAT_BITS, st.floats(allow_nan=True), st.integers(-(2**53), 2**53).map(float))
+# Floats that are integers, but for a -0.0 or a 2**63 now and then: where FLOAT_INTEGRAL applies or
+# must not.
+INTEGRAL = st.one_of(
+    st.integers(-1000, 1000).map(float), st.sampled_from([-0.0, 2.0**63, -(2.0**63), 2.0**62, 0.5])
+)
+# Mostly-regular sequences (the common case the encodings favour), or anything at all.
+SMOOTH = st.builds(
+    lambda start, stride, jitter: [start + stride * index + noise for index, noise in enumerate(jitter)],
+    st.integers(-(2**40), 2**40),
+    st.integers(-1000, 1000),
+    st.lists(st.integers(-3, 3), max_size=80),
+)
+
+
+def bits(values: list[float] | list[int]) -> list[tuple[type, int]]:
+    """Values as (type, bits): floats compared by their bytes, NaN payloads and -0.0 included."""
+    return [
+        (float, struct.unpack("<Q", struct.pack("<d", value))[0]) if type(value) is float else (int, value)
+        for value in values
+    ]
+
+
+def same(left: Chunk, right: Chunk) -> bool:
+    return (left.seqs, left.steps, left.ts, bits(left.values)) == (
+        right.seqs,
+        right.steps,
+        right.ts,
+        bits(right.values),
+    )
+
+
+@st.composite
+def chunks(draw: st.DrawFn) -> Chunk:
+    ints = st.one_of(st.lists(INT64, max_size=40), SMOOTH)
+    seqs = draw(ints)
+    count = len(seqs)
+    ts = draw(st.one_of(st.lists(INT64, min_size=count, max_size=count), SMOOTH)) + [0] * count
+    steps_kind = draw(st.sampled_from(["none", "all", "some", "aligned"]))
+    steps: list[int | None]
+    if steps_kind == "none":
+        steps = [None] * count
+    elif steps_kind == "aligned":
+        offset = draw(st.integers(-(2**62), 2**62))
+        steps = [seq + offset if abs(seq + offset) < 2**63 else None for seq in seqs]
+    else:
+        options = INT64 if steps_kind == "all" else st.one_of(st.none(), INT64)
+        steps = draw(st.lists(options, min_size=count, max_size=count))
+    values: list[float] | list[int]
+    kind = draw(st.sampled_from(["ints", "floats", "integral"]))
+    if kind == "ints":
+        values = draw(st.lists(INT64, min_size=count, max_size=count))
+    else:
+        values = draw(st.lists(FLOATS if kind == "floats" else INTEGRAL, min_size=count, max_size=count))
+    return Chunk(seqs, steps, ts[:count], values)
+
+
+@settings(max_examples=400, deadline=None)
+@given(chunks())
+def test_both_paths_write_the_same_bytes_and_read_back_every_bit(chunk: Chunk) -> None:
+    blob = columns.encode_reference(chunk)
+    assert columns_numpy.encode_chunk(chunk) == blob
+    assert same(columns.decode_reference(blob), chunk)
+    assert same(columns_numpy.decode_chunk(blob), chunk)
+    found = columns.bounds(blob)
+    given_steps = [step for step in chunk.steps if step is not None]
+    assert found.points == len(chunk.seqs)
+    if chunk.seqs:
+        assert (found.first_seq, found.last_seq) == (chunk.seqs[0], chunk.seqs[-1])
+        assert (found.first_ts, found.last_ts) == (chunk.ts[0], chunk.ts[-1])
+    assert found.has_steps == bool(given_steps)
+    if given_steps:
+        assert (found.min_step, found.max_step) == (min(given_steps), max(given_steps))
+    assert found.ints == (bool(chunk.values) and all(type(value) is int for value in chunk.values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(FLOAT_BITS, INTEGRAL), max_size=60), st.sampled_from(columns.FLOAT_CHOICES))
+def test_every_float_encoding_agrees_and_round_trips(values: list[float], encoding: int) -> None:
+    reference = columns.float_payload_reference(values, encoding)
+    array = np.array(values, np.float64)
+    fast = columns_numpy.float_payload(array, encoding)
+    assert fast == reference
+    if reference is not None:
+        back = columns_numpy.unpack_floats(encoding, reference, len(values))
+        assert back.view(np.uint64).tolist() == array.view(np.uint64).tolist()
+
+
+def test_special_values_and_null_steps_round_trip_on_both_paths() -> None:
+    payload_nan = struct.unpack("<d", struct.pack("<Q", 0xFFF4_0000_DEAD_BEEF))[0]
+    chunk = Chunk(
+        seqs=[5, 3, 9, 9, -1],  # not monotonic: the codec keeps whatever it is given
+        steps=[None, 2**63 - 1, None, -(2**63), 0],
+        ts=[1_700_000_000_000_000, 0, -5, 2**63 - 1, -(2**63)],
+        values=[payload_nan, -0.0, math.inf, -math.inf, 5e-324],
+    )
+    for path in columns.PATHS:
+        columns.use(path)
+        try:
+            assert same(columns.decode_chunk(columns.encode_chunk(chunk)), chunk)
+        finally:
+            columns.use("numpy")
+    blob = columns.encode_reference(chunk)
+    assert blob[1] & columns.FLAG_STEP_NULLS
+    arrays = columns_numpy.decode_arrays(blob)
+    assert arrays.step_nulls is not None and arrays.step_nulls.tolist() == [True, False, True, False, False]
+    assert arrays.values.view(np.uint64).tolist()[0] == 0xFFF4_0000_DEAD_BEEF
+
+
+def test_ints_as_logged_come_back_as_ints_and_integral_floats_as_floats() -> None:
+    counter = list(range(2**53, 2**53 + 100))  # past float64's exact integers
+    as_ints = columns_numpy.decode_arrays(columns.encode_reference(Chunk(counter, counter, counter, counter)))
+    assert as_ints.values.dtype == np.int64 and as_ints.values.tolist() == counter
+    floats = [float(step) for step in range(100)]
+    blob = columns.encode_reference(Chunk(list(range(100)), [None] * 100, list(range(100)), floats))
+    assert not columns.bounds(blob).ints
+    back = columns.decode_reference(blob).values
+    assert all(type(value) is float for value in back) and back == floats
+
+
+def test_integers_as_floats_keep_their_bits_and_minus_zero_stays_a_float() -> None:
+    for values in ([0.0, -0.0, 1.0], [-0.0], [3.0, 2.0**63], [-(2.0**63), 1.0], [2.0**62, 7.0]):
+        chunk = Chunk(list(range(len(values))), [None] * len(values), [0] * len(values), values)
+        blob = columns.encode_reference(chunk)
+        assert columns_numpy.encode_chunk(chunk) == blob
+        assert same(columns.decode_reference(blob), chunk) and same(columns_numpy.decode_chunk(blob), chunk)
+        assert same(
+            columns_numpy.chunk_of(columns_numpy.decode_many([blob, blob])),
+            chunk._replace(seqs=chunk.seqs * 2, steps=chunk.steps * 2, ts=chunk.ts * 2, values=values * 2),
+        )
+
+
+def test_a_chunk_over_the_limit_is_not_encoded() -> None:
+    count = columns.MAX_COUNT + 1
+    arrays = columns_numpy.Arrays(
+        np.arange(count), np.arange(count), None, np.arange(count), np.zeros(count, np.float64)
+    )
+    with pytest.raises(ValueError, match="at most"):
+        columns_numpy.encode_arrays(arrays)
+
+
+def test_regular_columns_compress_to_almost_nothing() -> None:
+    count = 4096
+    seqs = list(range(1, count + 1))
+    chunk = Chunk(
+        seqs, [seq + 100 for seq in seqs], [1_700_000_000_000 + 50 * seq for seq in seqs], [0.1] * count
+    )
+    assert len(columns.encode_reference(chunk)) < count / 10  # well under a byte a point
+
+
+def test_the_path_in_use_is_numpy_and_use_switches_it() -> None:
+    assert columns.path_in_use == "numpy"
+    columns.use("reference")
+    try:
+        assert columns.encode_chunk is columns.encode_reference
+    finally:
+        columns.use("numpy")
+    assert columns.encode_chunk is columns_numpy.encode_chunk
+    with pytest.raises(ValueError, match="unknown column path"):
+        columns.use("c")
+
+
+def test_damaged_or_foreign_bytes_are_refused_with_a_format_error() -> None:
+    blob = columns.encode_reference(Chunk([1, 2, 3], [1, 2, 3], [1, 2, 3], [0.5, 0.25, 0.125]))
+    damaged = [
+        b"",
+        b"\x02" + blob[1:],  # a version this code does not know
+        blob[:-3],  # cut inside the last column
+        blob[: columns.HEADER.size + 2],  # cut inside a column's header
+        blob + columns.column(columns.INT_DOD, zlib.compress(b"")),  # a column too many
+    ]
+    at = len(blob) - len(columns.columns(blob)[1][-1][1]) - columns.COLUMN.size
+    damaged.append(blob[:at] + bytes([99]) + blob[at + 1 :])  # an unknown encoding
+    # A count past the limit: refused from the header, before 8 bytes a point are allocated.
+    damaged.append(blob[:2] + (columns.MAX_COUNT + 1).to_bytes(4, "little") + blob[6:])
+    for bad in damaged:
+        for decode in (columns.decode_reference, columns_numpy.decode_arrays):
+            with pytest.raises(FormatError):
+                decode(bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(chunks(), max_size=6))
+def test_many_chunks_decode_at_once_as_one_by_one(chunks_: list[Chunk]) -> None:
+    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    together = columns_numpy.decode_many(blobs)
+    points = [point for chunk in chunks_ for point in zip(*chunk, strict=True)]
+    assert together.seqs.tolist() == [point[0] for point in points]
+    assert together.ts.tolist() == [point[2] for point in points]
+    nulls = [False] * len(points) if together.step_nulls is None else together.step_nulls.tolist()
+    steps = [None if null else step for step, null in zip(together.steps.tolist(), nulls, strict=True)]
+    assert steps == [point[1] for point in points]
+    logged = [point[3] for point in points]
+    if together.values.dtype == np.int64:
+        assert together.values.tolist() == logged
+    else:
+        assert (
+            together.values.view(np.uint64).tolist() == np.array(logged, np.float64).view(np.uint64).tolist()
+        )
