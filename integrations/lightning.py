@@ -318,7 +318,8 @@ os.register_at_fork(before=_before_fork)
 
 
 class RunbusStepTimer(Callback):
-    """Logs each rank's step timing through the Trainer's RunbusLogger (added by it by default).
+    """Logs each rank's step timing into the Run of the Trainer's RunbusLogger (added by it by
+    default), not through its log_metrics: that one sees only what Lightning logs.
 
     Every every_n_steps training batches (default: the Trainer's log_every_n_steps) each rank
     logs the means of perf/step_s, perf/data_wait_s, perf/compute_s, perf/comm_wait_s, and
@@ -391,4 +392,4 @@ class RunbusStepTimer(Callback):
         if figures:
             # The step Lightning logs self.log() values at, so the figures line up with them.
             step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-            self._logger(trainer).log_metrics(figures, step=step)
+            self._logger(trainer).run().log(figures, step=step)

@@ -12,6 +12,7 @@ import pickle
 import textwrap
 from argparse import Namespace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import redis
@@ -272,3 +273,19 @@ def test_bad_input_is_refused_with_the_reason(redis_url, no_run_id):
     with pytest.raises(ValueError, match="RunbusStepTimer logs through a RunbusLogger"):
         trainer(False, callbacks=[RunbusStepTimer()]).fit(Tiny(), loader())
     assert redis.Redis.from_url(redis_url).keys("*") == []
+
+
+def test_log_metrics_is_called_only_by_lightning_with_its_keywords(redis_url, store_url, no_run_id):
+    # Lightning's own tests wrap or mock log_metrics and read call.kwargs["metrics"]: runbus's
+    # step timings go straight to the Run, not through it.
+    logger = RunbusLogger(redis_url=redis_url, **QUIET)
+    with mock.patch.object(logger, "log_metrics", wraps=logger.log_metrics) as log_metrics:
+        trainer(logger).fit(Tiny(), loader())
+    calls = log_metrics.call_args_list
+    assert len(calls) == 4 and all(
+        call.args == () and set(call.kwargs) == {"metrics", "step"} for call in calls
+    )
+    assert [call.kwargs["step"] for call in calls] == [0, 1, 2, 3]
+    assert all(sorted(call.kwargs["metrics"]) == ["epoch", "train_loss"] for call in calls)
+    points = series(store_url, the_only_run(redis_url, store_url).run_id)
+    assert [step for step, _ in points["rank0", "perf/step_s"]] == [0, 1, 2, 3]
