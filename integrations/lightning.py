@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
@@ -116,8 +117,11 @@ class RunbusLogger(Logger):
     run_id: the same in every process, else made up (see launch_run_id). step_timing: add a
     RunbusStepTimer to the Trainer (True), with its window in steps (an int), or not (False).
     config: hyperparameters known up front; resume and every other keyword (redis_url, name,
-    tags, system_interval, console, ...) go to runbus.init.
+    tags, system_interval, console, ...) go to runbus.init. prefix: put before each key Lightning
+    logs (joined with "-"), as its loggers do; runbus's own perf/* figures keep their names.
     """
+
+    LOGGER_JOIN_CHAR = "-"
 
     def __init__(
         self,
@@ -126,6 +130,7 @@ class RunbusLogger(Logger):
         step_timing: bool | int = True,
         config: Mapping[str, Any] | Namespace | None = None,
         resume: str | None = None,
+        prefix: str = "",
         **init_options: Any,
     ) -> None:
         super().__init__()
@@ -133,6 +138,7 @@ class RunbusLogger(Logger):
             raise ValueError(f"step_timing must be True, False or a window of >= 1 steps, not {step_timing}")
         check_arguments(run_id=run_id, resume=resume, **init_options)
         self._run_id = launch_run_id(run_id)
+        self._prefix = prefix
         self._step_timing = step_timing
         self._hparams: dict[str, Any] = _params(config)
         self._resume = resume
@@ -186,7 +192,7 @@ class RunbusLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if metrics:
-            self.run().log(dict(metrics), step=step)
+            self.run().log(dict(_add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)), step=step)
 
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         # Lightning calls this on every rank as fit/validate/test starts: the model knows its

@@ -289,3 +289,13 @@ def test_log_metrics_is_called_only_by_lightning_with_its_keywords(redis_url, st
     assert all(sorted(call.kwargs["metrics"]) == ["epoch", "train_loss"] for call in calls)
     points = series(store_url, the_only_run(redis_url, store_url).run_id)
     assert [step for step, _ in points["rank0", "perf/step_s"]] == [0, 1, 2, 3]
+
+
+def test_a_prefix_goes_before_each_key_lightning_logs(redis_url, store_url, no_run_id):
+    logger = RunbusLogger(redis_url=redis_url, prefix="tmp", **QUIET)
+    logger.log_metrics({"test": 1.0}, step=0)
+    trainer(logger, max_steps=1).fit(Tiny(), loader())
+    points = series(store_url, the_only_run(redis_url, store_url).run_id)
+    assert points["rank0", "tmp-test"] == [(0, 1.0)]
+    assert [step for step, _ in points["rank0", "tmp-train_loss"]] == [0]
+    assert ("rank0", "train_loss") not in points and ("rank0", "perf/step_s") in points  # runbus's own: as is
