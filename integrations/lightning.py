@@ -117,7 +117,10 @@ class RunbusLogger(Logger):
     run_id: the same in every process, else made up (see launch_run_id). step_timing: add a
     RunbusStepTimer to the Trainer (True), with its window in steps (an int), or not (False).
     config: hyperparameters known up front; resume and every other keyword (redis_url, name,
-    tags, system_interval, console, ...) go to runbus.init. prefix: put before each key Lightning
+    tags, system_interval, console, ...) go to runbus.init. save_dir (default: the current
+    directory, as WandbLogger's): where Lightning writes for this logger, as for its own:
+    ModelCheckpoint under save_dir/name/run id/checkpoints, LightningCLI's config.yaml in
+    trainer.log_dir, which Lightning takes from save_dir for this logger. prefix: put before each key Lightning
     logs (joined with "-"), as its loggers do; runbus's own perf/* figures keep their names.
     """
 
@@ -130,6 +133,7 @@ class RunbusLogger(Logger):
         step_timing: bool | int = True,
         config: Mapping[str, Any] | Namespace | None = None,
         resume: str | None = None,
+        save_dir: str | os.PathLike[str] = ".",
         prefix: str = "",
         **init_options: Any,
     ) -> None:
@@ -138,6 +142,7 @@ class RunbusLogger(Logger):
             raise ValueError(f"step_timing must be True, False or a window of >= 1 steps, not {step_timing}")
         check_arguments(run_id=run_id, resume=resume, **init_options)
         self._run_id = launch_run_id(run_id)
+        self._save_dir = os.fspath(save_dir)
         self._prefix = prefix
         self._step_timing = step_timing
         self._hparams: dict[str, Any] = _params(config)
@@ -159,6 +164,21 @@ class RunbusLogger(Logger):
     @property
     def name(self) -> str:
         return str(self._init_options.get("name") or "runbus")
+
+    @property
+    def save_dir(self) -> str:
+        """The folder Lightning writes under for this logger (trainer.log_dir, checkpoints)."""
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        """save_dir/name: the folder of this name's runs."""
+        return os.path.join(self.save_dir, self.name)
+
+    @property
+    def log_dir(self) -> str:
+        """save_dir/name/run id: this run's folder (its checkpoints/, by default)."""
+        return os.path.join(self.root_dir, self.version)
 
     @property
     def version(self) -> str:

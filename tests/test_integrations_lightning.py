@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 import textwrap
 from argparse import Namespace
 from pathlib import Path
@@ -299,3 +300,52 @@ def test_a_prefix_goes_before_each_key_lightning_logs(redis_url, store_url, no_r
     assert points["rank0", "tmp-test"] == [(0, 1.0)]
     assert [step for step, _ in points["rank0", "tmp-train_loss"]] == [0]
     assert ("rank0", "train_loss") not in points and ("rank0", "perf/step_s") in points  # runbus's own: as is
+
+
+class CliTiny(Tiny):
+    """Tiny with its own data, for LightningCLI (which builds the model from its arguments)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return loader()
+
+
+def test_lightning_cli_saves_its_config_with_the_logger(
+    redis_url, store_url, no_run_id, tmp_path, monkeypatch
+):
+    # Lightning's SaveConfigCallback writes config.yaml into trainer.log_dir, the logger's
+    # save_dir for loggers other than TensorBoard's and CSV's: with none, it asserted.
+    try:
+        from lightning.pytorch.cli import LightningCLI
+    except ImportError:  # jsonargparse, in the dev extra: under CI its absence is a failure
+        if IN_CI:
+            raise
+        pytest.skip("jsonargparse is not installed")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(settings.REDIS_URL_ENV, redis_url)
+    monkeypatch.setenv(settings.CONSOLE_ENV, "off")
+    # Lightning 2.6 calls jsonargparse APIs that jsonargparse 4.49 deprecated: not runbus's.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    args = [
+        "train.py",
+        "fit",
+        "--trainer.logger=runbus.integrations.lightning.RunbusLogger",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--seed_everything=0",
+        "--model.lr=0.05",
+    ]
+    monkeypatch.setattr(sys, "argv", args)  # as `python train.py fit --trainer.logger=...` runs it
+    cli = LightningCLI(CliTiny)
+    logger = cli.trainer.logger
+    assert isinstance(logger, RunbusLogger) and cli.trainer.log_dir == logger.save_dir == "."
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "runbus.integrations.lightning.RunbusLogger" in saved and "lr: 0.05" in saved
+    run = the_only_run(redis_url, store_url)
+    assert run.run_id == logger.version and run.state == "finished" and run.config["lr"] == 0.05
+    # As with WandbLogger, a second run saving into the same folder needs overwrite=True.
+    with pytest.raises(RuntimeError, match=r"config\.yaml to NOT exist"):
+        LightningCLI(CliTiny)
+    LightningCLI(CliTiny, save_config_kwargs={"overwrite": True})
