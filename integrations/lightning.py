@@ -119,12 +119,18 @@ class RunbusLogger(Logger):
     config: hyperparameters known up front; resume and every other keyword (redis_url, name,
     tags, system_interval, console, ...) go to runbus.init. save_dir (default: the current
     directory, as WandbLogger's): where Lightning writes for this logger, as for its own:
-    ModelCheckpoint under save_dir/name/run id/checkpoints, LightningCLI's config.yaml in
-    trainer.log_dir, which Lightning takes from save_dir for this logger. prefix: put before each key Lightning
-    logs (joined with "-"), as its loggers do; runbus's own perf/* figures keep their names.
+    ModelCheckpoint under save_dir/name/run id/checkpoints (name: the run's name, else
+    "runbus_logs", as Lightning's "lightning_logs"), LightningCLI's config.yaml in
+    trainer.log_dir, which Lightning takes from save_dir for this logger. prefix: put before
+    each key Lightning logs (joined with "-"), as its loggers do; runbus's own perf/* figures
+    keep their names.
     """
 
     LOGGER_JOIN_CHAR = "-"
+    # Not "runbus": `python -m` searches the current directory first, and under an editable
+    # install (its finder runs after that search) a ./runbus folder of checkpoints is taken for
+    # the package.
+    DEFAULT_NAME = "runbus_logs"
 
     def __init__(
         self,
@@ -163,7 +169,7 @@ class RunbusLogger(Logger):
 
     @property
     def name(self) -> str:
-        return str(self._init_options.get("name") or "runbus")
+        return str(self._init_options.get("name") or self.DEFAULT_NAME)
 
     @property
     def save_dir(self) -> str:

@@ -349,3 +349,22 @@ def test_lightning_cli_saves_its_config_with_the_logger(
     with pytest.raises(RuntimeError, match=r"config\.yaml to NOT exist"):
         LightningCLI(CliTiny)
     LightningCLI(CliTiny, save_config_kwargs={"overwrite": True})
+
+
+@pytest.mark.parametrize("save_dir", [None, "elsewhere"])
+def test_checkpoints_go_under_runbus_logs_never_a_folder_named_runbus(
+    save_dir, redis_url, store_url, no_run_id, tmp_path, monkeypatch
+):
+    # A ./runbus folder would shadow the package for `python -m runbus` run from that directory.
+    monkeypatch.chdir(tmp_path)
+    options = {} if save_dir is None else {"save_dir": tmp_path / save_dir}
+    logger = RunbusLogger(redis_url=redis_url, **options, **QUIET)
+    trainer(logger, enable_checkpointing=True).fit(Tiny(), loader())
+    assert logger.name == "runbus_logs" and logger.save_dir == os.fspath(options.get("save_dir", "."))
+    assert logger.root_dir == os.path.join(logger.save_dir, "runbus_logs")
+    assert logger.log_dir == os.path.join(logger.root_dir, logger.version)
+    folder = tmp_path / (save_dir or "") / "runbus_logs" / logger.version
+    assert [path.name for path in (folder / "checkpoints").iterdir()] == ["epoch=0-step=4.ckpt"]
+    assert not (tmp_path / "runbus").exists()
+    # The logger travels to other processes (ddp_spawn) with its folder.
+    assert pickle.loads(pickle.dumps(logger)).save_dir == logger.save_dir
