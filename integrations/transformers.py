@@ -8,9 +8,10 @@
 The Trainer averages the loss over ranks before on_log, and its own integrations report from the
 main process only. RunbusCallback acts on every rank, each logging under its label (rank0,
 rank1, ...) of one run, every logging_steps optimizer steps (or every_n_steps), what that average
-hides: this rank's own loss (rank_loss: per optimizer step, the model output's `.loss` scaled as
-the Trainer scales it before averaging over ranks, so the mean of rank_loss over the ranks is the
-logged loss), its step time split into data wait, compute and collective wait (perf/data_wait_s,
+hides: this rank's own loss (rank_loss: per optimizer step, the model's loss, read as the Trainer
+reads it (output["loss"], or output[0] of a tuple) and scaled as the Trainer scales it before
+averaging over ranks, so the mean of rank_loss over the ranks is the logged loss), its step
+time split into data wait, compute and collective wait (perf/data_wait_s,
 perf/compute_s, perf/comm_wait_s, perf/step_s, perf/step_max_s: see runbus.integrations.clock),
 its throughput (perf/samples_per_s, and perf/tokens_per_s counting input_ids, padding included)
 and its memory (perf/rss_mb, perf/cuda_max_allocated_mb). The primary also logs the Trainer's
@@ -140,7 +141,7 @@ class RunbusCallback(TrainerCallback):
     def _add_loss(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         if self._clock is None or not self._clock.in_step:
             return
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        loss = _loss(output)
         if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
             # Summed on its device: reading it here would wait for the device every micro-batch.
             loss = loss.detach().float() * self._loss_scale[0 if self._items_passed else 1]
@@ -186,6 +187,16 @@ class RunbusCallback(TrainerCallback):
     ) -> None:
         if self._clock is not None:
             self._clock.idle()
+
+
+def _loss(output: Any) -> Any:
+    """The loss in a model's output, read as the Trainer reads it: output["loss"] from a dict
+    (ModelOutput is one), else output[0] (a model may return a tuple (loss, logits, ...))."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    if isinstance(output, tuple | list):
+        return output[0] if output else None
+    return getattr(output, "loss", None)
 
 
 def _config(args: TrainingArguments, model: Any) -> dict[str, Any]:
