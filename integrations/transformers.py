@@ -43,7 +43,8 @@ class RunbusCallback(TrainerCallback):
 
     run: log into this Run (yours to finish) instead of starting one at train begin with
     runbus.init(**init_options) (run id, label and primary from torchrun's or accelerate's
-    environment; finished at train end). every_n_steps: the window, in optimizer steps, of the
+    environment; finished at train end, and continued, same run id and label, resumed, by the
+    next train() of the callback). every_n_steps: the window, in optimizer steps, of the
     per-rank figures (default: the Trainer's logging_steps).
     """
 
@@ -56,7 +57,6 @@ class RunbusCallback(TrainerCallback):
         self.run = run
         self.every_n_steps = every_n_steps
         self._own_run = run is None
-        self._started = False  # a Run of ours finished before: the next continues the label
         self._init_options = init_options
         self._clock: StepClock | None = None
         self._hooks: list[Any] = []
@@ -74,10 +74,10 @@ class RunbusCallback(TrainerCallback):
             options = dict(self._init_options)
             if args.run_name and "name" not in options:
                 options["name"] = args.run_name  # the run's name, as other trackers take it
-            if self._started:
+            if self.run is not None:  # train() again: the same run and label, resumed
+                options.setdefault("run_id", self.run.run_id)
                 options.setdefault("resume", "allow")
             self.run = init(config=_config(args, model), **options)
-            self._started = True
         # The Trainer's training_step returns the model's loss times the world size when the model
         # divides by the items of every rank (num_items_in_batch, average_tokens_across_devices),
         # else divided by the accumulation steps; its logged loss averages those over ranks.
