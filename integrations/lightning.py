@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
@@ -116,8 +117,20 @@ class RunbusLogger(Logger):
     run_id: the same in every process, else made up (see launch_run_id). step_timing: add a
     RunbusStepTimer to the Trainer (True), with its window in steps (an int), or not (False).
     config: hyperparameters known up front; resume and every other keyword (redis_url, name,
-    tags, system_interval, console, ...) go to runbus.init.
+    tags, system_interval, console, ...) go to runbus.init. save_dir (default: the current
+    directory, as WandbLogger's): where Lightning writes for this logger, as for its own:
+    ModelCheckpoint under save_dir/name/run id/checkpoints (name: the run's name, else
+    "runbus_logs", as Lightning's "lightning_logs"), LightningCLI's config.yaml in
+    trainer.log_dir, which Lightning takes from save_dir for this logger. prefix: put before
+    each key Lightning logs (joined with "-"), as its loggers do; runbus's own perf/* figures
+    keep their names.
     """
+
+    LOGGER_JOIN_CHAR = "-"
+    # Not "runbus": `python -m` searches the current directory first, and under an editable
+    # install (its finder runs after that search) a ./runbus folder of checkpoints is taken for
+    # the package.
+    DEFAULT_NAME = "runbus_logs"
 
     def __init__(
         self,
@@ -126,6 +139,8 @@ class RunbusLogger(Logger):
         step_timing: bool | int = True,
         config: Mapping[str, Any] | Namespace | None = None,
         resume: str | None = None,
+        save_dir: str | os.PathLike[str] = ".",
+        prefix: str = "",
         **init_options: Any,
     ) -> None:
         super().__init__()
@@ -133,6 +148,8 @@ class RunbusLogger(Logger):
             raise ValueError(f"step_timing must be True, False or a window of >= 1 steps, not {step_timing}")
         check_arguments(run_id=run_id, resume=resume, **init_options)
         self._run_id = launch_run_id(run_id)
+        self._save_dir = os.fspath(save_dir)
+        self._prefix = prefix
         self._step_timing = step_timing
         self._hparams: dict[str, Any] = _params(config)
         self._resume = resume
@@ -152,7 +169,22 @@ class RunbusLogger(Logger):
 
     @property
     def name(self) -> str:
-        return str(self._init_options.get("name") or "runbus")
+        return str(self._init_options.get("name") or self.DEFAULT_NAME)
+
+    @property
+    def save_dir(self) -> str:
+        """The folder Lightning writes under for this logger (trainer.log_dir, checkpoints)."""
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        """save_dir/name: the folder of this name's runs."""
+        return os.path.join(self.save_dir, self.name)
+
+    @property
+    def log_dir(self) -> str:
+        """save_dir/name/run id: this run's folder (its checkpoints/, by default)."""
+        return os.path.join(self.root_dir, self.version)
 
     @property
     def version(self) -> str:
@@ -186,7 +218,7 @@ class RunbusLogger(Logger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         if metrics:
-            self.run().log(dict(metrics), step=step)
+            self.run().log(dict(_add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)), step=step)
 
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         # Lightning calls this on every rank as fit/validate/test starts: the model knows its
@@ -318,7 +350,8 @@ os.register_at_fork(before=_before_fork)
 
 
 class RunbusStepTimer(Callback):
-    """Logs each rank's step timing through the Trainer's RunbusLogger (added by it by default).
+    """Logs each rank's step timing into the Run of the Trainer's RunbusLogger (added by it by
+    default), not through its log_metrics: that one sees only what Lightning logs.
 
     Every every_n_steps training batches (default: the Trainer's log_every_n_steps) each rank
     logs the means of perf/step_s, perf/data_wait_s, perf/compute_s, perf/comm_wait_s, and
@@ -391,4 +424,4 @@ class RunbusStepTimer(Callback):
         if figures:
             # The step Lightning logs self.log() values at, so the figures line up with them.
             step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-            self._logger(trainer).log_metrics(figures, step=step)
+            self._logger(trainer).run().log(figures, step=step)

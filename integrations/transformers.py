@@ -8,9 +8,10 @@
 The Trainer averages the loss over ranks before on_log, and its own integrations report from the
 main process only. RunbusCallback acts on every rank, each logging under its label (rank0,
 rank1, ...) of one run, every logging_steps optimizer steps (or every_n_steps), what that average
-hides: this rank's own loss (rank_loss: per optimizer step, the model output's `.loss` scaled as
-the Trainer scales it before averaging over ranks, so the mean of rank_loss over the ranks is the
-logged loss), its step time split into data wait, compute and collective wait (perf/data_wait_s,
+hides: this rank's own loss (rank_loss: per optimizer step, the model's loss, read as the Trainer
+reads it (output["loss"], or output[0] of a tuple) and scaled as the Trainer scales it before
+averaging over ranks, so the mean of rank_loss over the ranks is the logged loss), its step
+time split into data wait, compute and collective wait (perf/data_wait_s,
 perf/compute_s, perf/comm_wait_s, perf/step_s, perf/step_max_s: see runbus.integrations.clock),
 its throughput (perf/samples_per_s, and perf/tokens_per_s counting input_ids, padding included)
 and its memory (perf/rss_mb, perf/cuda_max_allocated_mb). The primary also logs the Trainer's
@@ -42,7 +43,8 @@ class RunbusCallback(TrainerCallback):
 
     run: log into this Run (yours to finish) instead of starting one at train begin with
     runbus.init(**init_options) (run id, label and primary from torchrun's or accelerate's
-    environment; finished at train end). every_n_steps: the window, in optimizer steps, of the
+    environment; finished at train end, and continued, same run id and label, resumed, by the
+    next train() of the callback). every_n_steps: the window, in optimizer steps, of the
     per-rank figures (default: the Trainer's logging_steps).
     """
 
@@ -55,7 +57,6 @@ class RunbusCallback(TrainerCallback):
         self.run = run
         self.every_n_steps = every_n_steps
         self._own_run = run is None
-        self._started = False  # a Run of ours finished before: the next continues the label
         self._init_options = init_options
         self._clock: StepClock | None = None
         self._hooks: list[Any] = []
@@ -73,10 +74,10 @@ class RunbusCallback(TrainerCallback):
             options = dict(self._init_options)
             if args.run_name and "name" not in options:
                 options["name"] = args.run_name  # the run's name, as other trackers take it
-            if self._started:
+            if self.run is not None:  # train() again: the same run and label, resumed
+                options.setdefault("run_id", self.run.run_id)
                 options.setdefault("resume", "allow")
             self.run = init(config=_config(args, model), **options)
-            self._started = True
         # The Trainer's training_step returns the model's loss times the world size when the model
         # divides by the items of every rank (num_items_in_batch, average_tokens_across_devices),
         # else divided by the accumulation steps; its logged loss averages those over ranks.
@@ -140,7 +141,7 @@ class RunbusCallback(TrainerCallback):
     def _add_loss(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         if self._clock is None or not self._clock.in_step:
             return
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        loss = _loss(output)
         if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
             # Summed on its device: reading it here would wait for the device every micro-batch.
             loss = loss.detach().float() * self._loss_scale[0 if self._items_passed else 1]
@@ -186,6 +187,16 @@ class RunbusCallback(TrainerCallback):
     ) -> None:
         if self._clock is not None:
             self._clock.idle()
+
+
+def _loss(output: Any) -> Any:
+    """The loss in a model's output, read as the Trainer reads it: output["loss"] from a dict
+    (ModelOutput is one), else output[0] (a model may return a tuple (loss, logits, ...))."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    if isinstance(output, tuple | list):
+        return output[0] if output else None
+    return getattr(output, "loss", None)
 
 
 def _config(args: TrainingArguments, model: Any) -> dict[str, Any]:

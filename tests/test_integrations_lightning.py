@@ -9,9 +9,11 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 import textwrap
 from argparse import Namespace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import redis
@@ -272,3 +274,97 @@ def test_bad_input_is_refused_with_the_reason(redis_url, no_run_id):
     with pytest.raises(ValueError, match="RunbusStepTimer logs through a RunbusLogger"):
         trainer(False, callbacks=[RunbusStepTimer()]).fit(Tiny(), loader())
     assert redis.Redis.from_url(redis_url).keys("*") == []
+
+
+def test_log_metrics_is_called_only_by_lightning_with_its_keywords(redis_url, store_url, no_run_id):
+    # Lightning's own tests wrap or mock log_metrics and read call.kwargs["metrics"]: runbus's
+    # step timings go straight to the Run, not through it.
+    logger = RunbusLogger(redis_url=redis_url, **QUIET)
+    with mock.patch.object(logger, "log_metrics", wraps=logger.log_metrics) as log_metrics:
+        trainer(logger).fit(Tiny(), loader())
+    calls = log_metrics.call_args_list
+    assert len(calls) == 4 and all(
+        call.args == () and set(call.kwargs) == {"metrics", "step"} for call in calls
+    )
+    assert [call.kwargs["step"] for call in calls] == [0, 1, 2, 3]
+    assert all(sorted(call.kwargs["metrics"]) == ["epoch", "train_loss"] for call in calls)
+    points = series(store_url, the_only_run(redis_url, store_url).run_id)
+    assert [step for step, _ in points["rank0", "perf/step_s"]] == [0, 1, 2, 3]
+
+
+def test_a_prefix_goes_before_each_key_lightning_logs(redis_url, store_url, no_run_id):
+    logger = RunbusLogger(redis_url=redis_url, prefix="tmp", **QUIET)
+    logger.log_metrics({"test": 1.0}, step=0)
+    trainer(logger, max_steps=1).fit(Tiny(), loader())
+    points = series(store_url, the_only_run(redis_url, store_url).run_id)
+    assert points["rank0", "tmp-test"] == [(0, 1.0)]
+    assert [step for step, _ in points["rank0", "tmp-train_loss"]] == [0]
+    assert ("rank0", "train_loss") not in points and ("rank0", "perf/step_s") in points  # runbus's own: as is
+
+
+class CliTiny(Tiny):
+    """Tiny with its own data, for LightningCLI (which builds the model from its arguments)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return loader()
+
+
+def test_lightning_cli_saves_its_config_with_the_logger(
+    redis_url, store_url, no_run_id, tmp_path, monkeypatch
+):
+    # Lightning's SaveConfigCallback writes config.yaml into trainer.log_dir, the logger's
+    # save_dir for loggers other than TensorBoard's and CSV's: with none, it asserted.
+    try:
+        from lightning.pytorch.cli import LightningCLI
+    except ImportError:  # jsonargparse, in the dev extra: under CI its absence is a failure
+        if IN_CI:
+            raise
+        pytest.skip("jsonargparse is not installed")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(settings.REDIS_URL_ENV, redis_url)
+    monkeypatch.setenv(settings.CONSOLE_ENV, "off")
+    # Lightning 2.6 calls jsonargparse APIs that jsonargparse 4.49 deprecated: not runbus's.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    args = [
+        "train.py",
+        "fit",
+        "--trainer.logger=runbus.integrations.lightning.RunbusLogger",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--seed_everything=0",
+        "--model.lr=0.05",
+    ]
+    monkeypatch.setattr(sys, "argv", args)  # as `python train.py fit --trainer.logger=...` runs it
+    cli = LightningCLI(CliTiny)
+    logger = cli.trainer.logger
+    assert isinstance(logger, RunbusLogger) and cli.trainer.log_dir == logger.save_dir == "."
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "runbus.integrations.lightning.RunbusLogger" in saved and "lr: 0.05" in saved
+    run = the_only_run(redis_url, store_url)
+    assert run.run_id == logger.version and run.state == "finished" and run.config["lr"] == 0.05
+    # As with WandbLogger, a second run saving into the same folder needs overwrite=True.
+    with pytest.raises(RuntimeError, match=r"config\.yaml to NOT exist"):
+        LightningCLI(CliTiny)
+    LightningCLI(CliTiny, save_config_kwargs={"overwrite": True})
+
+
+@pytest.mark.parametrize("save_dir", [None, "elsewhere"])
+def test_checkpoints_go_under_runbus_logs_never_a_folder_named_runbus(
+    save_dir, redis_url, store_url, no_run_id, tmp_path, monkeypatch
+):
+    # A ./runbus folder would shadow the package for `python -m runbus` run from that directory.
+    monkeypatch.chdir(tmp_path)
+    options = {} if save_dir is None else {"save_dir": tmp_path / save_dir}
+    logger = RunbusLogger(redis_url=redis_url, **options, **QUIET)
+    trainer(logger, enable_checkpointing=True).fit(Tiny(), loader())
+    assert logger.name == "runbus_logs" and logger.save_dir == os.fspath(options.get("save_dir", "."))
+    assert logger.root_dir == os.path.join(logger.save_dir, "runbus_logs")
+    assert logger.log_dir == os.path.join(logger.root_dir, logger.version)
+    folder = tmp_path / (save_dir or "") / "runbus_logs" / logger.version
+    assert [path.name for path in (folder / "checkpoints").iterdir()] == ["epoch=0-step=4.ckpt"]
+    assert not (tmp_path / "runbus").exists()
+    # The logger travels to other processes (ddp_spawn) with its folder.
+    assert pickle.loads(pickle.dumps(logger)).save_dir == logger.save_dir

@@ -154,3 +154,44 @@ def test_bad_input_is_refused_with_the_reason(redis_url):
             RunbusCallback(run=run, redis_url=redis_url)
     finally:
         run.finish()
+
+
+class TupleModel(torch.nn.Module):
+    """A model that returns (loss, logits), as plain PyTorch models often do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model()
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        out = self.inner(input_ids=input_ids, labels=labels)
+        return out.loss, out.logits
+
+
+def test_a_model_returning_a_tuple_logs_its_rank_loss(redis_url, store_url, tmp_path):
+    # The Trainer reads the loss as outputs[0] from a tuple: so does the callback.
+    callback = RunbusCallback(redis_url=redis_url, **QUIET)
+    args = arguments(tmp_path, max_steps=3)
+    Trainer(model=TupleModel(), args=args, train_dataset=Sequences(32), callbacks=[callback]).train()
+    run = the_only_run(redis_url, store_url)
+    points = series(store_url, run.run_id)
+    assert [step for step, _ in points["rank0", "rank_loss"]] == [1, 2, 3]
+    for (step, loss), (_, own) in zip(points["rank0", "loss"], points["rank0", "rank_loss"], strict=True):
+        assert own == pytest.approx(loss, rel=1e-4), step
+
+
+def test_training_twice_with_one_callback_continues_its_label(redis_url, store_url, tmp_path):
+    # One Trainer, train() twice (more steps, a second phase): one run, the same label, resumed.
+    callback = RunbusCallback(redis_url=redis_url, **QUIET)
+    args = arguments(tmp_path, max_steps=2)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=Sequences(32), callbacks=[callback])
+    trainer.train()
+    first = callback.run
+    trainer.train()
+    assert first is not None and callback.run is not None and callback.run is not first
+    assert callback.run.run_id == first.run_id and callback.run.finished
+    run = the_only_run(redis_url, store_url)
+    assert [label.label for label in run.labels] == ["rank0"] and run.state == "finished"
+    assert sorted(step for step, _ in series(store_url, run.run_id)["rank0", "rank_loss"]) == [1, 1, 2, 2]
