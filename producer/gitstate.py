@@ -64,7 +64,7 @@ def _run(args: tuple[str, ...], cwd: str | None, end: float) -> str:
     if left <= 0:
         raise _GitFailed(f"git {args[0]}: no time left")
     try:
-        child = subprocess.Popen(  # noqa: S603 - fixed arguments, no shell
+        child = subprocess.Popen(
             ("git", *args),
             cwd=cwd,
             env={**os.environ, **_GIT_ENV},

@@ -141,7 +141,9 @@ def any_store(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("store_url" if request.param == "sqlite" else "postgres_url")
 
 
-def test_git_state_reaches_show_and_the_api_and_the_token_nothing(redis_url, any_store, repo, tmp_path, monkeypatch):
+def test_git_state_reaches_show_and_the_api_and_the_token_nothing(
+    redis_url, any_store, repo, tmp_path, monkeypatch
+):
     git(repo, "remote", "add", "origin", REMOTE)
     head = git(repo, "rev-parse", "HEAD")
     (repo / "train.py").write_text("print('edited')\n")
@@ -194,7 +196,7 @@ def test_a_git_that_hangs_holds_up_neither_init_nor_the_start(redis_url, repo, h
 
 
 def test_a_start_written_by_hand_is_shown_redacted(redis_url, store_url):
-    hostile = {"commit": "\x1b[2J" + "a" * 40, "branch": f"hf_{TOKEN}{TOKEN}", "dirty": "yes", "remote": REMOTE}
+    hostile = {"commit": "\x1b[2J" + "a" * 40, "branch": "hf_" + TOKEN * 2, "dirty": "yes", "remote": REMOTE}
     with redis.Redis.from_url(redis_url) as client:
         xadd_event(client, "git-hand", "rank0", "start", 1, 1, {"primary": True, "git": hostile})
     ingest(redis_url, store_url)
