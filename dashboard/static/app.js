@@ -500,7 +500,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
     return el('td', { class: 'mono hw-git nowrap', title: title || null },
       commit ? commit.slice(0, 7) : '?',
       ' ', el('span', { class: 'muted' }, typeof git.branch === 'string' ? git.branch : 'detached'),
-      git.dirty === true ? el('span', { class: 'badge hw-dirty' }, 'dirty') : null);
+      git.dirty === true ? [' ', el('span', { class: 'badge hw-dirty' }, 'dirty')] : null);
   }
 
   // -- runs compared -----------------------------------------------------------------------------
