@@ -33,10 +33,11 @@ class _GitFailed(Exception):
     """A git command that exited non-zero, timed out or could not start."""
 
 
-def describe(cwd: str | None = None, deadline: float = DEADLINE) -> dict[str, Any] | None:
+def describe(cwd: str | None = None, deadline: float | None = None) -> dict[str, Any] | None:
     """The start event's `git` field for the repository holding `cwd` (None: the working
-    directory), or None where there is none to record."""
-    end = time.monotonic() + deadline
+    directory), or None where there is none to record; git is given `deadline` seconds in all
+    (None: DEADLINE)."""
+    end = time.monotonic() + (DEADLINE if deadline is None else deadline)
     try:
         commit, head = _run(("rev-parse", "HEAD", "--abbrev-ref", "HEAD"), cwd, end).split("\n")[:2]
     except (_GitFailed, ValueError) as exc:

@@ -22,7 +22,7 @@ from runbus import wire
 from runbus.dashboard.api import create_app
 from runbus.producer import gitstate
 from runbus.redact import MARKER, safe_remote
-from tests.helpers import QUIET, get_json, ingest, run_cli, xadd_event
+from tests.helpers import QUIET, get_json, ingest, run_cli, wait_for, xadd_event
 from tests.test_secrets import redis_contents, store_contents
 
 TOKEN = "Tk9pZ3VtYmVsbGF2aXN0YTQy"  # no known prefix: only its place in the URL gives it away
@@ -193,6 +193,27 @@ def test_a_git_that_hangs_holds_up_neither_init_nor_the_start(redis_url, repo, h
     run_in(repo, monkeypatch, redis_url, "git-hangs")
     start = start_data(redis_url, "git-hangs")
     assert "git" not in start and start["primary"] is True
+
+
+def test_init_returns_while_git_is_still_being_asked(redis_url, repo, tmp_path, monkeypatch):
+    # A git that waits for a gate this test opens only once init() has returned: had init()
+    # waited on git, git would be killed at the deadline and the start would hold no git.
+    gate, asked = tmp_path / "gate", tmp_path / "asked"
+    bin_dir = tmp_path / "gated"
+    bin_dir.mkdir()
+    fake = bin_dir / "git"
+    real = subprocess.run(["which", "git"], capture_output=True, text=True, check=True).stdout.strip()
+    fake.write_text(f'#!/bin/sh\ntouch {asked}\nwhile [ ! -f {gate} ]; do sleep 0.05; done\nexec {real} "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gitstate, "DEADLINE", 100.0)
+    monkeypatch.chdir(repo)
+    run = runbus.init(run_id="git-gated", label="rank0", redis_url=redis_url, **QUIET)
+    run.log({"loss": 1.0}, step=0)
+    wait_for("the courier to ask git", asked.exists)
+    gate.touch()
+    assert run.finish() is True
+    assert start_data(redis_url, "git-gated")["git"]["commit"] == git(repo, "rev-parse", "HEAD")
 
 
 def test_a_start_written_by_hand_is_shown_redacted(redis_url, store_url):
