@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import stat
 import subprocess
 import time
@@ -86,10 +87,14 @@ def test_no_repository_no_commit_and_no_git_record_nothing(tmp_path: Path, repo:
 @pytest.fixture
 def hanging_git(tmp_path: Path) -> Path:
     """A `git` that never answers, and leaves a child of its own holding the pipe open."""
-    bin_dir = tmp_path / "bin"
+    return fake_git(tmp_path / "bin", "sleep 300 &\nsleep 300")
+
+
+def fake_git(bin_dir: Path, script: str) -> Path:
+    """A folder holding a `git` that runs this shell script: put first on PATH."""
     bin_dir.mkdir()
     fake = bin_dir / "git"
-    fake.write_text("#!/bin/sh\nsleep 300 &\nsleep 300\n")
+    fake.write_text(f"#!/bin/sh\n{script}\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     return bin_dir
 
@@ -199,12 +204,9 @@ def test_init_returns_while_git_is_still_being_asked(redis_url, repo, tmp_path, 
     # A git that waits for a gate this test opens only once init() has returned: had init()
     # waited on git, git would be killed at the deadline and the start would hold no git.
     gate, asked = tmp_path / "gate", tmp_path / "asked"
-    bin_dir = tmp_path / "gated"
-    bin_dir.mkdir()
-    fake = bin_dir / "git"
-    real = subprocess.run(["which", "git"], capture_output=True, text=True, check=True).stdout.strip()
-    fake.write_text(f'#!/bin/sh\ntouch {asked}\nwhile [ ! -f {gate} ]; do sleep 0.05; done\nexec {real} "$@"\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    real = shutil.which("git")
+    wait = f'touch {asked}\nwhile [ ! -f {gate} ]; do sleep 0.05; done\nexec {real} "$@"'
+    bin_dir = fake_git(tmp_path / "gated", wait)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(gitstate, "DEADLINE", 100.0)
     monkeypatch.chdir(repo)
