@@ -78,11 +78,11 @@ def quiet(env: Mapping[str, str] | None = None) -> bool:
 
 
 def record_git(env: Mapping[str, str] | None = None) -> bool:
-    """RUNBUS_GIT: unset or 1/true/yes/on records the working directory's git commit, branch,
-    dirty state and origin URL in each label's start event; 0/false/no/off does not; anything
-    else is a ValueError naming the variable."""
+    """RUNBUS_GIT: unset, empty or 1/true/yes/on records the working directory's git commit,
+    branch, dirty state and origin URL in each label's start event; 0/false/no/off does not;
+    anything else is a ValueError naming the variable."""
     env = os.environ if env is None else env
-    return GIT_ENV not in env or _flag(GIT_ENV, env)
+    return not env.get(GIT_ENV, "").strip() or _flag(GIT_ENV, env)
 
 
 def require_seal(env: Mapping[str, str] | None = None) -> bool:

@@ -182,7 +182,7 @@ def test_git_state_reaches_show_and_the_api_and_the_token_nothing(
 def test_runbus_git_0_and_git_false_record_none(redis_url, repo, monkeypatch):
     monkeypatch.setenv("RUNBUS_GIT", "0")
     run_in(repo, monkeypatch, redis_url, "git-off", "rank0")
-    monkeypatch.setenv("RUNBUS_GIT", "1")
+    monkeypatch.setenv("RUNBUS_GIT", "")  # empty: as unset
     run_in(repo, monkeypatch, redis_url, "git-off", "rank1", git=False)
     run_in(repo, monkeypatch, redis_url, "git-off", "rank2")
     for label in ("rank0", "rank1"):
