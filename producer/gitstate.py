@@ -4,10 +4,11 @@
 checked out (None: a detached HEAD), whether tracked files have uncommitted changes (staged or
 not; untracked files are not looked at, as `git status --untracked-files=no`: listing them is
 what makes `status` slow in a big tree; None when `status` did not answer in time), and the URL
-of the `origin` remote with its credentials hidden (runbus.redact.safe_remote), left out where there is none.
-It returns None outside a repository, in one without a commit, without a git binary, or when
-git does not answer within the deadline (2 s for all of it). Run on the shipper's courier
-thread, never on the one that called runbus.init().
+of the `origin` remote with its credentials hidden (runbus.redact.safe_remote), left out where
+there is none. Git has 2 s for all of it, and is killed with its children at the deadline. It
+gives None outside a repository, in one without a commit, without a git binary, or when HEAD
+could not be read in time. Run on the shipper's courier thread, never on the one that called
+runbus.init().
 """
 
 from __future__ import annotations
