@@ -107,6 +107,15 @@ def test_a_git_that_hangs_is_killed_with_its_children_at_the_deadline(repo: Path
     assert time.monotonic() - began < 60
 
 
+def test_a_status_that_hangs_leaves_dirty_unknown(repo: Path, tmp_path: Path, monkeypatch):
+    real = shutil.which("git")
+    script = f'case "$1" in status) sleep 300 & sleep 300;; *) exec {real} "$@";; esac'
+    slow = fake_git(tmp_path / "slow", script)
+    monkeypatch.setenv("PATH", f"{slow}{os.pathsep}{os.environ['PATH']}")
+    found = gitstate.describe(str(repo), deadline=5)
+    assert found == {"commit": git(repo, "rev-parse", "HEAD"), "branch": "main", "dirty": None}
+
+
 def test_remote_urls_keep_no_credentials():
     assert safe_remote(REMOTE) == SHOWN_REMOTE
     assert safe_remote(f"https://{TOKEN}@gitlab.example.com/x.git") == "https://***@gitlab.example.com/x.git"
