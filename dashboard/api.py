@@ -16,7 +16,7 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
   each `label=` (up to 64) adds that label's line (none for a label without values in view)
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
-- `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware and command line
+- `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware, command line and git state
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
 - `/api/runs/RUN/system/keys`: the system figures (keys, GPU indices together) and their keys
 - `/api/runs/RUN/system/envelope?key=FIGURE&host=H&start=&end=&points=1500&outliers=3&lines=16`:

@@ -1,5 +1,5 @@
 """The JSON documents of the chart reads (storage/charts.py): a key's band and lines, the step
-times heat map and stragglers, each label's hardware and command line.
+times heat map and stragglers, each label's hardware, command line and git state.
 
 Rows are arrays under named columns, numbers cut to 7 significant digits (a chart draws no
 finer, and a 1,024-label chart stays within a few hundred kB); non-finite numbers are written
@@ -15,6 +15,7 @@ from typing import Any
 
 from runbus.redact import redact
 from runbus.storage import base
+from runbus.storage.documents import git_document
 from runbus.storage.rules import natural_key
 from runbus.wire import finite_to_wire
 
@@ -159,4 +160,5 @@ def _label(name: str, start: Mapping[str, Any]) -> dict[str, Any]:
         "label": name,
         **{field: redact(start.get(field)) for field in LABEL_FIELDS},
         "hardware": redact(hardware) if isinstance(hardware, dict) else None,
+        "git": git_document(start),
     }

@@ -64,14 +64,16 @@ _SHIPPER_OPTIONS = {
     "spool_dir",
     "max_spool_bytes",
 }
+# What the start event describes besides the Run's own fields.
+_DESCRIBE_OPTIONS = {"hardware", "git"}
 _active: dict[tuple[str, str], Run] = {}
 _active_lock = threading.Lock()
 
 
 def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]:
-    unknown = set(options) - _RUN_OPTIONS - _SHIPPER_OPTIONS - {"hardware"}
+    unknown = set(options) - _RUN_OPTIONS - _SHIPPER_OPTIONS - _DESCRIBE_OPTIONS
     if unknown:
-        known = ", ".join(sorted(_RUN_OPTIONS | _SHIPPER_OPTIONS | {"hardware"}))
+        known = ", ".join(sorted(_RUN_OPTIONS | _SHIPPER_OPTIONS | _DESCRIBE_OPTIONS))
         raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; known: {known}")
     run_kw = {k: v for k, v in options.items() if k in _RUN_OPTIONS}
     if run_kw.get("gpu_device_ids") is not None:
@@ -152,7 +154,9 @@ def init(
     Options: system_interval (15 s; None turns sampling off),
     finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
     batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
-    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event), console
+    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event), git
+    (RUNBUS_GIT, else True: record the working directory's git commit, branch, dirty state and
+    origin URL, its credentials hidden, in the start event; see runbus.producer.gitstate), console
     (RUNBUS_CONSOLE, else "primary": capture stdout, stderr and logging records as log events;
     only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
     prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
@@ -174,6 +178,7 @@ def init(
     if tags is not None:
         naming["tags"] = metadata.checked_tags(tags)
     silent = settings.quiet() if quiet is None else bool(quiet)
+    describe_git = settings.record_git() if options.get("git") is None else bool(options["git"])
     with _active_lock:
         key = (identity.run_id, identity.label)
         existing = _active.get(key)
@@ -181,7 +186,13 @@ def init(
             log.warning("runbus: init() again for %s/%s returns the live Run", *key)
             return existing
         run = Run(
-            identity, run_options, shipper_options, plain_config, bool(options.get("hardware", True)), naming
+            identity,
+            run_options,
+            shipper_options,
+            plain_config,
+            bool(options.get("hardware", True)),
+            naming,
+            describe_git,
         )
         _handshake(run)
         _active[key] = run

@@ -207,6 +207,7 @@ class Run:
         config: dict[str, Any],
         describe_hardware: bool = True,
         naming: dict[str, Any] | None = None,
+        describe_git: bool = True,
     ) -> None:
         self.identity = identity
         self.options = options
@@ -219,6 +220,7 @@ class Run:
         self._finish_lock = threading.Lock()
         self._shipper = Shipper(identity, self._outbox, shipper_options)
         self._shipper.describe_hardware = describe_hardware
+        self._shipper.describe_git = describe_git
         self._shipper.gpu_device_ids = options.gpu_device_ids
         self._sampler: _SamplerThread | None = None
         self._console: ConsoleCapture | None = None

@@ -160,6 +160,7 @@ class Shipper(threading.Thread):
         self.shipped = 0
         self.failed_encodes = 0
         self.describe_hardware = True
+        self.describe_git = True
         self.gpu_device_ids: tuple[int, ...] | None = None
         spool = None
         if options.spool_dir:
@@ -168,8 +169,9 @@ class Shipper(threading.Thread):
             options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops, options.batch_size
         )
         self._held_start: Pending | None = None
-        self._hardware_described = False
+        self._described = False
         self._hardware_info: dict | None = None
+        self._git_info: dict | None = None
         self._redactors: dict[str, LineRedactor] = {}  # per log stream: its lines come in order
         self._orphans_checked = False
         self._client: SyncClient | None = None
@@ -282,18 +284,27 @@ class Shipper(threading.Thread):
         self._encode_held_start()
 
     def _describe(self) -> None:
-        """The courier describes the hardware for the start event: off the thread that encodes,
-        as NVML can take a second to start on a big host."""
-        self._hardware_info = self._describe_hardware()
+        """The courier describes the hardware and the git state for the start event: off the
+        thread that encodes, as NVML can take a second to start on a big host, and git status
+        a while in a big tree."""
+        if self.describe_hardware:
+            self._hardware_info = self._describe_hardware()
+        if self.describe_git:
+            from runbus.producer import gitstate
 
-    def _described(self, _: None) -> None:
-        self._hardware_described = True
+            self._git_info = gitstate.describe()
+
+    def _have_described(self, _: None) -> None:
+        self._described = True
         self._encode_held_start()
+
+    def _to_describe(self) -> bool:
+        return (self.describe_hardware or self.describe_git) and not self._described
 
     def _start_ready(self) -> bool:
         """Whether the start event can be encoded: its primary flag is settled by the handshake,
-        and the hardware described (if asked for)."""
-        return self.epoch is not None and (self._hardware_described or not self.describe_hardware)
+        and the hardware and git state described (if asked for)."""
+        return self.epoch is not None and not self._to_describe()
 
     def _renew_claims(self) -> str | None:
         """The courier's renewal of the lease and the primary claim, if still ours: the label of
@@ -455,8 +466,8 @@ class Shipper(threading.Thread):
         processes, else shipping the backlog's oldest batch."""
         if self.epoch is None:
             return Call(self._claim_later, self._handshaken)
-        if self.describe_hardware and not self._hardware_described:
-            return Call(self._describe, self._described)
+        if self._to_describe():
+            return Call(self._describe, self._have_described)
         if self._renew_due:
             self._renew_due = False
             return Call(self._renew_claims, self._renewed)
@@ -642,12 +653,13 @@ class Shipper(threading.Thread):
         kind, seq, ts, step, data = pending
         if kind == "start":
             data = {**data, "primary": self.primary}
-            if self.describe_hardware:
-                if not self._hardware_described:
-                    self._hardware_info = self._describe_hardware()
-                    self._hardware_described = True
-                if self._hardware_info is not None:
-                    data["hardware"] = self._hardware_info
+            if self._to_describe():  # forced out at the end, before the courier described it
+                self._describe()
+                self._described = True
+            if self._hardware_info is not None:
+                data["hardware"] = self._hardware_info
+            if self._git_info is not None:
+                data["git"] = self._git_info
         elif kind == "finish":
             data = {**data, **self.outbox.drops.report()}
         elif kind == "log":

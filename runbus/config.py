@@ -32,6 +32,7 @@ DECODER_ENV = "RUNBUS_DECODER"
 DASHBOARD_URL_ENV = "RUNBUS_DASHBOARD_URL"
 QUIET_ENV = "RUNBUS_QUIET"
 REQUIRE_SEAL_ENV = "RUNBUS_REQUIRE_SEAL"
+GIT_ENV = "RUNBUS_GIT"
 # Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
 # process: a child that inherits the id learns whose it is.
 RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
@@ -74,6 +75,14 @@ def quiet(env: Mapping[str, str] | None = None) -> bool:
     """RUNBUS_QUIET: 1/true/yes/on silences the line runbus.init() prints; unset or 0/false/no/off
     does not; anything else is a ValueError naming the variable."""
     return _flag(QUIET_ENV, env)
+
+
+def record_git(env: Mapping[str, str] | None = None) -> bool:
+    """RUNBUS_GIT: unset, empty or 1/true/yes/on records the working directory's git commit,
+    branch, dirty state and origin URL in each label's start event; 0/false/no/off does not;
+    anything else is a ValueError naming the variable."""
+    env = os.environ if env is None else env
+    return not env.get(GIT_ENV, "").strip() or _flag(GIT_ENV, env)
 
 
 def require_seal(env: Mapping[str, str] | None = None) -> bool:

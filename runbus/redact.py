@@ -2,7 +2,8 @@
 
 The producer applies `redact` to a run's config and `redact_argv` to its command line before they
 leave the process; the store and the pages apply them again to what they hold and show, for
-entries written by hand. `safe_url` and `redact_text` keep passwords out of log lines and errors.
+entries written by hand. `safe_url` and `redact_text` keep passwords out of log lines and errors;
+`safe_remote` keeps tokens out of a git remote's URL.
 Console lines and log texts go through `redact_line` (redact_text behind a cheap screen), a
 stream's lines in order through a `LineRedactor`, which also hides a private key printed line by
 line.
@@ -131,6 +132,22 @@ def safe_url(url: str) -> str:
         return url
     shown = "" if userinfo is None else userinfo + "@"
     return f"{parts.scheme}://{shown}{parts.rest}{'' if query is None else '?' + query}{parts.fragment}"
+
+
+# URL schemes whose user name is a login rather than a place for a token (`ssh://git@host/x.git`).
+_LOGIN_SCHEMES = ("ssh", "git+ssh", "ssh+git")
+
+
+def safe_remote(url: str) -> str:
+    """A git remote's URL fit to leave the process or be shown: what safe_url and redact_text
+    hide, and the whole user part of a URL but an ssh one (`https://TOKEN@host/x.git` names no
+    password, yet a token is what it holds); `git@host:x.git` and `ssh://git@host/x.git` stay."""
+    shown = redact_text(safe_url(url))
+    parts = _Url.read(shown)
+    if parts is None or parts.userinfo is None or parts.scheme.lower() in _LOGIN_SCHEMES:
+        return shown
+    query = "" if parts.query is None else "?" + parts.query
+    return f"{parts.scheme}://{MARKER}@{parts.rest}{query}{parts.fragment}"
 
 
 def url_secrets(url: str) -> list[str]:

@@ -7,13 +7,13 @@ CLI's JSON text has the controls a terminal would obey escaped (`json_printable`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
 import orjson
 
-from runbus.redact import LineRedactor, redact, redact_text
+from runbus.redact import LineRedactor, redact, redact_text, safe_remote
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.terminal import json_printable
 from runbus.wire import finite_to_wire
@@ -65,11 +65,28 @@ def run_document(run: RunSummary) -> dict[str, Any]:
                     for g in lab.gaps
                 ],
                 **label_metadata(lab),
+                "git": git_document(lab.start),
             }
             for lab in run.labels
         ],
         **run_metadata(run),
         "primary_refused": refused_primaries(run),
+    }
+
+
+def git_document(start: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A label's git state from its start data (runbus.producer.gitstate), as shown: its known
+    fields only, strings redacted and the remote's credentials hidden (an entry written by hand
+    may hold anything); None for a label that recorded none."""
+    git = (start or {}).get("git")
+    if not isinstance(git, Mapping):
+        return None
+    commit, branch, dirty, remote = (git.get(field) for field in ("commit", "branch", "dirty", "remote"))
+    return {
+        "commit": redact_text(commit) if isinstance(commit, str) else None,
+        "branch": redact_text(branch) if isinstance(branch, str) else None,
+        "dirty": dirty if isinstance(dirty, bool) else None,
+        "remote": safe_remote(remote) if isinstance(remote, str) else None,
     }
 
 

@@ -16,6 +16,7 @@ import orjson
 
 from runbus.redact import redact, redact_text
 from runbus.storage.base import RunSummary
+from runbus.storage.documents import git_document
 from runbus.terminal import printable
 from runbus.wire import finite_to_wire
 
@@ -64,6 +65,7 @@ def show_text(run: RunSummary) -> str:
         f"ended    {when(run.ended_ts)}",
         f"events   {counts}",
     ]
+    head += git_lines(run)
     head += [
         f"refused  {lab.label} claimed the primary role at {when(lab.primary_refused_ts)}; "
         f"{run.primary or '-'} holds it"
@@ -100,6 +102,38 @@ def show_text(run: RunSummary) -> str:
             per_label = {lab.label: getattr(lab, field) for lab in run.labels}
             text += f"\n\n{field} (the label that set each value):\n" + values_text(merged, set_by, per_label)
     return text
+
+
+# Labels named beside a git state that not every label shares, at most.
+GIT_LABELS_SHOWN = 3
+
+
+def git_lines(run: RunSummary) -> list[str]:
+    """`git  5413b39 on main, dirty, origin URL`: one line per distinct git state the labels
+    recorded at their start, with the labels that did where not all share it."""
+    states: dict[str, list[str]] = {}
+    for lab in run.labels:
+        git = git_document(lab.start)
+        if git is not None:
+            states.setdefault(git_text(git), []).append(lab.label)
+    lines = []
+    for text, labels in states.items():
+        if len(labels) < len(run.labels):
+            named = labels[:GIT_LABELS_SHOWN] + [f"{len(labels) - GIT_LABELS_SHOWN} more"] * (
+                len(labels) > GIT_LABELS_SHOWN
+            )
+            text += f"  ({', '.join(named)})"
+        lines.append(printable(f"git      {text}"))
+    return lines
+
+
+def git_text(git: dict[str, Any]) -> str:
+    """A git state (documents.git_document) in words: short commit, branch, dirty, origin."""
+    commit = (git["commit"] or "?")[:7]
+    branch = "detached" if git["branch"] is None else f"on {git['branch']}"
+    dirty = {True: "dirty", False: "clean", None: "dirty unknown"}[git["dirty"]]
+    origin = "" if git["remote"] is None else f", origin {git['remote']}"
+    return f"{commit} {branch}, {dirty}{origin}"
 
 
 def clipped(text: str, width: int) -> str:

@@ -32,6 +32,15 @@ WIDE_KEYS = 3000
 HOSTILE_HW = "hostile-hardware"
 SECRET = "hf_Zq81mXv0dPq3NlLr7"  # a token on the command line: never on the page
 HOSTILE_TEXT = "<img src=x onerror=\"window.__pwned='hw'\">"
+COMMIT = "5413b390d46ade5b483a374e1028002836f8143e"
+DIRTY_RANK = "rank9"  # started with uncommitted changes
+
+
+def git_state(label: str) -> dict:
+    """A start event's `git`, as runbus.producer.gitstate records it, its remote's token written
+    as a stray producer would (runbus hides it before it leaves the process)."""
+    remote = f"https://ci:{SECRET}@github.com/acme/llama.git"
+    return {"commit": COMMIT, "branch": "main", "dirty": label == DIRTY_RANK, "remote": remote}
 
 
 def hardware(rank: int) -> dict:
@@ -86,6 +95,7 @@ def seed_sweep(client: redis.Redis, run: str = SWEEP, ranks: int = SWEEP_RANKS, 
             "pid": 7000 + rank,
             "host": f"node-{rank // 8}",
             "hardware": hardware(rank),
+            "git": git_state(label),
         }
         if rank == 0:
             start["config"] = {"model": "llama-1b", "lr": 3e-4}
@@ -168,7 +178,8 @@ def seed_wide(client: redis.Redis) -> None:
 
 
 def seed_hostile_hardware(client: redis.Redis) -> None:
-    """Hostile text in a key, a host, an argv and a config, where the hardware tab shows them."""
+    """Hostile text in a key, a host, an argv, a git state and a config, where the hardware tab
+    shows them."""
     start = {
         "primary": True,
         "rank": 0,
@@ -180,6 +191,7 @@ def seed_hostile_hardware(client: redis.Redis) -> None:
             "gpus": [{"index": 0, "name": HOSTILE_TEXT, "memory_total_mb": 1}],
             "torch_version": HOSTILE_TEXT,
         },
+        "git": {"commit": HOSTILE_TEXT, "branch": HOSTILE_TEXT, "dirty": True, "remote": HOSTILE_TEXT},
     }
     xadd_event(client, HOSTILE_HW, "rank0", "start", 1, 1, start, ts=SWEEP_T0)
     for step in range(3):

@@ -73,6 +73,7 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "summary": {},
             "name": None,
             "tags": None,
+            "git": None,
         },
         {
             "label": "rank1",
@@ -88,6 +89,7 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "summary": {},
             "name": None,
             "tags": None,
+            "git": None,
         },
     ]
     assert doc["config"] == {"lr": 0.5}

@@ -643,6 +643,12 @@ def test_hardware_of_every_label(page, site):
     ]
     # The command line as the server redacted it: the token never reaches the page.
     assert row.locator(".hw-argv").inner_text() == "train.py --config configs/llama-1b.yaml --hf-token ***"
+    # The git state: short commit, branch, dirty; the full commit and the remote, its token
+    # hidden by the server, on hover.
+    git = row.locator(".hw-git")
+    assert git.inner_text() == f"{seeds.COMMIT[:7]} main dirty"
+    assert git.get_attribute("title") == f"{seeds.COMMIT}\nhttps://***@github.com/acme/llama.git"
+    assert page.locator("#hardware tr[data-label='rank8'] .hw-git").inner_text() == f"{seeds.COMMIT[:7]} main"
     assert seeds.SECRET not in page.content()
     # Alike hardware counted once, whichever GPU index each label has.
     groups = page.locator("#hardware-groups .hw-group")
@@ -769,6 +775,9 @@ def test_strings_from_the_bus_stay_text(page, site):
     assert page.locator("#hardware .hw-gpus").inner_text() == f"1 \u00d7 {seeds.HOSTILE_TEXT} (1 MB)"
     argv = page.locator("#hardware .hw-argv").inner_text()
     assert argv == f"train.py {seeds.HOSTILE_TEXT} <script>window.__pwned='argv'</script>"
+    git = page.locator("#hardware .hw-git")
+    assert git.inner_text() == f"{seeds.HOSTILE_TEXT[:7]} {seeds.HOSTILE_TEXT} dirty"
+    assert git.get_attribute("title") == f"{seeds.HOSTILE_TEXT}\n{seeds.HOSTILE_TEXT}"
     page.click(".tab[data-tab='charts']")
     drawn(page, chart("metrics", seeds.HOSTILE_TEXT))
     with page.expect_download() as download:

@@ -475,7 +475,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
   }
 
   function hardwareTable(rows) {
-    const head = ['Label', 'Rank', 'Host', 'GPUs', 'Driver', 'CUDA', 'torch', 'Python', 'Command line'];
+    const head = ['Label', 'Rank', 'Host', 'GPUs', 'Driver', 'CUDA', 'torch', 'Python', 'Git', 'Command line'];
     return el('table', { class: 'table hardware-table' },
       el('thead', null, el('tr', null, head.map((h) => el('th', null, h)))),
       el('tbody', null, rows.map((row) => el('tr', { dataset: { label: row.label } },
@@ -487,7 +487,20 @@ import { chartToolbar, pager } from './js/toolbar.js';
         el('td', { class: 'mono' }, row.cuda ?? '–'),
         el('td', { class: 'mono' }, row.torch ?? '–'),
         el('td', { class: 'mono' }, row.python ?? '–'),
+        gitCell(row.git),
         el('td', { class: 'mono hw-argv' }, row.argv ? row.argv.map(String).join(' ') : '–')))));
+  }
+
+  // A label's working directory at its start: short commit, branch, dirty; the full commit and
+  // the origin URL (its credentials hidden by the API) on hover.
+  function gitCell(git) {
+    if (!git) return el('td', { class: 'mono hw-git' }, '–');
+    const commit = typeof git.commit === 'string' ? git.commit : null;
+    const title = [commit, git.remote].filter((part) => typeof part === 'string').join('\n');
+    return el('td', { class: 'mono hw-git nowrap', title: title || null },
+      commit ? commit.slice(0, 7) : '?',
+      ' ', el('span', { class: 'muted' }, typeof git.branch === 'string' ? git.branch : 'detached'),
+      git.dirty === true ? [' ', el('span', { class: 'badge hw-dirty' }, 'dirty')] : null);
   }
 
   // -- runs compared -----------------------------------------------------------------------------

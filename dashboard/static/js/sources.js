@@ -9,7 +9,7 @@
 //   systemChart   GET /system/envelope: a figure's lines up to MAX_LINES, else its band and
 //                 outlying lines, across every label or one host's
 //   stragglers    GET /stragglers: step times per label and step bucket, slowest labels first
-//   labelHardware GET /labels: each label's host, hardware and command line (redacted)
+//   labelHardware GET /labels: each label's host, hardware, command line and git state (redacted)
 //   compare*      the same, once per run compared
 
 import { ApiError, api, runPath } from './api.js';
@@ -222,6 +222,7 @@ export async function labelHardware(runId) {
       driver: hw.driver_version ?? null, cuda: hw.cuda_version ?? null, torch: hw.torch_version ?? null,
       python: hw.python_version ?? null, cpus: hw.cpu_count ?? null, memory: hw.memory_total_mb ?? null,
       argv: Array.isArray(hw.argv) ? hw.argv : null,
+      git: lab.git && typeof lab.git === 'object' ? lab.git : null,
     };
   };
   // Alike hardware, whichever GPU indices a label was given: counted together.
