@@ -10,15 +10,18 @@ Columns and order (times are pandas timestamps in UTC, to the microsecond):
 - runs: run_id, name, tags (a list), state, primary, exit_code, labels (how many), started,
   ended, last_event, metric_events, log_events, system_events, config, summary (dicts: each the
   run's labels' merged); newest first.
-- history (metrics): label, key, step (Int64, <NA> where none was given), epoch, seq, ts, value
-  (float64, NaN and ±inf as logged); by label, key, epoch, seq.
-- history, wide: one row per metric event, i.e. per log() call of a label, (label, epoch, seq):
-  label, epoch, seq, step, ts, then a float64 column per key in key order, NaN where that event
-  did not log the key; by label, epoch, seq. A key named like one of those five columns gets the
+- history (metrics): label, key, step (Int64, <NA> where none was given), lease_epoch, seq, ts, value
+  (float64, NaN and ±inf as logged); by label, key, lease_epoch, seq.
+- history, wide: one row per metric event, i.e. per log() call of a label, (label, lease_epoch, seq):
+  label, lease_epoch, seq, step, ts, then a float64 column per key in key order, NaN where that event
+  did not log the key; by label, lease_epoch, seq. A key named like one of those five columns gets the
   column `metric:KEY` (`metric:` again in front while that is a key's name too).
-- system: label, key, epoch, seq, ts, value; by label, key, epoch, seq.
-- logs: label, epoch, seq, ts, stream, level, text; by time (then label, epoch, seq), as
+- system: label, key, lease_epoch, seq, ts, value; by label, key, lease_epoch, seq.
+- logs: label, lease_epoch, seq, ts, stream, level, text; by time (then label, lease_epoch, seq), as
   `runbus logs` prints them.
+
+`lease_epoch` is the label's lease generation (docs/wire.md: a millisecond clock, higher after each
+restart of its process), not the training epoch (the column was named `epoch` up to runbus 0.2.0).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PAGE_ROWS = 50_000  # values (or log lines) per query
-WIDE_COLUMNS = ("label", "epoch", "seq", "step", "ts")
+WIDE_COLUMNS = ("label", "lease_epoch", "seq", "step", "ts")
 WIDE_RENAMED = "metric:"  # what a key named like one of WIDE_COLUMNS gets in front in a wide table
 LISTED_NAMES = 20  # labels or keys an unknown one's error names
 # Within the span of datetime64[us] (2**63 microseconds): a ts beyond it is NaT.
@@ -167,7 +170,7 @@ async def logs_table(
 
 def wide_history(history: pd.DataFrame) -> pd.DataFrame:
     """A long history (as history_table returns it) as one row per metric event: see the module."""
-    index = ["label", "epoch", "seq"]
+    index = ["label", "lease_epoch", "seq"]
     events = history.drop_duplicates(index)[list(WIDE_COLUMNS)]
     events = events.sort_values(index, kind="stable", ignore_index=True)
     values = history.pivot(index=index, columns="key", values="value")
@@ -300,7 +303,7 @@ class _PointColumns:
             "label": _text(label),
             "key": _text(key),
             **({"step": pd.Series(step)} if with_step else {}),
-            "epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
+            "lease_epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
             "seq": pd.Series(np.frombuffer(self.seq, dtype=np.int64)),
             "ts": _times(np.frombuffer(self.ts, dtype=np.float64)),
             "value": pd.Series(np.frombuffer(self.value, dtype=np.float64)),
@@ -339,7 +342,7 @@ class _LogColumns:
         return pd.DataFrame(
             {
                 "label": _text(np.array(self.label, dtype=object)[order]),
-                "epoch": pd.Series(epoch[order]),
+                "lease_epoch": pd.Series(epoch[order]),
                 "seq": pd.Series(seq[order]),
                 "ts": _times(ts[order]),
                 "stream": _text(np.array(self.stream, dtype=object)[order]),
