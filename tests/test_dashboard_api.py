@@ -233,7 +233,7 @@ async def test_run_has_labels_epochs_gaps_config_and_dead_letters(api):
     assert run["config"] == CONFIG
     labels = {lab["label"]: lab for lab in run["labels"]}
     assert labels["rank0"]["primary"] and not labels["rank1"]["primary"]
-    assert {lab["epoch"] for lab in labels.values()} == {1}
+    assert {(lab["lease_epoch"], lab["life"]) for lab in labels.values()} == {(1, 1)}
     assert labels["rank1"]["missing"] == 2 and run["gaps"] == 2
     rank2 = labels["rank2"]
     assert (rank2["host"], rank2["rank"], rank2["world_size"]) == ("gpu-node-1", 2, 4)
