@@ -18,7 +18,7 @@ from runbus import storage
 from runbus.cli import ROUTES
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import FIRST_LIFE, SECOND_LIFE, ingest, read_store, restarted_run, run_cli, xadd_event
 from tests.pgserver import public_tables
 
 
@@ -137,24 +137,8 @@ def test_runs_show_and_logs_as_text(redis_url, store_url):
     assert grep.count("\n") == 1 and "rank1" in grep
 
 
-# Two lease epochs of rank0 as a producer takes them (docs/wire.md: milliseconds since 1970).
-FIRST_LIFE, SECOND_LIFE = 1_764_190_000_000, 1_764_190_005_000
-
-
-def restarted_run() -> list[Event]:
-    """rank0 lives twice (restarted, its second life lost seq 3); rank1 once, later than both."""
-    return [
-        Event("again", "rank0", "start", FIRST_LIFE, 1, 100.0, {"primary": True}),
-        Event("again", "rank0", "metric", FIRST_LIFE, 2, 101.0, {"loss": 2.0}, 0),
-        Event("again", "rank0", "start", SECOND_LIFE, 1, 105.0, {"primary": True}),
-        Event("again", "rank0", "metric", SECOND_LIFE, 2, 106.0, {"loss": 1.5}, 1),
-        Event("again", "rank0", "metric", SECOND_LIFE, 4, 107.0, {"loss": 1.0}, 2),
-        Event("again", "rank1", "start", SECOND_LIFE + 1, 1, 105.0, {"primary": False}),
-    ]
-
-
 def test_a_restart_reads_as_a_second_life_and_the_raw_epoch_stays_in_json(any_store_url):
-    write_events(any_store_url, restarted_run())
+    write_events(any_store_url, restarted_run("again"))
     shown = run_cli("--store", any_store_url, "show", "again").stdout
     table = shown.split("\n\n")[1].splitlines()
     assert table[0].split()[:4] == ["LABEL", "PRIMARY", "STATE", "LIFE"]
