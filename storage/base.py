@@ -8,7 +8,7 @@ from typing import Any, Literal, Protocol
 
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
-from runbus.storage.rules import Gap, lives
+from runbus.storage.rules import Gap, lives_of
 from runbus.wire import Event
 
 # The chart reads' defaults and bounds (storage/charts.py).
@@ -50,7 +50,7 @@ class LabelSummary:
     summary: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
     tags: list[str] | None = None
-    # Its lease epochs (of the events stored), ascending: storage.rules.lives numbers them.
+    # Its lease epochs (of the events stored), ascending: storage.rules.lives_of numbers them.
     epochs: tuple[int, ...] = ()
 
     @property
@@ -60,8 +60,8 @@ class LabelSummary:
 
     @property
     def lives(self) -> dict[int, int]:
-        """Each lease epoch's life (storage.rules.lives), the latest epoch among them."""
-        return lives((*self.epochs, self.epoch))
+        """Each lease epoch's life (storage.rules.lives_of), the latest epoch among them."""
+        return lives_of((*self.epochs, self.epoch))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ Columns and order (times are pandas timestamps in UTC, to the microsecond):
 
 `lease_epoch` is the label's lease generation (docs/wire.md: a millisecond clock, higher after each
 restart of its process), not the training epoch; the column was named `epoch` up to runbus 0.2.0.
-`life` numbers a label's lease epochs 1, 2, 3 (storage.rules.lives): 2 after its first restart.
+`life` numbers a label's lease epochs 1, 2, 3 (storage.rules.lives_of): 2 after a first restart.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ _LABEL_AND_KEY = attrgetter("label", "key")
 
 
 def _lives(run: RunSummary) -> dict[str, dict[int, int]]:
-    """Each label's lives by lease epoch (storage.rules.lives)."""
+    """Each label's lives by lease epoch (storage.rules.lives_of)."""
     return {lab.label: lab.lives for lab in run.labels}
 
 

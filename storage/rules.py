@@ -399,7 +399,7 @@ def run_state(labels: Iterable[LabelState], primary: str | None) -> RunState:
     return RunState(FINISHED, primary, 0, ended)
 
 
-def lives(epochs: Iterable[int]) -> dict[int, int]:
+def lives_of(epochs: Iterable[int]) -> dict[int, int]:
     """Each of a label's lease epochs (see docs/wire.md) by its life: 1 for the first process
     that held the label, 2 after its first restart, and so on, in ascending order of the epoch.
     The raw epoch is a millisecond clock, which people would read as the training epoch."""
