@@ -6,8 +6,9 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 "Infinity", "-Infinity".
 
 - `/api/runs?limit=100&offset=0`: runs, newest first, with labels (state, primary) and counts
-- `/api/runs/RUN`: one run: labels with epochs and gaps (`missing`) and what each set, counts,
-  name, tags, config and summary (merged, with `set_by`: the label of each value), dead letters
+- `/api/runs/RUN`: one run: labels with their life (`life`: 1, then 2 after a restart, …; the raw
+  lease epoch as `lease_epoch`) and gaps (`missing`) and what each set, counts, name, tags,
+  config and summary (merged, with `set_by`: the label of each value), dead letters
 - `/api/runs/RUN/metrics`: the metric keys
 - `/api/runs/RUN/metrics/series?key=K&label=L&points=2000`: one series per label (see downsample)
 - `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
@@ -152,7 +153,8 @@ def _label_document(label: storage.LabelSummary) -> dict[str, Any]:
         "primary": label.primary,
         "state": label.state,
         "exit_code": label.exit_code,
-        "epoch": label.epoch,
+        "lease_epoch": label.epoch,
+        "life": label.life,
         "last_seq": label.last_seq,
         "events": label.events,
         "missing": label.missing,

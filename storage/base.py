@@ -8,7 +8,7 @@ from typing import Any, Literal, Protocol
 
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
-from runbus.storage.rules import Gap
+from runbus.storage.rules import Gap, lives_of
 from runbus.wire import Event
 
 # The chart reads' defaults and bounds (storage/charts.py).
@@ -50,6 +50,18 @@ class LabelSummary:
     summary: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
     tags: list[str] | None = None
+    # Its lease epochs (of the events stored), ascending: storage.rules.lives_of numbers them.
+    epochs: tuple[int, ...] = ()
+
+    @property
+    def life(self) -> int:
+        """Which life of the label its latest epoch is: 1 until it first restarts."""
+        return self.lives[self.epoch]
+
+    @property
+    def lives(self) -> dict[int, int]:
+        """Each lease epoch's life (storage.rules.lives_of), the latest epoch among them."""
+        return lives_of((*self.epochs, self.epoch))
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,14 +196,18 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         await _check_key(store, run, args.key)
         found = await store.metrics(run.run_id, key=args.key, label=args.label)
         # The store orders labels as text; stable, this keeps each label's key and step order.
-        return sorted(found, key=lambda p: natural_key(p.label))
+        return run, sorted(found, key=lambda p: natural_key(p.label))
 
-    found = read(args.store, points)
+    run, found = read(args.store, points)
     if args.json:
         print(documents.dumps([documents.point_document(p) for p in found]))
         return 0
-    rows = [(p.label, p.key, p.step, p.epoch, p.seq, tables.number_text(p.value)) for p in found]
-    print(tables.table(("LABEL", "KEY", "STEP", "EPOCH", "SEQ", "VALUE"), rows))
+    lives = {lab.label: lab.lives for lab in run.labels}
+    rows = [
+        (p.label, p.key, p.step, lives.get(p.label, {}).get(p.epoch), p.seq, tables.number_text(p.value))
+        for p in found
+    ]
+    print(tables.table(("LABEL", "KEY", "STEP", "LIFE", "SEQ", "VALUE"), rows))
     return 0
 
 

@@ -56,12 +56,19 @@ def run_document(run: RunSummary) -> dict[str, Any]:
                 "primary": lab.primary,
                 "state": lab.state,
                 "exit_code": lab.exit_code,
-                "epoch": lab.epoch,
+                "lease_epoch": lab.epoch,
+                "life": lab.life,
                 "last_seq": lab.last_seq,
                 "events": lab.events,
                 "missing": lab.missing,
                 "gaps": [
-                    {"epoch": g.epoch, "first": g.first, "last": g.last, "dropped": g.dropped}
+                    {
+                        "lease_epoch": g.epoch,
+                        "life": lab.lives.get(g.epoch),
+                        "first": g.first,
+                        "last": g.last,
+                        "dropped": g.dropped,
+                    }
                     for g in lab.gaps
                 ],
                 **label_metadata(lab),
@@ -159,7 +166,7 @@ def point_document(point: Point) -> dict[str, Any]:
         "key": point.key,
         "step": point.step,
         "seq": point.seq,
-        "epoch": point.epoch,
+        "lease_epoch": point.epoch,
         "ts": point.ts,
         "value": json_value(point.value),
     }
@@ -183,7 +190,7 @@ def log_document(line: LogLine) -> dict[str, Any]:
     """One log line, as `runbus logs --json` and the API's logs list it (of shown_log_lines)."""
     return {
         "label": line.label,
-        "epoch": line.epoch,
+        "lease_epoch": line.epoch,
         "seq": line.seq,
         "ts": line.ts,
         "stream": line.stream,

@@ -10,15 +10,19 @@ Columns and order (times are pandas timestamps in UTC, to the microsecond):
 - runs: run_id, name, tags (a list), state, primary, exit_code, labels (how many), started,
   ended, last_event, metric_events, log_events, system_events, config, summary (dicts: each the
   run's labels' merged); newest first.
-- history (metrics): label, key, step (Int64, <NA> where none was given), epoch, seq, ts, value
-  (float64, NaN and ±inf as logged); by label, key, epoch, seq.
-- history, wide: one row per metric event, i.e. per log() call of a label, (label, epoch, seq):
-  label, epoch, seq, step, ts, then a float64 column per key in key order, NaN where that event
-  did not log the key; by label, epoch, seq. A key named like one of those five columns gets the
-  column `metric:KEY` (`metric:` again in front while that is a key's name too).
-- system: label, key, epoch, seq, ts, value; by label, key, epoch, seq.
-- logs: label, epoch, seq, ts, stream, level, text; by time (then label, epoch, seq), as
-  `runbus logs` prints them.
+- history (metrics): label, key, step (Int64, <NA> where none was given), lease_epoch, life, seq,
+  ts, value (float64, NaN and ±inf as logged); by label, key, lease_epoch, seq.
+- history, wide: one row per metric event, i.e. per log() call of a label, (label, lease_epoch,
+  seq): label, lease_epoch, life, seq, step, ts, then a float64 column per key in key order, NaN
+  where that event did not log the key; by label, lease_epoch, seq. A key named like one of those
+  six columns gets the column `metric:KEY` (`metric:` again in front while that is a key's name too).
+- system: label, key, lease_epoch, life, seq, ts, value; by label, key, lease_epoch, seq.
+- logs: label, lease_epoch, life, seq, ts, stream, level, text; by time (then label, lease_epoch,
+  seq), as `runbus logs` prints them.
+
+`lease_epoch` is the label's lease generation (docs/wire.md: a millisecond clock, higher after each
+restart of its process), not the training epoch; the column was named `epoch` up to runbus 0.2.0.
+`life` numbers a label's lease epochs 1, 2, 3 (storage.rules.lives_of): 2 after a first restart.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PAGE_ROWS = 50_000  # values (or log lines) per query
-WIDE_COLUMNS = ("label", "epoch", "seq", "step", "ts")
+WIDE_COLUMNS = ("label", "lease_epoch", "life", "seq", "step", "ts")
 WIDE_RENAMED = "metric:"  # what a key named like one of WIDE_COLUMNS gets in front in a wide table
 LISTED_NAMES = 20  # labels or keys an unknown one's error names
 # Within the span of datetime64[us] (2**63 microseconds): a ts beyond it is NaT.
@@ -154,11 +158,12 @@ async def logs_table(
     page_rows = page_size(page_rows)
     run = await known_run(store, run_id)
     lines = _LogColumns()
+    lives = _lives(run)
     for label in _labels(run, labels):
         after: tuple[int, int] | None = None
         while True:
             page = await store.log_page(run.run_id, label, after, page_rows, level and level.upper(), grep)
-            lines.add(page)
+            lines.add(page, lives[label])
             if len(page) < page_rows:
                 break
             after = (page[-1].epoch, page[-1].seq)
@@ -167,7 +172,7 @@ async def logs_table(
 
 def wide_history(history: pd.DataFrame) -> pd.DataFrame:
     """A long history (as history_table returns it) as one row per metric event: see the module."""
-    index = ["label", "epoch", "seq"]
+    index = ["label", "lease_epoch", "seq"]
     events = history.drop_duplicates(index)[list(WIDE_COLUMNS)]
     events = events.sort_values(index, kind="stable", ignore_index=True)
     values = history.pivot(index=index, columns="key", values="value")
@@ -245,12 +250,13 @@ async def _read_points(
     chosen: list[str | None] = [None]
     if keys is not None:
         chosen = [*sorted({rows.storable_text(key) for key in keys})]
+    lives = _lives(run)
     for label in labels:
         for key in chosen:
             after: tuple[str, int, int] | None = None
             while True:
                 page = await store.point_page(table, run.run_id, label, after, page_rows, key)
-                points.add(page)
+                points.add(page, lives[label])
                 if len(page) < page_rows:
                     break
                 after = (page[-1].key, page[-1].epoch, page[-1].seq)
@@ -258,6 +264,16 @@ async def _read_points(
 
 
 _LABEL_AND_KEY = attrgetter("label", "key")
+
+
+def _lives(run: RunSummary) -> dict[str, dict[int, int]]:
+    """Each label's lives by lease epoch (storage.rules.lives_of)."""
+    return {lab.label: lab.lives for lab in run.labels}
+
+
+def _life(lives: dict[int, int], epoch: int) -> int:
+    # An epoch stored after the run was read (the ingester goes on) is a restart since then.
+    return lives.get(epoch, len(lives) + 1)
 
 
 class _PointColumns:
@@ -269,10 +285,10 @@ class _PointColumns:
         self.names: list[tuple[str, str]] = []  # (label, key) of each run of rows
         self.lengths: list[int] = []
         self.step, self.no_step = array("q"), array("b")
-        self.epoch, self.seq = array("q"), array("q")
+        self.epoch, self.life, self.seq = array("q"), array("q"), array("q")
         self.ts, self.value = array("d"), array("d")
 
-    def add(self, page: Sequence[Point]) -> None:
+    def add(self, page: Sequence[Point], lives: dict[int, int]) -> None:
         for pair, same in groupby(page, _LABEL_AND_KEY):
             count = sum(1 for _ in same)
             if self.names and self.names[-1] == pair:
@@ -283,6 +299,7 @@ class _PointColumns:
         self.step.extend([0 if p.step is None else p.step for p in page])
         self.no_step.extend([p.step is None for p in page])
         self.epoch.extend([p.epoch for p in page])
+        self.life.extend([_life(lives, p.epoch) for p in page])
         self.seq.extend([p.seq for p in page])
         self.ts.extend([p.ts for p in page])
         self.value.extend([p.value for p in page])
@@ -300,7 +317,8 @@ class _PointColumns:
             "label": _text(label),
             "key": _text(key),
             **({"step": pd.Series(step)} if with_step else {}),
-            "epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
+            "lease_epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
+            "life": pd.Series(np.frombuffer(self.life, dtype=np.int64)),
             "seq": pd.Series(np.frombuffer(self.seq, dtype=np.int64)),
             "ts": _times(np.frombuffer(self.ts, dtype=np.float64)),
             "value": pd.Series(np.frombuffer(self.value, dtype=np.float64)),
@@ -313,14 +331,15 @@ class _LogColumns:
 
     def __init__(self) -> None:
         self.label: list[str] = []
-        self.epoch, self.seq, self.ts = array("q"), array("q"), array("d")
+        self.epoch, self.life, self.seq, self.ts = array("q"), array("q"), array("q"), array("d")
         self.stream: list[str] = []
         self.level: list[str] = []
         self.text: list[str] = []
 
-    def add(self, page: Sequence[LogLine]) -> None:
+    def add(self, page: Sequence[LogLine], lives: dict[int, int]) -> None:
         self.label += [line.label for line in page]
         self.epoch.extend([line.epoch for line in page])
+        self.life.extend([_life(lives, line.epoch) for line in page])
         self.seq.extend([line.seq for line in page])
         self.ts.extend([line.ts for line in page])
         self.stream += [line.stream for line in page]
@@ -332,6 +351,7 @@ class _LogColumns:
         import pandas as pd
 
         epoch = np.frombuffer(self.epoch, dtype=np.int64)
+        life = np.frombuffer(self.life, dtype=np.int64)
         seq = np.frombuffer(self.seq, dtype=np.int64)
         ts = np.frombuffer(self.ts, dtype=np.float64)
         # As `runbus logs` orders them: by ts, then label, epoch, seq, the order the pages came in.
@@ -339,7 +359,8 @@ class _LogColumns:
         return pd.DataFrame(
             {
                 "label": _text(np.array(self.label, dtype=object)[order]),
-                "epoch": pd.Series(epoch[order]),
+                "lease_epoch": pd.Series(epoch[order]),
+                "life": pd.Series(life[order]),
                 "seq": pd.Series(seq[order]),
                 "ts": _times(ts[order]),
                 "stream": _text(np.array(self.stream, dtype=object)[order]),

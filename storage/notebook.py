@@ -4,7 +4,7 @@
     api.runs()                              # a row per run, newest first
     run = api.run("my-run")
     run.config, run.summary, run.name, run.tags   # each merged over the run's labels
-    run.history()                           # every metric value: label, key, step, epoch, seq, ts, value
+    run.history()                           # every metric value: label, key, step, lease_epoch, …
     run.history(keys="loss", wide=True)     # a row per logged event, a column per key
     run.logs(level="WARNING"), run.system()
 
@@ -230,8 +230,9 @@ class StoredRun:
         labels: str | Iterable[str] | None = None,
         wide: bool = False,
     ) -> pd.DataFrame:
-        """Every metric value (of `keys`, of `labels`): label, key, step, epoch, seq, ts, value in
-        (label, key, epoch, seq) order; with `wide`, a row per logged event and a column per key."""
+        """Every metric value (of `keys`, of `labels`): label, key, step, lease_epoch, life, seq, ts,
+        value in (label, key, lease_epoch, seq) order; with `wide`, a row per logged event and a column
+        per key. `lease_epoch` is the label's raw lease generation, `life` 1, 2, … per restart."""
         from runbus.storage import frames
 
         return self.api.read(
@@ -241,7 +242,7 @@ class StoredRun:
     def system(
         self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None
     ) -> pd.DataFrame:
-        """Every system sample (of `keys`, of `labels`): label, key, epoch, seq, ts, value."""
+        """Every system sample (of `keys`, of `labels`): label, key, lease_epoch, life, seq, ts, value."""
         from runbus.storage import frames
 
         return self.api.read(
@@ -254,8 +255,8 @@ class StoredRun:
         level: str | None = None,
         grep: str | None = None,
     ) -> pd.DataFrame:
-        """Every log line (of `labels`, at `level` or above, containing `grep`): label, epoch, seq,
-        ts, stream, level, text, by time."""
+        """Every log line (of `labels`, at `level` or above, containing `grep`): label, lease_epoch, life,
+        seq, ts, stream, level, text, by time."""
         from runbus.storage import frames
 
         return self.api.read(

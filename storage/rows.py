@@ -391,6 +391,7 @@ def label_summary(
         summary=values.get("summary", {}),
         name=values.get("name"),
         tags=values.get("tags"),
+        epochs=tuple(sorted(e for e, _, _ in epochs)),
     )
 
 

@@ -399,6 +399,13 @@ def run_state(labels: Iterable[LabelState], primary: str | None) -> RunState:
     return RunState(FINISHED, primary, 0, ended)
 
 
+def lives_of(epochs: Iterable[int]) -> dict[int, int]:
+    """Each of a label's lease epochs (see docs/wire.md) by its life: 1 for the first process
+    that held the label, 2 after its first restart, and so on, in ascending order of the epoch.
+    The raw epoch is a millisecond clock, which people would read as the training epoch."""
+    return {epoch: life for life, epoch in enumerate(sorted(set(epochs)), start=1)}
+
+
 def missing_count(max_seq_by_epoch: dict[int, int], seen_by_epoch: dict[int, int]) -> int:
     """Seq numbers never received: in each epoch, the highest seq less the distinct seqs seen."""
     return sum(top - seen_by_epoch.get(epoch, 0) for epoch, top in max_seq_by_epoch.items())

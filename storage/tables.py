@@ -77,7 +77,7 @@ def show_text(run: RunSummary) -> str:
             lab.label,
             "*" if lab.primary else "",
             lab.state if lab.exit_code is None else f"{lab.state} ({lab.exit_code})",
-            lab.epoch,
+            lab.life,
             lab.last_seq,
             lab.events,
             lab.missing,
@@ -87,14 +87,14 @@ def show_text(run: RunSummary) -> str:
     text = (
         "\n".join(head)
         + "\n\n"
-        + table(("LABEL", "PRIMARY", "STATE", "EPOCH", "LAST_SEQ", "EVENTS", "MISSING"), rows)
+        + table(("LABEL", "PRIMARY", "STATE", "LIFE", "LAST_SEQ", "EVENTS", "MISSING"), rows)
     )
-    gaps = [(lab.label, g) for lab in run.labels for g in lab.gaps]
+    gaps = [(lab.label, lab.lives.get(g.epoch), g) for lab in run.labels for g in lab.gaps]
     if gaps:
         text += "\n\ngaps (seq numbers that never arrived):\n" + "\n".join(
-            f"  {label} epoch {g.epoch}: seq {g.first}..{g.last} ({g.last - g.first + 1})"
+            f"  {label} life {life}: seq {g.first}..{g.last} ({g.last - g.first + 1})"
             + (f", {g.dropped} dropped by the producer (buffers full)" if g.dropped else ", unexplained")
-            for label, g in gaps
+            for label, life, g in gaps
         )
     for field, merged in (("config", run.config), ("summary", run.summary)):
         if merged:

@@ -19,6 +19,23 @@ from aiohttp.test_utils import TestClient
 from runbus import storage, wire
 from runbus.ingester.worker import Worker, WorkerSettings
 
+# Two lease epochs of a label as a producer takes them (docs/wire.md: milliseconds since 1970).
+FIRST_LIFE, SECOND_LIFE = 1_764_190_000_000, 1_764_190_005_000
+
+
+def restarted_run(run: str) -> list[wire.Event]:
+    """rank0 lives twice (restarted, its second life lost seq 3); rank1 once, later than both."""
+    return [
+        wire.Event(run, "rank0", "start", FIRST_LIFE, 1, 100.0, {"primary": True}),
+        wire.Event(run, "rank0", "metric", FIRST_LIFE, 2, 101.0, {"loss": 2.0}, 0),
+        wire.Event(run, "rank0", "start", SECOND_LIFE, 1, 105.0, {"primary": True}),
+        wire.Event(run, "rank0", "metric", SECOND_LIFE, 2, 106.0, {"loss": 1.5}, 1),
+        wire.Event(run, "rank0", "metric", SECOND_LIFE, 4, 107.0, {"loss": 1.0}, 2),
+        wire.Event(run, "rank0", "log", SECOND_LIFE, 5, 108.0, {"stream": "stdout", "text": "resumed"}),
+        wire.Event(run, "rank1", "start", SECOND_LIFE + 1, 1, 105.0, {"primary": False}),
+    ]
+
+
 # The open_stores fixture's (tests/conftest.py): open and connect a store, closed after the test.
 OpenStore = Callable[..., Awaitable[storage.Store]]
 

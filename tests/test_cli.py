@@ -18,7 +18,7 @@ from runbus import storage
 from runbus.cli import ROUTES
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import FIRST_LIFE, SECOND_LIFE, ingest, read_store, restarted_run, run_cli, xadd_event
 from tests.pgserver import public_tables
 
 
@@ -64,7 +64,8 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "primary": True,
             "state": "finished",
             "exit_code": 0,
-            "epoch": 1,
+            "lease_epoch": 1,
+            "life": 1,
             "last_seq": 7,
             "events": 7,
             "missing": 0,
@@ -80,11 +81,12 @@ def test_show_json_is_the_documented_object(redis_url, store_url):
             "primary": False,
             "state": "running",
             "exit_code": None,
-            "epoch": 1,
+            "lease_epoch": 1,
+            "life": 1,
             "last_seq": 9,
             "events": 7,
             "missing": 2,
-            "gaps": [{"epoch": 1, "first": 7, "last": 8, "dropped": 0}],
+            "gaps": [{"lease_epoch": 1, "life": 1, "first": 7, "last": 8, "dropped": 0}],
             "config": {},
             "summary": {},
             "name": None,
@@ -109,7 +111,7 @@ def test_metrics_json_and_table(redis_url, store_url):
         ("rank1", "loss", 1),
         ("rank1", "loss", 2),
     ]
-    assert set(points[0]) == {"label", "key", "step", "seq", "epoch", "ts", "value"}
+    assert set(points[0]) == {"label", "key", "step", "seq", "lease_epoch", "ts", "value"}
     only = json.loads(
         run_cli(
             "--store", store_url, "metrics", "cli-run", "--key", "loss", "--label", "rank1", "--json"
@@ -117,7 +119,7 @@ def test_metrics_json_and_table(redis_url, store_url):
     )
     assert [p["value"] for p in only] == [1.0, 0.5, 1.0 / 3]
     text = run_cli("--store", store_url, "metrics", "cli-run", "--key", "acc").stdout.splitlines()
-    assert text[0].split() == ["LABEL", "KEY", "STEP", "EPOCH", "SEQ", "VALUE"]
+    assert text[0].split() == ["LABEL", "KEY", "STEP", "LIFE", "SEQ", "VALUE"]
     assert text[1].split() == ["rank1", "acc", "2", "1", "9", "0.9"]
 
 
@@ -133,6 +135,42 @@ def test_runs_show_and_logs_as_text(redis_url, store_url):
     assert all(line.endswith("oops</b>") for line in logs)
     grep = run_cli("--store", store_url, "logs", "cli-run", "--label", "rank1", "--grep", "fine").stdout
     assert grep.count("\n") == 1 and "rank1" in grep
+
+
+def test_a_restart_reads_as_a_second_life_and_the_raw_epoch_stays_in_json(any_store_url):
+    write_events(any_store_url, restarted_run("again"))
+    shown = run_cli("--store", any_store_url, "show", "again").stdout
+    table = shown.split("\n\n")[1].splitlines()
+    assert table[0].split()[:4] == ["LABEL", "PRIMARY", "STATE", "LIFE"]
+    assert [row.split()[:4] for row in table[1:]] == [
+        ["rank0", "*", "running", "2"],
+        ["rank1", "running", "1", "1"],
+    ]
+    assert "  rank0 life 2: seq 3..3 (1), unexplained" in shown
+    assert str(SECOND_LIFE) not in shown  # the clock reads as a training epoch: people never see it
+
+    doc = json.loads(run_cli("--store", any_store_url, "show", "again", "--json").stdout)
+    labels = {lab["label"]: lab for lab in doc["labels"]}
+    assert (labels["rank0"]["lease_epoch"], labels["rank0"]["life"]) == (SECOND_LIFE, 2)
+    assert (labels["rank1"]["lease_epoch"], labels["rank1"]["life"]) == (SECOND_LIFE + 1, 1)
+    assert labels["rank0"]["gaps"] == [
+        {"lease_epoch": SECOND_LIFE, "life": 2, "first": 3, "last": 3, "dropped": 0}
+    ]
+    assert all("epoch" not in lab for lab in doc["labels"])
+
+    points = json.loads(run_cli("--store", any_store_url, "metrics", "again", "--json").stdout)
+    assert [(p["lease_epoch"], p["seq"]) for p in points] == [
+        (FIRST_LIFE, 2),
+        (SECOND_LIFE, 2),
+        (SECOND_LIFE, 4),
+    ]
+    text = run_cli("--store", any_store_url, "metrics", "again").stdout.splitlines()
+    assert [line.split()[:5] for line in text] == [
+        ["LABEL", "KEY", "STEP", "LIFE", "SEQ"],
+        ["rank0", "loss", "0", "1", "2"],
+        ["rank0", "loss", "1", "2", "2"],
+        ["rank0", "loss", "2", "2", "4"],
+    ]
 
 
 def test_unknown_run_and_bad_store_are_clear_errors(redis_url, store_url):
@@ -525,7 +563,9 @@ def test_tail_of_a_run_found_nowhere_exits_1_instead_of_waiting(redis_url, store
 def test_logs_and_runs_json_keep_their_shapes(redis_url, store_url):
     seed(redis_url, store_url)
     lines = json.loads(run_cli("--store", store_url, "logs", "cli-run", "--label", "rank0", "--json").stdout)
-    assert [set(line) for line in lines] == [{"label", "epoch", "seq", "ts", "stream", "level", "text"}] * 2
+    assert [set(line) for line in lines] == [
+        {"label", "lease_epoch", "seq", "ts", "stream", "level", "text"}
+    ] * 2
     assert [line["text"] for line in lines] == ["rank0 <b>oops</b>", "fine"]
     runs = json.loads(run_cli("--store", store_url, "runs", "--json").stdout)
     assert set(runs[0]) == {

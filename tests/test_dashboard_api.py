@@ -22,7 +22,15 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from runbus.dashboard import downsample, security
 from runbus.dashboard.api import create_app
-from tests.helpers import assert_idle_connections_closed, ingest, run_cli, xadd_event
+from tests.helpers import (
+    SECOND_LIFE,
+    OpenStore,
+    assert_idle_connections_closed,
+    ingest,
+    restarted_run,
+    run_cli,
+    xadd_event,
+)
 
 RUN = "resnet50-ddp"
 HOSTILE = "hostile-run"
@@ -233,7 +241,7 @@ async def test_run_has_labels_epochs_gaps_config_and_dead_letters(api):
     assert run["config"] == CONFIG
     labels = {lab["label"]: lab for lab in run["labels"]}
     assert labels["rank0"]["primary"] and not labels["rank1"]["primary"]
-    assert {lab["epoch"] for lab in labels.values()} == {1}
+    assert {(lab["lease_epoch"], lab["life"]) for lab in labels.values()} == {(1, 1)}
     assert labels["rank1"]["missing"] == 2 and run["gaps"] == 2
     rank2 = labels["rank2"]
     assert (rank2["host"], rank2["rank"], rank2["world_size"]) == ("gpu-node-1", 2, 4)
@@ -242,6 +250,21 @@ async def test_run_has_labels_epochs_gaps_config_and_dead_letters(api):
     assert other["dead_letters"]["run"] == 0 and other["dead_letters"]["total"] == 1
     assert (run["name"], run["tags"], run["summary"]) == (None, [], {})
     assert run["set_by"]["config"] == dict.fromkeys(CONFIG, "rank0")
+
+
+async def test_a_restarted_label_is_in_its_second_life_the_raw_epoch_named_lease_epoch(
+    open_stores: OpenStore, any_store_url: str
+):
+    store = await open_stores()
+    await store.write(restarted_run("again"))
+    async with TestClient(TestServer(create_app(any_store_url))) as client:
+        run = await get_json(client, "/api/runs/again")
+        logs = await get_json(client, "/api/runs/again/logs")
+    labels = {lab["label"]: lab for lab in run["labels"]}
+    assert (labels["rank0"]["lease_epoch"], labels["rank0"]["life"]) == (SECOND_LIFE, 2)
+    assert (labels["rank1"]["lease_epoch"], labels["rank1"]["life"]) == (SECOND_LIFE + 1, 1)
+    assert all("epoch" not in lab for lab in run["labels"])
+    assert [(line["lease_epoch"], line["text"]) for line in logs["lines"]] == [(SECOND_LIFE, "resumed")]
 
 
 async def test_run_has_its_name_tags_and_metadata_with_the_label_that_set_each(api):

@@ -470,6 +470,13 @@ def test_an_elastic_restart_is_drawn_as_two_segments_with_a_mark(page, site):
     assert segments[0]["color"] == segments[1]["color"]
     restarts = [r for r in loss["marks"]["restarts"] if r["label"]]  # a label's, not the band's
     assert [(r["label"], r["epoch"], r["x"]) for r in restarts] == [(seeds.RESTARTED, 2, 30)]
+    assert restarts[0]["text"] == f"{seeds.RESTARTED} restarted"
+    # The labels table numbers a label's lives 1, 2, …, the raw lease epoch in the cell's title.
+    page.locator(f"#labels tr[data-label='{seeds.RESTARTED}']").wait_for()
+    heads = page.locator("#labels .labels-table thead th").all_text_contents()
+    life = page.locator(f"#labels tr[data-label='{seeds.RESTARTED}'] td").nth(heads.index("Life"))
+    assert (life.inner_text(), life.get_attribute("title")) == ("2", "lease epoch 2")
+    assert page.locator("#labels tr[data-label='rank0'] td").nth(heads.index("Life")).inner_text() == "1"
     # By time, the restart's segment begins after the 20 s its restart took.
     page.click("#x-mode .segment[data-mode='relative']")
     by_time = drawn(page, chart("metrics", "train/loss"), "d.xKind === 'relative'")

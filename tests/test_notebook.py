@@ -36,11 +36,11 @@ from tests.test_cli import fails, missing, pipe_to_head, without
 RUN = "nb-run"
 T0 = 1_700_000_000.0
 TEXT = str(pd.Series(["text"], dtype="str").dtype)  # pandas' text dtype: 'str' from pandas 3, else 'object'
-HISTORY = ["label", "key", "step", "epoch", "seq", "ts", "value"]
-HISTORY_TYPES = [TEXT, TEXT, "Int64", "int64", "int64", "datetime64[us, UTC]", "float64"]
-SYSTEM = ["label", "key", "epoch", "seq", "ts", "value"]
-LOGS = ["label", "epoch", "seq", "ts", "stream", "level", "text"]
-LOG_TYPES = [TEXT, "int64", "int64", "datetime64[us, UTC]", TEXT, TEXT, TEXT]
+HISTORY = ["label", "key", "step", "lease_epoch", "life", "seq", "ts", "value"]
+HISTORY_TYPES = [TEXT, TEXT, "Int64", "int64", "int64", "int64", "datetime64[us, UTC]", "float64"]
+SYSTEM = ["label", "key", "lease_epoch", "life", "seq", "ts", "value"]
+LOGS = ["label", "lease_epoch", "life", "seq", "ts", "stream", "level", "text"]
+LOG_TYPES = [TEXT, "int64", "int64", "int64", "datetime64[us, UTC]", TEXT, TEXT, TEXT]
 RUNS = [
     "run_id",
     "name",
@@ -161,7 +161,7 @@ def history_rows(history: pd.DataFrame) -> list[tuple]:
             history.label,
             history.key,
             history.step,
-            history.epoch,
+            history.lease_epoch,
             history.seq,
             history.ts.astype("int64"),
             history.value,
@@ -184,14 +184,17 @@ def test_history_is_every_stored_value_as_runbus_metrics_lists_them(api, seeded)
     assert types(history) == HISTORY_TYPES
     assert len(history) == len(listed) == METRIC_VALUES
     expected = [
-        (p["label"], p["key"], p["step"], p["epoch"], p["seq"], micros(p["ts"]), p["value"]) for p in listed
+        (p["label"], p["key"], p["step"], p["lease_epoch"], p["seq"], micros(p["ts"]), p["value"])
+        for p in listed
     ]
     assert sorted(history_rows(history), key=repr) == sorted(expected, key=repr)
     # In (label, key, epoch, seq) order, both epochs of rank0 there.
-    order = list(zip(history.label, history.key, history.epoch, history.seq, strict=True))
+    order = list(zip(history.label, history.key, history.lease_epoch, history.seq, strict=True))
     assert order == sorted(order)
-    assert set(history[history.label == "rank0"].epoch) == {1, 2}
-    loss = history[(history.label == "rank0") & (history.key == "loss") & (history.epoch == 1)]
+    rank0 = history[history.label == "rank0"]
+    assert set(zip(rank0.lease_epoch, rank0.life, strict=True)) == {(1, 1), (2, 2)}
+    assert set(history[history.label != "rank0"].life) == {1}
+    loss = history[(history.label == "rank0") & (history.key == "loss") & (history.lease_epoch == 1)]
     assert [json_value(v) for v in loss.value[:4]] == [0.5, "NaN", "Infinity", "-Infinity"]
     assert history.step.isna().sum() == 3 * len([s for s in range(2, 42) if _step(s) is None])
     assert str(history.ts.iloc[0]) == "2023-11-14 22:13:22+00:00"
@@ -242,25 +245,30 @@ def test_wide_history_is_a_row_per_logged_event_and_a_column_per_key(api):
     wide = run.history(wide=True)
     assert list(wide.columns) == [
         "label",
-        "epoch",
+        "lease_epoch",
+        "life",
         "seq",
         "step",
         "ts",
         "acc",
-        "metric:epoch",
+        "epoch",
         UNICODE_KEY,
         "loss",
         "metric:step",
     ]
-    assert types(wide) == [TEXT, "int64", "int64", "Int64", "datetime64[us, UTC]"] + ["float64"] * 5
+    assert types(wide) == [TEXT, "int64", "int64", "int64", "Int64", "datetime64[us, UTC]"] + ["float64"] * 5
     assert len(wide) == 40 + 20 + 31  # every metric event, once
-    events = list(zip(wide.label, wide.epoch, wide.seq, strict=True))
+    events = list(zip(wide.label, wide.lease_epoch, wide.seq, strict=True))
     assert events == sorted(events) and len(set(events)) == len(events)
     # Every value of the long table is in its event's row, and nothing else is there.
     long = history.rename(columns={"value": "long"})
-    melted = wide.melt(id_vars=["label", "epoch", "seq", "step", "ts"], var_name="column", value_name="wide")
+    melted = wide.melt(
+        id_vars=["label", "lease_epoch", "life", "seq", "step", "ts"], var_name="column", value_name="wide"
+    )
     melted["key"] = melted.column.map(lambda name: name.removeprefix("metric:"))
-    both = melted.merge(long, on=["label", "epoch", "seq", "key"], how="left", suffixes=("", "_long"))
+    both = melted.merge(
+        long, on=["label", "lease_epoch", "life", "seq", "key"], how="left", suffixes=("", "_long")
+    )
     logged = both.long.notna() | both.step_long.notna() | both.ts_long.notna()
     assert logged.sum() == len(history)
     assert np.array_equal(both.wide[logged], both.long[logged], equal_nan=True)
@@ -268,10 +276,11 @@ def test_wide_history_is_a_row_per_logged_event_and_a_column_per_key(api):
     assert (both.step[logged].fillna(-1) == both.step_long[logged].fillna(-1)).all()
     assert (both.ts[logged] == both.ts_long[logged]).all()
     first = wide.iloc[1]  # rank0, epoch 1, seq 3
-    assert (first.label, first.epoch, first.seq, first.step) == ("rank0", 1, 3, 30)
+    assert (first.label, first.lease_epoch, first.life, first.seq, first.step) == ("rank0", 1, 1, 3, 30)
     assert math.isnan(first["loss"]) and first["acc"] == 0.03 and math.isnan(first[UNICODE_KEY])
-    restarted = wide[(wide.label == "rank0") & (wide.epoch == 2)]
-    assert list(restarted.seq) == list(range(2, 22)) and list(restarted["metric:epoch"]) == [5.0] * 20
+    restarted = wide[(wide.label == "rank0") & (wide.lease_epoch == 2)]
+    assert set(restarted.life) == {2}
+    assert list(restarted.seq) == list(range(2, 22)) and list(restarted["epoch"]) == [5.0] * 20
 
 
 def test_runs_are_a_row_each_with_what_runbus_show_says(api, seeded):
@@ -328,7 +337,7 @@ def test_logs_are_every_line_by_time_as_runbus_logs_lists_them(api, seeded):
         assert [
             (
                 line["label"],
-                line["epoch"],
+                line["lease_epoch"],
                 line["seq"],
                 micros(line["ts"]),
                 line["stream"],
@@ -338,9 +347,11 @@ def test_logs_are_every_line_by_time_as_runbus_logs_lists_them(api, seeded):
             for line in listed
         ] == list(
             zip(
-                *(logs[c] for c in LOGS[:3]),
+                logs.label,
+                logs.lease_epoch,
+                logs.seq,
                 logs.ts.astype("int64"),
-                *(logs[c] for c in LOGS[4:]),
+                *(logs[c] for c in LOGS[5:]),
                 strict=True,
             )
         )
@@ -358,14 +369,14 @@ def test_logs_are_every_line_by_time_as_runbus_logs_lists_them(api, seeded):
 def test_system_is_every_sample_in_label_key_order(api, seeded):
     system = api.run(RUN).system()
     assert list(system.columns) == SYSTEM
-    assert types(system) == [TEXT, TEXT, "int64", "int64", "datetime64[us, UTC]", "float64"]
+    assert types(system) == [TEXT, TEXT, "int64", "int64", "int64", "datetime64[us, UTC]", "float64"]
     stored = read_store(seeded, "system", RUN)
     assert len(system) == len(stored) == 13
     rows = list(
         zip(
             system.label,
             system.key,
-            system.epoch,
+            system.lease_epoch,
             system.seq,
             system.ts.astype("int64"),
             system.value,
@@ -450,8 +461,8 @@ def test_a_run_without_values_has_empty_tables_of_the_same_columns(store_url):
         run = api.run("quiet")
         history, wide = run.history(), run.history(wide=True)
         assert (len(history), list(history.columns), types(history)) == (0, HISTORY, HISTORY_TYPES)
-        assert (len(wide), list(wide.columns)) == (0, ["label", "epoch", "seq", "step", "ts"])
-        assert types(wide) == [TEXT, "int64", "int64", "Int64", "datetime64[us, UTC]"]
+        assert (len(wide), list(wide.columns)) == (0, ["label", "lease_epoch", "life", "seq", "step", "ts"])
+        assert types(wide) == [TEXT, "int64", "int64", "int64", "Int64", "datetime64[us, UTC]"]
         assert (len(run.logs()), types(run.logs())) == (0, LOG_TYPES)
         assert len(run.system()) == 0
         runs = api.runs()
@@ -512,7 +523,8 @@ def read_csv(path: Path, what: str) -> pd.DataFrame:
         "label": "str",
         "key": "str",
         "step": "Int64",
-        "epoch": "int64",
+        "lease_epoch": "int64",
+        "life": "int64",
         "seq": "int64",
         "value": "float64",
     }
@@ -561,7 +573,7 @@ def test_export_defaults_to_metrics_as_csv_on_stdout(api, seeded, tmp_path):
     printed = run_cli("export", RUN, "--store", seeded).stdout
     assert printed == run_cli("--store", seeded, "export", RUN, "--format", "csv", "--what", "metrics").stdout
     assert printed.splitlines()[0] == ",".join(HISTORY)
-    assert printed.splitlines()[1].startswith("rank0,acc,20,1,2,2023-11-14 22:13:22+00:00,0.02")
+    assert printed.splitlines()[1].startswith("rank0,acc,20,1,1,2,2023-11-14 22:13:22+00:00,0.02")
     back = pd.read_csv(io.StringIO(printed), dtype={"step": "Int64"})
     assert len(back) == len(history) == METRIC_VALUES
     jsonl = run_cli("--store", seeded, "export", RUN, "--format", "jsonl", "--out", "-").stdout.splitlines()
@@ -571,7 +583,8 @@ def test_export_defaults_to_metrics_as_csv_on_stdout(api, seeded, tmp_path):
         "label": "rank0",
         "key": "loss",
         "step": 30,
-        "epoch": 1,
+        "lease_epoch": 1,
+        "life": 1,
         "seq": 3,
         "ts": "2023-11-14T22:13:23+00:00",
         "value": "NaN",

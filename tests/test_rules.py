@@ -24,6 +24,7 @@ from runbus.storage.rules import (
     crash,
     decide_primary,
     latest_settings,
+    lives_of,
     merge_ranges,
     merge_settings,
     missing_count,
@@ -80,6 +81,12 @@ def test_a_new_epoch_runs_again_and_an_old_finish_does_not_end_it():
     for order in (events, events[::-1]):
         state = fold("rank0", order)
         assert (state.state, state.epoch, state.last_seq) == (RUNNING, 2, 1)
+
+
+def test_a_labels_lives_number_its_epochs_from_one_in_ascending_order():
+    restarted = [1_764_190_005_000, 1_764_190_000_000, 1_764_190_005_000, 1_764_190_009_000]
+    assert lives_of(restarted) == {1_764_190_000_000: 1, 1_764_190_005_000: 2, 1_764_190_009_000: 3}
+    assert lives_of([7]) == {7: 1} and lives_of([]) == {}
 
 
 def test_missing_counts_per_epoch():

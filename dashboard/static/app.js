@@ -397,7 +397,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
 
   function labelsTable(run, settings) {
     const dead = run.dead_letters.labels || {};
-    const head = ['Label', 'State', 'Epoch', 'Last seq', 'Events', 'Gaps', 'Dead letters', 'Host', 'Last event'];
+    const head = ['Label', 'State', 'Life', 'Last seq', 'Events', 'Gaps', 'Dead letters', 'Host', 'Last event'];
     return el('table', { class: 'table labels-table' },
       el('thead', null, el('tr', null, head.map((h) => el('th', null, h)))),
       el('tbody', null, run.labels.slice(0, settings.labelRows).map((lab) => {
@@ -411,7 +411,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
         return el('tr', { dataset: { label: lab.label } },
           el('td', { class: 'mono nowrap' }, toggle, lab.primary ? el('span', { class: 'primary', title: 'primary' }, 'primary') : null),
           el('td', null, stateBadge(lab.state, lab.exit_code)),
-          el('td', { class: 'num' }, lab.epoch),
+          el('td', { class: 'num', title: 'lease epoch ' + lab.lease_epoch }, lab.life),
           el('td', { class: 'num' }, count(lab.last_seq)),
           el('td', { class: 'num' }, count(lab.events)),
           el('td', { class: 'num' + (lab.missing ? ' warn' : '') }, count(lab.missing)),

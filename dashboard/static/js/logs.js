@@ -65,7 +65,7 @@ export function logsPanel(runId) {
       const atBottom = list.scrollTop + list.clientHeight >= list.scrollHeight - 8;
       if (reset) list.replaceChildren();
       const fresh = doc.lines.filter((line) => {
-        const id = line.label + '/' + line.epoch + '/' + line.seq;
+        const id = line.label + '/' + line.lease_epoch + '/' + line.seq;
         if (seen.has(id)) return false;
         seen.add(id);
         return true;

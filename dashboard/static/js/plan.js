@@ -93,7 +93,7 @@ export function plan(parts, { xMode = 'step', smoothing = 0, log = false, hidden
       LO.push(cleanY(line.lo[i], log));
       HI.push(cleanY(line.hi[i], log));
     }
-    if (restarted) out.marks.restarts.push({ x: xs[0], label: line.label, epoch: line.epoch, text: line.label + ' e' + line.epoch, color });
+    if (restarted) out.marks.restarts.push({ x: xs[0], label: line.label, epoch: line.epoch, text: line.label + ' restarted', color });
     const meta = { label: line.label, epoch: line.epoch, name, color };
     const columns = [];
     if (smooth) {
