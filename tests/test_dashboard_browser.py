@@ -749,7 +749,8 @@ def test_compare_lists_the_config_keys_that_differ_in_colours_far_apart(page, si
     page.goto(f"{url}#/compare/{RUN},{HOSTILE}")
     row = page.locator("#compare-config tr[data-key='<i>k</i>']")
     assert row.locator("th").text_content().startswith("<i>k</i>")
-    assert row.locator(f"td[data-run='{HOSTILE}']").text_content() == "<script>window.__pwned = 'config2'</script>"
+    value = row.locator(f"td[data-run='{HOSTILE}']").text_content()
+    assert value == "<script>window.__pwned = 'config2'</script>"
     assert page.evaluate("window.__pwned") is None
 
 
