@@ -6,6 +6,8 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 "Infinity", "-Infinity".
 
 - `/api/runs?limit=100&offset=0`: runs, newest first, with labels (state, primary) and counts
+- `/api/compare/config?run=RUN&run=RUN...` (up to 16): the config keys (flattened, dotted) whose
+  redacted values differ between the runs, with each run's value and the runs that lack the key
 - `/api/runs/RUN`: one run: labels with their life (`life`: 1, then 2 after a restart, …; the raw
   lease epoch as `lease_epoch`) and gaps (`missing`) and what each set, counts, name, tags,
   config and summary (merged, with `set_by`: the label of each value), dead letters
@@ -37,7 +39,7 @@ import orjson
 from aiohttp import web
 
 from runbus import storage, wire
-from runbus.dashboard import downsample, envelopes, security
+from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, AmbiguousRun, InvalidName, StoreRejected
 from runbus.storage import base, documents, lookup, system_charts
@@ -58,6 +60,7 @@ MAX_HOST = 256
 DEFAULT_LABELS = 1000
 MAX_LABELS = 100_000
 DEFAULT_STRAGGLERS = 2048
+MAX_COMPARED = 16  # runs whose configs one request compares (the page compares up to 8)
 
 STORE: web.AppKey[storage.Store] = web.AppKey("store", storage.Store)
 DEAD_LETTERS: web.AppKey[DeadLetters] = web.AppKey("dead_letters", DeadLetters)
@@ -128,8 +131,13 @@ def _points(request: web.Request) -> int:
 async def _run_id(request: web.Request) -> str:
     """The id of the run the URL names: its id, or a unique prefix of it (storage.lookup); as
     given where no run has it, for the route's own 404."""
+    return await _resolved(request, request.match_info["run"])
+
+
+async def _resolved(request: web.Request, text: str) -> str:
+    """The id of the run `text` names (its id or a unique prefix), else `text` itself."""
     try:
-        given = wire.check_name("run id", request.match_info["run"])
+        given = wire.check_name("run id", text)
     except InvalidName as exc:
         raise BadParameter(str(exc)) from None
     try:
@@ -441,6 +449,20 @@ async def labels(request: web.Request) -> web.Response:
     return _json(envelopes.labels_document(run_id, starts, offset, limit))
 
 
+async def compare_config(request: web.Request) -> web.Response:
+    given = list(dict.fromkeys(run for run in request.query.getall("run", []) if run))
+    if not 1 <= len(given) <= MAX_COMPARED:
+        raise BadParameter(f"run must be given 1 to {MAX_COMPARED} times, got {len(given)}")
+    configs: dict[str, dict[str, Any] | None] = {}
+    for text in given:
+        run_id = await _resolved(request, text)
+        summary = await request.app[STORE].run(run_id)
+        if summary is None:
+            raise web.HTTPNotFound(reason=f"unknown run {run_id!r}")
+        configs[summary.run_id] = summary.config
+    return _json(configdiff.config_diff(configs))
+
+
 async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
@@ -490,6 +512,7 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.cleanup_ctx.append(lifetime)
     app.router.add_get("/", index)
     app.router.add_get("/api/runs", runs)
+    app.router.add_get("/api/compare/config", compare_config)
     app.router.add_get("/api/runs/{run}", run)
     app.router.add_get("/api/runs/{run}/metrics", metric_keys)
     app.router.add_get("/api/runs/{run}/metrics/series", metric_series)

@@ -98,7 +98,7 @@ def seed_sweep(client: redis.Redis, run: str = SWEEP, ranks: int = SWEEP_RANKS, 
             "git": git_state(label),
         }
         if rank == 0:
-            start["config"] = {"model": "llama-1b", "lr": 3e-4}
+            start["config"] = sweep_config(rate)
         writer.add("start", start, ts=SWEEP_T0)
         ts = SWEEP_T0 + 1
         for step in range(SWEEP_STEPS):
@@ -130,6 +130,19 @@ def seed_sweep(client: redis.Redis, run: str = SWEEP, ranks: int = SWEEP_RANKS, 
                 writer.add("system", system, ts=ts + 0.01)
         writer.add("finish", {"exit_code": 0}, ts=ts + 1)
     pipe.execute()
+
+
+def sweep_config(rate: float) -> dict:
+    """A sweep's config: its learning rate by `rate`, and a token only where `rate` is not 1."""
+    config: dict = {
+        "model": "llama-1b",
+        "lr": 3e-4 * rate,
+        "optimizer": {"name": "adamw", "betas": [0.9, 0.95]},
+        "data": {"seq_len": 2048},
+    }
+    if rate != 1.0:
+        config["hf_token"] = SECRET
+    return config
 
 
 def sweep_metrics(rank: int, step: int, rate: float = 1.0, outlier: bool = True) -> dict:

@@ -726,6 +726,41 @@ def test_compare_runs_on_the_same_charts(page, site):
         page.screenshot(path=str(Path(target) / "compare.png"))
 
 
+def test_compare_lists_the_config_keys_that_differ_in_colours_far_apart(page, site):
+    url = site[0]
+    runs = [RUN, seeds.SWEEP, seeds.SWEEP_FAST]
+    page.goto(f"{url}#/compare/{','.join(runs)}")
+    page.wait_for_selector("#compare-config tr.config-diff")
+    keys = page.locator("#compare-config tr.config-diff").evaluate_all("rows => rows.map(r => r.dataset.key)")
+    assert {"model", "lr", "hf_token", "optimizer.lr", "optimizer.weight_decay", "data.seq_len"} <= set(keys)
+    assert "optimizer.name" not in keys  # adamw in all three
+    token = page.locator("#compare-config tr[data-key='hf_token']")
+    assert token.locator(f"td[data-run='{seeds.SWEEP_FAST}']").inner_text() == "***"
+    assert token.locator(f"td[data-run='{seeds.SWEEP}']").inner_text() == "not set"
+    assert token.locator(".only-in").inner_text() == "in 1 of 3"
+    assert seeds.SECRET not in page.content()
+    # Each run in its own colour, the same in the legend and the table: Okabe-Ito's first three.
+    legend = page.locator("#compare-runs .swatch").evaluate_all("s => s.map(e => e.style.background)")
+    table = page.locator("#compare-config thead .swatch").evaluate_all("s => s.map(e => e.style.background)")
+    assert legend == table == ["rgb(0, 114, 178)", "rgb(230, 159, 0)", "rgb(0, 158, 115)"]
+    # Two runs alike but for their learning rate and a token: those keys alone.
+    page.goto(f"{url}#/compare/{seeds.SWEEP},{seeds.SWEEP_FAST}")
+    page.wait_for_function(
+        "() => document.querySelectorAll('#compare-config tr.config-diff').length === 2"
+        " && document.querySelector('#compare-config thead th:last-child').textContent === 'sweep-8-fast'"
+    )
+    keys = page.locator("#compare-config tr.config-diff").evaluate_all("rows => rows.map(r => r.dataset.key)")
+    assert keys == ["hf_token", "lr"]
+    assert "4 keys with one value in every run" in page.locator("#compare-config").inner_text()
+    # A hostile key and value stay text.
+    page.goto(f"{url}#/compare/{RUN},{HOSTILE}")
+    row = page.locator("#compare-config tr[data-key='<i>k</i>']")
+    assert row.locator("th").text_content().startswith("<i>k</i>")
+    value = row.locator(f"td[data-run='{HOSTILE}']").text_content()
+    assert value == "<script>window.__pwned = 'config2'</script>"
+    assert page.evaluate("window.__pwned") is None
+
+
 # -- logs, and strings from the bus ----------------------------------------------------------------
 
 

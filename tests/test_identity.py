@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import orjson
@@ -516,6 +517,15 @@ def test_torchrun_without_a_rendezvous_id(redis_url):
     command = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port())]
     result = run_job([*command, str(TRAIN), "--print-json", "--steps", "3"], redis_url)
     assert assert_one_run(result, redis_url, "torchrun").startswith("torchrun-")
+
+
+def test_torchrun_on_one_node_gives_its_uuid4_as_the_run_id(redis_url):
+    # torch 2.13's torchrun on one node, with no port and no rendezvous given, makes itself a
+    # c10d rendezvous with a fresh uuid4 id (torch.distributed.run.run): every rank reads it.
+    command = [str(BIN / "torchrun"), "--nproc-per-node", "2"]
+    result = run_job([*command, str(TRAIN), "--print-json", "--steps", "3"], redis_url)
+    run_id = assert_one_run(result, redis_url, "torchrun")
+    assert uuid.UUID(run_id).version == 4
 
 
 def test_accelerate_launch(redis_url):

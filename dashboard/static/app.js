@@ -26,6 +26,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
   const MAX_COMPARED = 8;
   const TABS = ['charts', 'stragglers', 'hardware'];
   const ZOOM_SETTLE_MS = 250;
+  const ENVELOPE_GREY = '#98a2b3';
 
   // A run's labels in their natural order (rank2 before rank10), as every list on the page shows them.
   function byLabel(labels) {
@@ -432,7 +433,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
       const key = prefix ? prefix + '.' + name : name;
       const first = top ?? name;
       if (item && typeof item === 'object' && !Array.isArray(item) && Object.keys(item).length) flatten(item, key, out, first);
-      else out.push([key, typeof item === 'string' ? item : JSON.stringify(item), first]);
+      else out.push([key, configText(item), first]);
     }
     return out;
   }
@@ -537,9 +538,12 @@ import { chartToolbar, pager } from './js/toolbar.js';
       mode, xMode: settings.xMode, range: zoomed(zoom), owners: owners.get(key),
     }));
     const legend = el('div', { class: 'compare-runs', id: 'compare-runs' });
+    const configBody = el('div', { class: 'config-wrap' });
     main.replaceChildren(
       el('section', { class: 'card' }, el('div', { class: 'card-head' }, el('h2', null, 'Runs compared'),
         el('span', { class: 'muted' }, 'each in its own colour')), legend),
+      el('section', { class: 'card', id: 'compare-config' }, el('div', { class: 'card-head' }, el('h2', null, 'Config differences'),
+        el('span', { class: 'muted' }, 'the keys whose values differ')), configBody),
       el('section', { class: 'card', id: 'metrics' },
         el('div', { class: 'card-head' }, el('h2', null, 'Metrics'), el('span', { class: 'spacer' }), keyPager.element),
         toolbar.element, grid.element));
@@ -570,13 +574,15 @@ import { chartToolbar, pager } from './js/toolbar.js';
         throw error;
       })));
       if (stopped) return;
+      found.forEach((r, i) => { r.color = runColor(i); });
       runs = found.filter((r) => !r.missing);
       legend.replaceChildren(...found.map((r) => el('span', { class: 'compare-run', dataset: { run: r.run_id } },
-        swatch(runColor(r.run_id)),
+        swatch(r.color),
         r.missing ? el('span', { class: 'mono bad' }, r.run_id + ' (' + r.missing + ')')
           : el('a', { class: 'mono', href: '#/run/' + encodeURIComponent(r.run_id) }, r.run_id),
         r.missing ? null : stateBadge(r.state, r.exit_code),
         r.missing ? null : el('span', { class: 'muted' }, count(r.labels.length) + (r.labels.length === 1 ? ' label' : ' labels')))));
+      if (runs.length) configBody.replaceChildren(configDiffTable(await sources.compareConfig(runs.map((r) => r.run_id)), runs));
       await refreshKeys();
       await grid.refresh();
       if (runs.every((r) => r.state !== 'running')) polling.stop();
@@ -588,6 +594,28 @@ import { chartToolbar, pager } from './js/toolbar.js';
         grid.destroy();
       },
     };
+  }
+
+  // A row per differing key, a column per run (in its colour); a key some runs lack says so.
+  function configDiffTable(diff, runs) {
+    const same = count(diff.equal) + (diff.equal === 1 ? ' key' : ' keys') + ' with one value in every run';
+    if (!diff.keys.length) return el('p', { class: 'empty' }, 'No config differences: ' + same + '.');
+    const colorOf = new Map(runs.map((r) => [r.run_id, r.color]));
+    const head = el('tr', null, el('th', null, 'Key'),
+      diff.runs.map((id) => el('th', { class: 'mono' }, swatch(colorOf.get(id) || ENVELOPE_GREY), id)));
+    const rows = diff.keys.map((row) => el('tr', { class: row.missing.length ? 'config-diff partial' : 'config-diff', dataset: { key: row.key } },
+      el('th', { class: 'mono' }, row.key,
+        row.missing.length ? el('span', { class: 'badge only-in', title: 'not set in ' + row.missing.join(', ') },
+          'in ' + (diff.runs.length - row.missing.length) + ' of ' + diff.runs.length) : null),
+      diff.runs.map((id) => (Object.hasOwn(row.values, id)
+        ? el('td', { class: 'mono', dataset: { run: id } }, configText(row.values[id]))
+        : el('td', { class: 'muted absent', dataset: { run: id }, title: 'not set in ' + id }, 'not set')))));
+    return el('div', null, el('table', { class: 'table config-table config-diff-table' }, el('thead', null, head), el('tbody', null, rows)),
+      el('p', { class: 'muted' }, same + ' not shown.'));
+  }
+
+  function configText(item) {
+    return typeof item === 'string' ? item : JSON.stringify(item);
   }
 
   window.addEventListener('hashchange', route);

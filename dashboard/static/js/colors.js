@@ -41,9 +41,13 @@ export function labelColor(name) {
   return color;
 }
 
-// A run's colour on the compare page: from its id, like a label's.
-export function runColor(runId) {
-  return colorOfSlot(hash('run:' + runId) % 9973);
+// The compared runs' colours, by their place in the comparison: Okabe and Ito's palette, told
+// apart with any colour vision (pairwise CIEDE2000 above 20: tests/test_compare.py). A hash of
+// the id, as labels have, let two of three runs take near greens.
+const RUNS = ['#0072b2', '#e69f00', '#009e73', '#cc79a7', '#56b4e9', '#d55e00', '#f0e442', '#000000'];
+
+export function runColor(index) {
+  return index < RUNS.length ? RUNS[index] : colorOfSlot(index + 10);
 }
 
 export function withAlpha(hex, alpha) {

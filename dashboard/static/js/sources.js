@@ -11,9 +11,9 @@
 //   stragglers    GET /stragglers: step times per label and step bucket, slowest labels first
 //   labelHardware GET /labels: each label's host, hardware, command line and git state (redacted)
 //   compare*      the same, once per run compared
+//   compareConfig GET /api/compare/config: the config keys on which the runs differ (redacted)
 
 import { ApiError, api, runPath } from './api.js';
-import { runColor } from './colors.js';
 import { num } from './dom.js';
 import { byName, envelopeOf, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './series.js';
 
@@ -265,12 +265,17 @@ export async function compareKeyPage(runIds, { query = '', offset = 0, limit = K
   return { keys: page, total: keys.length, offset: start, error: pattern.error, owners: new Map(page.map((key) => [key, owners.get(key)])) };
 }
 
+// The config keys whose values differ between the runs, each run's value (one request).
+export function compareConfig(runIds) {
+  return api('/api/compare/config', { run: runIds });
+}
+
 // One key across runs, each run in its colour: its envelope (the line of a one-label run) or
 // its primary label's line. One request per run that logged the key (`owners`).
 export async function compareChart(runs, key, { mode = 'envelope', xMode = 'step', range = null, owners = null } = {}) {
   const logged = owners ? runs.filter((r) => owners.has(r.run_id)) : runs;
   const parts = await Promise.all(logged.map(async (runDoc) => {
-    const base = { color: runColor(runDoc.run_id), prefix: runDoc.run_id, t0: runDoc.started_ts };
+    const base = { color: runDoc.color, prefix: runDoc.run_id, t0: runDoc.started_ts };
     try {
       if (mode === 'primary') {
         if (!runDoc.primary) return null;
