@@ -477,7 +477,7 @@ def test_redis_restarted_empty_never_repeats_an_epoch(empty_on_restart, store_ur
     shown = json.loads(run_cli("--store", store_url, "show", "amnesia", "--json").stdout)
     assert (shown["state"], shown["exit_code"]) == ("finished", 0)
     (label,) = shown["labels"]
-    assert (label["epoch"], label["missing"], label["state"]) == (second_epoch, 0, "finished")
+    assert (label["lease_epoch"], label["missing"], label["state"]) == (second_epoch, 0, "finished")
     assert label["events"] == first_events + second_events
     points = read_store(store_url, "metrics", "amnesia")
     assert [(p.epoch, p.step) for p in points if p.epoch == second_epoch] == [
