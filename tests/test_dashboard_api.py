@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -468,7 +469,11 @@ async def test_dead_letters_are_null_when_redis_is_unreachable(seeded):
 def serve(
     store_url: str, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`runbus --log-level INFO --store URL serve --port 0 ARGS` running: its base URL and process."""
+    """`runbus --log-level INFO --store URL serve --port 0 ARGS` running: its base URL and process
+    (whose `stderr` reads its log from the start)."""
+    # The log goes to a file, not a pipe: the access log of a long module (the browser tests) fills
+    # a pipe nobody reads, and the server then blocks writing its next line.
+    log = tempfile.NamedTemporaryFile("w", prefix="runbus-serve-", suffix=".log")  # noqa: SIM115
     process = subprocess.Popen(
         [
             sys.executable,
@@ -484,10 +489,11 @@ def serve(
             *args,
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
         env={**os.environ, **(env or {})},
     )
+    process.stderr = open(log.name)  # noqa: SIM115 (closed below)
     try:
         deadline, url = time.monotonic() + 30, None
         while url is None and time.monotonic() < deadline and process.poll() is None:
@@ -505,6 +511,7 @@ def serve(
         finally:
             process.stdout.close()
             process.stderr.close()
+            log.close()
 
 
 def test_serve_refuses_other_addresses_without_a_token(store_url):
