@@ -146,19 +146,30 @@ every_kind = st.lists(
 )
 
 
-@given(every_kind, st.randoms(use_true_random=False), st.integers(1, 6))
-def test_state_is_the_finish_rule_folded_in_position_order(raw, rnd: random.Random, batches):
-    """Any arrival order, duplicates and batch cuts give the state the rule defines."""
+def rank0_events(raw) -> list:
+    """rank0's events of `raw` ((epoch, seq, kind, exit code) tuples), one per position."""
     by_position = {}
     for epoch, seq, kind, code in raw:
         data = {"exit_code": code} if kind == "finish" else {"primary": True} if kind == "start" else {}
         by_position[epoch, seq] = ev("rank0", kind, epoch, seq, **data)
-    events = list(by_position.values())
+    return list(by_position.values())
+
+
+def applied_shuffled(events: list, rnd: random.Random, batches: int) -> LabelState:
+    """rank0's state after `events`, with duplicates, shuffled and cut into `batches` batches."""
     mixed = events + rnd.sample(events, k=min(5, len(events)))
     rnd.shuffle(mixed)
     label = LabelState("r", "rank0")
     for n in range(batches):
         label = apply_events(label, mixed[n * len(mixed) // batches : (n + 1) * len(mixed) // batches])
+    return label
+
+
+@given(every_kind, st.randoms(use_true_random=False), st.integers(1, 6))
+def test_state_is_the_finish_rule_folded_in_position_order(raw, rnd: random.Random, batches):
+    """Any arrival order, duplicates and batch cuts give the state the rule defines."""
+    events = rank0_events(raw)
+    label = applied_shuffled(events, rnd, batches)
     assert (label.state, label.exit_code) == lives(events)
 
 
@@ -217,16 +228,8 @@ def test_a_null_finish_after_every_event_gives_crashed_unless_a_finish_said_how(
     """The notice comes after everything its rank wrote, in a newer epoch: whatever order and
     batch cuts the rank's own events arrive in, the label is crashed unless a finish with a code
     ended its latest life."""
-    by_position = {}
-    for epoch, seq, kind, code in raw:
-        data = {"exit_code": code} if kind == "finish" else {"primary": True} if kind == "start" else {}
-        by_position[epoch, seq] = ev("rank0", kind, epoch, seq, **data)
-    events = list(by_position.values())
-    mixed = events + rnd.sample(events, k=min(5, len(events)))
-    rnd.shuffle(mixed)
-    label = LabelState("r", "rank0")
-    for n in range(batches):
-        label = apply_events(label, mixed[n * len(mixed) // batches : (n + 1) * len(mixed) // batches])
+    events = rank0_events(raw)
+    label = applied_shuffled(events, rnd, batches)
     label = apply_events(label, [ev("rank0", "finish", 4, 1, exit_code=None)])
     state, code = lives(events)
     assert (label.state, label.exit_code) == ((CRASHED, None) if state == RUNNING else (state, code))
