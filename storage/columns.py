@@ -404,12 +404,25 @@ def use(name: str) -> None:
     if name not in PATHS:
         raise ValueError(f"unknown column path {name!r}: use one of {', '.join(PATHS)}")
     if name == "numpy":
-        from runbus.storage import columns_numpy
+        import numpy  # noqa: F401  # ImportError here, where the switch is asked for
 
-        encode_chunk, decode_chunk = columns_numpy.encode_chunk, columns_numpy.decode_chunk
+        encode_chunk, decode_chunk = _encode_with_numpy, _decode_with_numpy
     else:
         encode_chunk, decode_chunk = encode_reference, decode_reference
     path_in_use = name
+
+
+# Looked up at each call: columns_numpy imports this module, and may be what is importing it.
+def _encode_with_numpy(chunk: Chunk) -> bytes:
+    from runbus.storage import columns_numpy
+
+    return columns_numpy.encode_chunk(chunk)
+
+
+def _decode_with_numpy(blob: bytes) -> Chunk:
+    from runbus.storage import columns_numpy
+
+    return columns_numpy.decode_chunk(blob)
 
 
 def _use_the_fastest() -> None:

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import base, charts, rollups, rows
+from runbus.storage import base, charts, chunking, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
     LabelSummary,
@@ -30,7 +30,7 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
-from runbus.storage.rules import LabelState, Setting, apply_events, crash, out_of_reach, run_state
+from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -102,6 +102,33 @@ ROLLUPS_SCHEMA = """
         bins BLOB NOT NULL,
         PRIMARY KEY (key_id, width, axis, generation, bucket, slot)
     ) WITHOUT ROWID
+"""
+
+# Migration 8, column chunks (storage/chunking.py): values move from the metrics and system rows
+# (the head) into chunks. Every label epoch already stored is marked due, so workers compact the
+# store a label epoch at a time (compact_due), while they go on taking batches.
+CHUNKS_SCHEMA = f"""
+    CREATE TABLE chunks (
+        label_id INTEGER NOT NULL,
+        series_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        first_seq INTEGER NOT NULL,
+        last_seq INTEGER NOT NULL,
+        points INTEGER NOT NULL,
+        min_step INTEGER,
+        max_step INTEGER,
+        first_ts REAL NOT NULL,
+        last_ts REAL NOT NULL,
+        data BLOB NOT NULL
+    );
+    CREATE UNIQUE INDEX chunks_by_series ON chunks (label_id, series_id, epoch, first_seq);
+    ALTER TABLE label_epochs ADD COLUMN head INTEGER NOT NULL DEFAULT 0;
+    UPDATE label_epochs SET head = {chunking.COMPACT_EVENTS} WHERE EXISTS (
+        SELECT 1 FROM metrics m WHERE m.label_id = label_epochs.label_id AND m.epoch = label_epochs.epoch
+    ) OR EXISTS (
+        SELECT 1 FROM system m WHERE m.label_id = label_epochs.label_id AND m.epoch = label_epochs.epoch
+    );
+    CREATE INDEX label_epochs_due ON label_epochs (head) WHERE head > 0
 """
 
 MIGRATIONS: list[str] = [
@@ -219,6 +246,7 @@ MIGRATIONS: list[str] = [
     # System samples' rollups, in the rollup tables (rollups.series_run); DATA_MIGRATIONS[7]
     # rolls up the samples already stored.
     "",
+    CHUNKS_SCHEMA,
 ]
 
 
@@ -416,7 +444,13 @@ def _series_ids(
 ) -> dict[tuple[int, str], int]:
     """The `series` id of each (label id, key) of a batch, new keys added."""
     wanted = {(label_id, key) for label_id, key, *_ in fine}
-    pairs = sorted({(run_of[label_id], rows.storable_text(key)) for label_id, key in wanted})
+    ids = _series_id_map(con, {(run_of[label_id], rows.storable_text(key)) for label_id, key in wanted})
+    return {(label_id, key): ids[run_of[label_id], rows.storable_text(key)] for label_id, key in wanted}
+
+
+def _series_id_map(con: sqlite3.Connection, wanted: Iterable[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """The `series` id of each (series run, stored key), new ones added."""
+    pairs = sorted(wanted)
     _insert(con, "series (run_id, key)", 2, pairs)
     ids: dict[tuple[str, str], int] = {}
     for chunk in _chunks(pairs, MAX_ROWS_PER_INSERT):
@@ -428,7 +462,7 @@ def _series_ids(
         )
         for run, key, id_ in con.execute(statement, list(chain.from_iterable(chunk))):
             ids[run, key] = id_
-    return {(label_id, key): ids[run_of[label_id], rows.storable_text(key)] for label_id, key in wanted}
+    return ids
 
 
 def _generations(
@@ -523,6 +557,126 @@ def _stored_run_rows(
     return found
 
 
+def _store_values(
+    con: sqlite3.Connection, fresh: Mapping[int, tuple[str, list[Event], LabelState]], ended: set[int]
+) -> None:
+    """A batch's new events' values, logs and rollups, given by label id as (run, new events,
+    label state): values join their label epochs' heads, or with them go into chunks where the
+    head is due (chunking.is_due), `ended` labels' included."""
+    metric_rows, fine = rollups.fold_metrics((label_id, new) for label_id, (_, new, _) in fresh.items())
+    system_rows, log_rows = rows.value_rows((label_id, new) for label_id, (_, new, _) in fresh.items())
+    _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
+    starts = {label_id: _latest_start(label) for label_id, (_, _, label) in fresh.items()}
+    if fine:
+        _roll_up(con, fine, {label_id: run for label_id, (run, _, _) in fresh.items()}, starts)
+    if system_rows:
+        system_runs = {label_id: rollups.series_run(run, "system") for label_id, (run, _, _) in fresh.items()}
+        _roll_up(con, rollups.fold_system(system_rows), system_runs, starts)
+    due = _grow_heads(
+        con, chunking.head_events((label_id, new) for label_id, (_, new, _) in fresh.items()), ended
+    )
+    now = set(due)
+    _insert(
+        con,
+        "metrics (label_id, key, epoch, seq, step, ts, value)",
+        7,
+        _exact([r for r in metric_rows if (r[0], r[2]) not in now]),
+    )
+    _insert(
+        con,
+        "system (label_id, key, epoch, seq, ts, value)",
+        6,
+        _exact([r for r in system_rows if (r[0], r[2]) not in now]),
+    )
+    direct = [(r[0], "metrics", *r[1:]) for r in metric_rows if (r[0], r[2]) in now]
+    direct += [(r[0], "system", *r[1:4], None, *r[4:]) for r in system_rows if (r[0], r[2]) in now]
+    _compact(con, due, direct)
+
+
+def _exact(value_rows: list[tuple]) -> list[tuple]:
+    """Head rows (value last) with each -0.0 as chunking.NEGATIVE_ZERO: SQLite stores the REAL
+    -0.0 as 0, and a head row must give back the value it was given."""
+    return [
+        (*r[:-1], chunking.NEGATIVE_ZERO) if r[-1] == 0 and math.copysign(1.0, r[-1]) < 0 else r
+        for r in value_rows
+    ]
+
+
+def _grow_heads(
+    con: sqlite3.Connection, heads: Mapping[tuple[int, int], int], ended: set[int]
+) -> list[tuple[int, int]]:
+    """Add a batch's value events to their label epochs' heads: the label epochs now due for
+    compaction, those of `ended` labels (ended now or before) included."""
+    due = []
+    for chunk in _chunks([(*key, count) for key, count in heads.items()], MAX_ROWS_PER_INSERT):
+        statement = _given_rows(
+            "u",
+            "label_id, epoch, added",
+            len(chunk),
+            "UPDATE label_epochs SET head = head + u.added FROM u "
+            "WHERE label_epochs.label_id = u.label_id AND label_epochs.epoch = u.epoch "
+            "RETURNING label_epochs.label_id, label_epochs.epoch, label_epochs.head",
+        )
+        due += [
+            (label_id, epoch)
+            for label_id, epoch, head in con.execute(statement, list(chain.from_iterable(chunk))).fetchall()
+            if chunking.is_due(head, label_id in ended)
+        ]
+    for chunk in _chunks(sorted(ended), MAX_LABELS_PER_STATEMENT):
+        due += con.execute(
+            f"SELECT label_id, epoch FROM label_epochs WHERE head > 0 AND label_id IN ({_rows_sql(1, len(chunk))})",
+            chunk,
+        ).fetchall()
+    return sorted(set(map(tuple, due)))
+
+
+def _compact(
+    con: sqlite3.Connection, due: Sequence[tuple[int, int]], fresh: Sequence[chunking.HeadRow] = ()
+) -> None:
+    """Move the heads of `due` label epochs, and with them `fresh` values of the same label
+    epochs that never were head rows, into column chunks (storage/chunking.py)."""
+    if not due:
+        return
+    runs = dict(
+        con.execute(
+            f"SELECT id, run_id FROM labels WHERE id IN ({_rows_sql(1, len({d[0] for d in due}))})",
+            sorted({d[0] for d in due}),
+        ).fetchall()
+    )
+    head = list(fresh)
+    for label_id, epoch in due:
+        where = (label_id, epoch)
+        head += [
+            (label_id, "metrics", *row)
+            for row in con.execute(
+                "SELECT key, epoch, seq, step, ts, value FROM metrics WHERE label_id = ? AND epoch = ?", where
+            )
+        ]
+        head += [
+            (label_id, "system", key, ep, seq, None, ts, value)
+            for key, ep, seq, ts, value in con.execute(
+                "SELECT key, epoch, seq, ts, value FROM system WHERE label_id = ? AND epoch = ?", where
+            )
+        ]
+    ids = _series_id_map(con, {(rollups.series_run(runs[h[0]], h[1]), h[2]) for h in head})
+    points = [(h[0], ids[rollups.series_run(runs[h[0]], h[1]), h[2]], *h[3:]) for h in head]
+    for label_id, epoch in due:
+        con.execute("DELETE FROM metrics WHERE label_id = ? AND epoch = ?", (label_id, epoch))
+        con.execute("DELETE FROM system WHERE label_id = ? AND epoch = ?", (label_id, epoch))
+    _insert(con, "chunks", 11, [tuple(row) for row in chunking.chunk_rows(points)], verb="INSERT")
+    for chunk in _chunks(list(due), MAX_LABELS_PER_STATEMENT):
+        con.execute(
+            _given_rows(
+                "u",
+                "label_id, epoch",
+                len(chunk),
+                "UPDATE label_epochs SET head = 0 FROM u "
+                "WHERE label_epochs.label_id = u.label_id AND label_epochs.epoch = u.epoch",
+            ),
+            list(chain.from_iterable(chunk)),
+        )
+
+
 # label_values rows (rows.setting_rows) replace the stored value of their key only if later in
 # the label's order: a redelivered or late event never overwrites a newer value.
 _SETTINGS_TABLE = "label_values (label_id, field, key, value, epoch, seq, ts)"
@@ -541,6 +695,15 @@ def _path(url: str) -> str:
             "sqlite:////absolute/path.db"
         )
     return unquote(urlsplit(url).path[1:])
+
+
+def _chosen(column: str, names: Sequence[str] | None) -> tuple[str, list[str]]:
+    """A condition that `column` is one of `names` (none when `names` is None), and its arguments."""
+    if names is None:
+        return "", []
+    if not names:
+        return " AND 0", []
+    return f" AND {column} IN ({_rows_sql(1, len(names))})", list(names)
 
 
 def _label_state(run: str, row: sqlite3.Row) -> LabelState:
@@ -833,25 +996,10 @@ class SQLiteStore:
         for chunk in _chunks(updates, MAX_LABELS_PER_STATEMENT):
             con.execute(_update_labels_sql(len(chunk)), list(chain.from_iterable(chunk)))
         ids = {stored[key]["id"]: key for key, new in fresh.items() if new}
-        metric_rows, fine = rollups.fold_metrics((label_id, fresh[key]) for label_id, key in ids.items())
-        system_rows, log_rows = rows.value_rows((label_id, fresh[key]) for label_id, key in ids.items())
-        _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, metric_rows)
-        _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, system_rows)
-        _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
-        if fine:
-            _roll_up(
-                con,
-                fine,
-                {label_id: key[0] for label_id, key in ids.items()},
-                {label_id: _latest_start(labels[key]) for label_id, key in ids.items()},
-            )
-        if system_rows:
-            _roll_up(
-                con,
-                rollups.fold_system(system_rows),
-                {label_id: rollups.series_run(key[0], "system") for label_id, key in ids.items()},
-                {label_id: _latest_start(labels[key]) for label_id, key in ids.items()},
-            )
+        ended = {stored[key]["id"] for key in by_label if labels[key].state != RUNNING}
+        _store_values(
+            con, {label_id: (key[0], fresh[key], labels[key]) for label_id, key in ids.items()}, ended
+        )
         settings = rows.setting_rows((stored[key]["id"], new) for key, new in fresh.items())
         _insert(con, _SETTINGS_TABLE, 7, settings, verb="INSERT", tail=_LATER_SETTING)
         for run in runs:
@@ -932,7 +1080,16 @@ class SQLiteStore:
             )
         for run in {row["run_id"] for row in silent}:
             self._update_run(con, run)
+        _compact(con, _grow_heads(con, {}, {row["id"] for row in silent}))
         return [(row["run_id"], row["label"]) for row in silent]
+
+    async def compact_due(self, limit: int = 64) -> int:
+        return await self._call(self._in_transaction, self._compact_due, limit)
+
+    def _compact_due(self, con: sqlite3.Connection, limit: int) -> int:
+        due = f"FROM label_epochs e JOIN labels l ON l.id = e.label_id WHERE e.head > 0 AND (e.head >= {chunking.COMPACT_EVENTS} OR l.state != '{RUNNING}')"
+        _compact(con, con.execute(f"SELECT e.label_id, e.epoch {due} LIMIT ?", (limit,)).fetchall())
+        return con.execute(f"SELECT count(*) {due}").fetchone()[0]
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -1000,23 +1157,44 @@ class SQLiteStore:
         return await self._call(self._points, "system", run_id, key, label)
 
     def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        step = "m.step" if table == "metrics" else "NULL"
-        order = "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
-        where, args = ["l.run_id = ?"], [run_id]
-        if key is not None:
-            where.append("m.key = ?")
-            args.append(rows.storable_text(key))
-        if label is not None:
-            where.append("l.label = ?")
-            args.append(label)
-        query = (
-            f"SELECT l.label, m.key, {step} AS step, m.epoch, m.seq, m.ts, m.value "
-            f"FROM {table} m JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY l.label, m.key, {order}"
+        found = self._values(
+            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
         )
-        return [
-            Point(r[0], r[1], r[2], r[3], r[4], r[5], _unreal(r[6])) for r in self._db().execute(query, args)
-        ]
+        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
+
+    async def values(
+        self,
+        run_id: str,
+        table: PointTable = "metrics",
+        keys: Sequence[str] | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> values.Values:
+        return await self._call(self._values, run_id, point_table(table), keys, labels)
+
+    def _values(
+        self, run_id: str, table: PointTable, keys: Sequence[str] | None, labels: Sequence[str] | None
+    ) -> values.Values:
+        con = self._db()
+        chosen, chosen_args = _chosen("l.label", labels)
+        with_key, key_args = _chosen("s.key", None if keys is None else [rows.storable_text(k) for k in keys])
+        chunks = con.execute(
+            "SELECT l.label, s.key, c.epoch, c.first_seq, c.data FROM labels l CROSS JOIN series s "
+            f"CROSS JOIN chunks c WHERE l.run_id = ?{chosen} AND s.run_id = ?{with_key} "
+            "AND c.label_id = l.id AND c.series_id = s.id",
+            [run_id, *chosen_args, rollups.series_run(run_id, table), *key_args],
+        ).fetchall()
+        clocks = con.execute(
+            f"SELECT l.label, c.epoch, c.data FROM labels l CROSS JOIN chunks c WHERE l.run_id = ?{chosen} "
+            f"AND c.label_id = l.id AND c.series_id = {chunking.CLOCK}",
+            [run_id, *chosen_args],
+        ).fetchall()
+        step = "m.step" if table == "metrics" else "NULL"
+        head = con.execute(
+            f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l CROSS JOIN {table} m "
+            f"WHERE l.run_id = ?{chosen}{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id",
+            [run_id, *chosen_args, *key_args],
+        ).fetchall()
+        return values.assemble(chunks, clocks, head)
 
     async def logs(
         self,
@@ -1065,30 +1243,55 @@ class SQLiteStore:
 
     def _point_page(
         self,
-        table: str,
+        table: PointTable,
         run_id: str,
         label: str,
         after: tuple[str, int, int] | None,
         limit: int,
         key: str | None,
     ) -> list[Point]:
-        where: list[str] = ["m.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
-        args: list[str | int] = [run_id, label]
+        con = self._db()
+        found = con.execute(
+            "SELECT id FROM labels WHERE run_id = ? AND label = ?", (run_id, label)
+        ).fetchone()
+        if found is None:
+            return []
+        label_id = found[0]
+        with_key, key_args = _chosen("s.key", None if key is None else [rows.storable_text(key)])
+        past, past_args = "", []
         if after is not None:
-            where.append("(m.key, m.epoch, m.seq) > (?, ?, ?)")
-            args += [rows.storable_text(after[0]), after[1], after[2]]
-        if key is not None:
-            where.append("m.key = ?")
-            args.append(rows.storable_text(key))
-        step = "m.step" if table == "metrics" else "NULL"
-        query = (
-            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
-            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ?"
+            past, past_args = (
+                " AND (s.key, c.epoch, c.last_seq) > (?, ?, ?)",
+                [rows.storable_text(after[0]), *after[1:]],
+            )
+        chunks = (
+            ((label, key_, epoch, first, data), points)
+            for key_, epoch, first, data, points in con.execute(
+                "SELECT s.key, c.epoch, c.first_seq, c.data, c.points FROM chunks c CROSS JOIN series s "
+                f"WHERE c.label_id = ? AND c.series_id = s.id AND s.run_id = ?{with_key}{past} "
+                "ORDER BY s.key, c.epoch, c.first_seq",
+                [label_id, rollups.series_run(run_id, table), *key_args, *past_args],
+            )
         )
-        return [
-            Point(label, r[0], r[1], r[2], r[3], r[4], _unreal(r[5]))
-            for r in self._db().execute(query, [*args, limit])
+        clocks = [
+            (label, epoch, data)
+            for epoch, data in con.execute(
+                f"SELECT epoch, data FROM chunks WHERE label_id = ? AND series_id = {chunking.CLOCK}",
+                (label_id,),
+            )
         ]
+        step = "step" if table == "metrics" else "NULL"
+        head = [
+            (label, *row)
+            for row in con.execute(
+                f"SELECT key, epoch, seq, {step}, ts, value FROM {table} s WHERE label_id = ?{with_key}"
+                + past.replace("c.epoch, c.last_seq", "s.epoch, s.seq"),
+                [label_id, *key_args, *past_args],
+            )
+        ]
+        return values.page(
+            chunks, clocks, head, limit, after and (rows.storable_text(after[0]), *after[1:])
+        ).points()
 
     async def log_page(
         self,
@@ -1168,16 +1371,9 @@ class SQLiteStore:
     def _key_values(
         self, run_id: str, key: str, table: PointTable
     ) -> list[tuple[str, int, int, int | None, float, float]]:
-        step = "m.step" if table == "metrics" else "NULL"
-        query = (
-            f"SELECT l.label, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l CROSS JOIN {table} m "
-            "WHERE l.run_id = ? AND m.label_id = l.id AND m.key = ?"
-        )
         return [
-            (label, epoch, seq, step, ts, _unreal(value))
-            for label, epoch, seq, step, ts, value in self._db().execute(
-                query, (run_id, rows.storable_text(key))
-            )
+            (p.label, p.epoch, p.seq, p.step, p.ts, p.value)
+            for p in self._values(run_id, table, [key], None).points()
         ]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:

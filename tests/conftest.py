@@ -201,3 +201,9 @@ async def open_stores(any_store_url: str) -> AsyncIterator[OpenStore]:
     yield open_
     for store in opened:
         await store.close()
+
+
+@pytest.fixture
+async def store(open_stores: OpenStore) -> Store:
+    """A fresh store of each backend in turn, connected."""
+    return await open_stores()

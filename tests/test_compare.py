@@ -15,7 +15,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from runbus.dashboard.api import create_app
 from runbus.storage import Store
 from runbus.wire import Event
-from tests.helpers import OpenStore
 
 T0 = 1_700_000_000.0
 COLORS = Path(__file__).parents[1] / "dashboard" / "static" / "js" / "colors.js"
@@ -37,11 +36,6 @@ def started(run: str, config: dict) -> list[Event]:
         Event(run, f"rank{i}", "start", 1, 1, T0, {"primary": i == 0, "config": {key: value}}, None)
         for i, (key, value) in enumerate(config.items())
     ]
-
-
-@pytest.fixture
-async def store(open_stores: OpenStore) -> Store:
-    return await open_stores()
 
 
 async def compared(client: TestClient, runs: list[str], status: int = 200) -> dict:

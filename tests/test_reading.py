@@ -21,7 +21,7 @@ from runbus.storage import Store
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
 from runbus.wire import Event
-from tests.helpers import QUIET, OpenStore, get_json, run_cli
+from tests.helpers import QUIET, get_json, run_cli
 
 RUN = "natural-run"
 T0 = 1_700_000_000.0
@@ -41,11 +41,6 @@ def labelled_run(run: str = RUN, ranks: int = RANKS) -> list[Event]:
             Event(run, label, "finish", 1, 4, T0 + 3, {"exit_code": 0}, None),
         ]
     return events
-
-
-@pytest.fixture
-async def store(open_stores: OpenStore) -> Store:
-    return await open_stores()
 
 
 def test_the_natural_key_orders_numbers_as_numbers():

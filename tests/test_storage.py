@@ -28,11 +28,6 @@ RUN = "run-1"
 T0 = 1_700_000_000.0
 
 
-@pytest.fixture
-async def store(open_stores: OpenStore) -> Store:
-    return await open_stores()
-
-
 # -- events --------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,299 @@
+"""A run's values as arrays, read from its column chunks and its head rows.
+
+Every read of stored values (runbus.Api's history and system tables, exports, `runbus metrics`,
+the charts' exact path and straggler reads) comes through `assemble`: the backend selects the
+chunk rows, the clock chunks and the head rows a read needs (runbus.storage.chunking says what
+each is), and this module decodes them together (columns_numpy.decode_many) into one set of
+columns in (label, key, epoch, seq) order, labels in natural order and keys by code point: the
+order and the types the tables are built from, never a Python object per value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from runbus.storage.base import Point
+from runbus.storage.chunking import head_value
+from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
+from runbus.storage.rules import natural_key
+
+# A chunk row as a read selects it: (label, key, epoch, first seq, data).
+ChunkPart = tuple[str, str, int, int, bytes]
+# A clock chunk: (label, epoch, data).
+ClockPart = tuple[str, int, bytes]
+# A head row: (label, key, epoch, seq, step or None, ts, value or None).
+HeadRow = tuple[str, str, int, int, int | None, float, float | bytes | None]
+
+
+class Values(NamedTuple):
+    """Stored points as columns: `label` and `key` index `labels` and `keys`; `step` is 0 where
+    `no_step` is True."""
+
+    labels: list[str]
+    keys: list[str]
+    label: Ints
+    key: Ints
+    epoch: Ints
+    seq: Ints
+    step: Ints
+    no_step: Mask
+    ts: Floats
+    value: Floats
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return len(self.seq)
+
+    def points(self) -> list[Point]:
+        """The points as Point tuples, in the columns' order: for the few reads that want them."""
+        labels, keys = self.labels, self.keys
+        return [
+            Point(labels[lab], keys[key], None if none else step, epoch, seq, ts, value)
+            for lab, key, step, none, epoch, seq, ts, value in zip(
+                self.label.tolist(),
+                self.key.tolist(),
+                self.step.tolist(),
+                self.no_step.tolist(),
+                self.epoch.tolist(),
+                self.seq.tolist(),
+                self.ts.tolist(),
+                self.value.tolist(),
+                strict=True,
+            )
+        ]
+
+    def take(self, index: Any) -> Values:
+        """The points at `index` (a slice, a mask or positions)."""
+        return Values(
+            self.labels,
+            self.keys,
+            *(column[index] for column in self[2:]),
+        )
+
+
+def empty(labels: Sequence[str] = (), keys: Sequence[str] = ()) -> Values:
+    ints = np.zeros(0, np.int64)
+    return Values(
+        list(labels),
+        list(keys),
+        ints,
+        ints,
+        ints,
+        ints,
+        ints,
+        np.zeros(0, np.bool_),
+        np.zeros(0),
+        np.zeros(0),
+    )
+
+
+def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Iterable[HeadRow]) -> Values:
+    """The points of `chunks` (their timestamps from `clocks`, the chunks of the same label
+    epochs' clocks) and of `head` rows, as one set of columns in (label, key, epoch, seq) order."""
+    chunks, head = list(chunks), list(head)
+    labels = sorted({c[0] for c in chunks} | {h[0] for h in head}, key=natural_key)
+    keys = sorted({c[1] for c in chunks} | {h[1] for h in head})
+    if not labels:
+        return empty()
+    label_code = {name: code for code, name in enumerate(labels)}
+    key_code = {name: code for code, name in enumerate(keys)}
+    parts = [_from_chunks(chunks, list(clocks), label_code, key_code), _from_head(head, label_code, key_code)]
+    joined = Values(labels, keys, *(np.concatenate([p[i] for p in parts]) for i in range(2, 10)))
+    return joined if _in_order(joined) else joined.take(_order(joined))
+
+
+def _from_chunks(
+    chunks: list[ChunkPart], clocks: list[ClockPart], label_code: dict[str, int], key_code: dict[str, int]
+) -> Values:
+    if not chunks:
+        return empty()
+    chunks.sort(key=lambda c: (label_code[c[0]], key_code[c[1]], c[2], c[3]))
+    arrays = decode_many([c[4] for c in chunks])
+    counts = _counts([c[4] for c in chunks])
+    # Each label epoch a group: a point's timestamp is its group's clock's at its seq.
+    groups: dict[tuple[str, int], int] = {}
+    group = np.repeat(
+        np.array([groups.setdefault((c[0], c[2]), len(groups)) for c in chunks], np.int64), counts
+    )
+    nulls = arrays.step_nulls if arrays.step_nulls is not None else np.zeros(len(arrays.seqs), np.bool_)
+    return Values(
+        [],
+        [],
+        np.repeat(np.array([label_code[c[0]] for c in chunks], np.int64), counts),
+        np.repeat(np.array([key_code[c[1]] for c in chunks], np.int64), counts),
+        np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
+        arrays.seqs,
+        arrays.steps,
+        nulls,
+        _times(group, arrays.seqs, _clocks_in_order(clocks, groups, chunks), groups),
+        arrays.values.astype(np.float64, copy=False),
+    )
+
+
+def _clocks_in_order(
+    clocks: list[ClockPart], groups: dict[tuple[str, int], int], chunks: list[ChunkPart]
+) -> list[ClockPart]:
+    """The clock chunks that hold the seqs of `chunks`' label epochs (`groups`), by group and
+    then first seq (the seqs of one clock chunk rise)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for chunk in chunks:
+        group = groups[chunk[0], chunk[2]]
+        first, last = _seq_bounds(chunk[4])
+        low, high = spans.get(group, (first, last))
+        spans[group] = (min(low, first), max(high, last))
+    mine = []
+    for clock in clocks:
+        group = groups.get((clock[0], clock[1]))
+        if group is not None:
+            first, last = _seq_bounds(clock[2])
+            if last >= spans[group][0] and first <= spans[group][1]:
+                mine.append((group, first, clock))
+    mine.sort(key=lambda found: found[:2])
+    return [clock for _, _, clock in mine]
+
+
+def _seq_bounds(blob: bytes) -> tuple[int, int]:
+    """A chunk's first and last seq, from its header (docs/columns.md)."""
+    return int.from_bytes(blob[6:14], "little", signed=True), int.from_bytes(
+        blob[14:22], "little", signed=True
+    )
+
+
+def _counts(blobs: list[bytes]) -> Ints:
+    """Each chunk's point count, from its header (docs/columns.md): decode_many leaves out the
+    empty chunks, whose count is 0 here too."""
+    return np.array([int.from_bytes(blob[2:6], "little") for blob in blobs], np.int64)
+
+
+def _times(group: Ints, seq: Ints, clocks: list[ClockPart], groups: dict[tuple[str, int], int]) -> Floats:
+    """Each point's timestamp, from its label epoch's clock; NaN where the clock lacks its seq
+    (a store damaged by hand: every compaction writes the clock with the values)."""
+    ts = np.full(len(seq), np.nan)
+    if not clocks:
+        return ts
+    arrays = decode_many([c[2] for c in clocks])
+    clock_group = np.repeat(
+        np.array([groups[c[0], c[1]] for c in clocks], np.int64), _counts([c[2] for c in clocks])
+    )
+    low = min(int(seq.min()), int(arrays.seqs.min(initial=0)))
+    span = max(int(seq.max()), int(arrays.seqs.max(initial=0))) - low + 1
+    if len(groups) * span >= 2**62:  # seqs this far apart: a label epoch at a time
+        return _times_by_group(group, seq, clock_group, arrays.seqs, arrays.ts.view(np.float64))
+    # (group, seq) as one rank, in which the clock is sorted and each point is looked up.
+    ranks, clock_ts = clock_group * span + (arrays.seqs - low), arrays.ts.view(np.float64)
+    if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():  # a late compaction's clock
+        order = np.argsort(ranks, kind="stable")
+        ranks, clock_ts = ranks[order], clock_ts[order]
+    wanted = group * span + (seq - low)
+    at = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
+    found = ranks[at] == wanted
+    ts[found] = clock_ts[at[found]]
+    return ts
+
+
+def _times_by_group(group: Ints, seq: Ints, clock_group: Ints, clock_seq: Ints, clock_ts: Floats) -> Floats:
+    ts = np.full(len(seq), np.nan)
+    for g in np.unique(group).tolist():
+        mine, clock = group == g, clock_group == g
+        order = np.argsort(clock_seq[clock], kind="stable")
+        seqs, times = clock_seq[clock][order], clock_ts[clock][order]
+        if not len(seqs):
+            continue
+        at = np.minimum(np.searchsorted(seqs, seq[mine]), len(seqs) - 1)
+        found = seqs[at] == seq[mine]
+        ts[np.flatnonzero(mine)[found]] = times[at[found]]
+    return ts
+
+
+def _from_head(head: list[HeadRow], label_code: dict[str, int], key_code: dict[str, int]) -> Values:
+    if not head:
+        return empty()
+    label, key, epoch, seq, step, ts, value = zip(*head, strict=True)
+    count = len(head)
+    return Values(
+        [],
+        [],
+        np.fromiter((label_code[n] for n in label), np.int64, count),
+        np.fromiter((key_code[n] for n in key), np.int64, count),
+        np.array(epoch, np.int64),
+        np.array(seq, np.int64),
+        np.fromiter((0 if s is None else s for s in step), np.int64, count),
+        np.fromiter((s is None for s in step), np.bool_, count),
+        np.array(ts, np.float64),
+        np.fromiter(map(head_value, value), np.float64, count),
+    )
+
+
+def _in_order(v: Values) -> bool:
+    """Whether (label, key, epoch, seq) rises from each point to the next."""
+    if len(v) < 2:
+        return True
+    later = np.zeros(len(v) - 1, np.bool_)
+    same = np.ones(len(v) - 1, np.bool_)
+    for column in (v.label, v.key, v.epoch, v.seq):
+        later |= same & (column[1:] > column[:-1])
+        same &= column[1:] == column[:-1]
+    return bool(later.all())
+
+
+def _order(v: Values) -> Ints:
+    return np.lexsort((v.seq, v.epoch, v.key, v.label))
+
+
+def by_step(v: Values) -> Values:
+    """The points by label, key, step (none first), epoch, seq: the order of Store.metrics."""
+    return v.take(np.lexsort((v.seq, v.epoch, v.step, ~v.no_step, v.key, v.label)))
+
+
+def by_time(v: Values) -> Values:
+    """The points by label, key, ts, epoch, seq: the order of Store.system."""
+    return v.take(np.lexsort((v.seq, v.epoch, v.ts, v.key, v.label)))
+
+
+def after(v: Values, key: str, epoch: int, seq: int) -> Values:
+    """The points past (key, epoch, seq), of a single label's points in (key, epoch, seq) order."""
+    code = int(np.searchsorted(np.array(v.keys, dtype=object), key, side="left")) if v.keys else 0
+    same = code < len(v.keys) and v.keys[code] == key
+    later = v.key > code if same else v.key >= code
+    if same:
+        mine = v.key == code
+        later |= mine & ((v.epoch > epoch) | ((v.epoch == epoch) & (v.seq > seq)))
+    return v.take(later)
+
+
+def page(
+    chunks: Iterable[tuple[ChunkPart, int]],
+    clocks: Sequence[ClockPart],
+    head: Sequence[HeadRow],
+    limit: int,
+    past: tuple[str, int, int] | None = None,
+) -> Values:
+    """The first `limit` points past `past` (key, epoch, seq) of a single label, from its
+    chunks in (key, epoch, first seq) order with their point counts, and its head rows: chunks
+    are taken in that order only until enough points are held, the rest is never decoded.
+
+    The chunks not taken hold no point before the first of them's (key, epoch, first seq), so
+    the points before it are complete even where a late compaction made chunks overlap."""
+
+    def held(taken: list[ChunkPart]) -> Values:
+        found = assemble(taken, clocks, head)
+        return found if past is None else after(found, *past)
+
+    taken: list[ChunkPart] = []
+    count = 0
+    for part, points in chunks:
+        if count >= limit:
+            before = _before(held(taken), part[1], part[2], part[3])
+            if len(before) >= limit:
+                return before.take(slice(0, limit))
+        taken.append(part)
+        count += points
+    return held(taken).take(slice(0, limit))
+
+
+def _before(v: Values, key: str, epoch: int, seq: int) -> Values:
+    code = v.keys.index(key) if key in v.keys else int(np.searchsorted(np.array(v.keys, dtype=object), key))
+    earlier = (v.key < code) | ((v.key == code) & ((v.epoch < epoch) | ((v.epoch == epoch) & (v.seq < seq))))
+    return v.take(earlier)
