@@ -13,6 +13,7 @@ COPY runbus/ runbus/
 COPY producer/ producer/
 COPY ingester/ ingester/
 COPY storage/ storage/
+COPY query/ query/
 COPY dashboard/ dashboard/
 COPY integrations/ integrations/
 # asyncpg for PostgreSQL; the source tree is not kept, only the installed package.

@@ -42,7 +42,8 @@ from runbus import storage, wire
 from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, AmbiguousRun, InvalidName, StoreRejected
-from runbus.storage import base, documents, lookup, system_charts
+from runbus.query import documents
+from runbus.storage import base, lookup, system_charts
 from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))

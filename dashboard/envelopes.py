@@ -13,9 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from runbus.query.documents import git_document
 from runbus.redact import redact
 from runbus.storage import base
-from runbus.storage.documents import git_document
 from runbus.storage.rules import natural_key
 from runbus.wire import finite_to_wire
 

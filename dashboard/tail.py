@@ -33,11 +33,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from runbus import wire
 from runbus.config import safe_url
 from runbus.errors import CommandError, InvalidEntry, StoreMissing
+from runbus.query.tables import state_text
 from runbus.redact import LineRedactor, redact_text, url_secrets
 from runbus.redis import StreamEntry, read_streams, reply_text, stream_entries, sync_client
 from runbus.storage import RunSummary, lookup, open_store
 from runbus.storage.rules import decide_primary, primary_claims
-from runbus.storage.tables import state_text
 from runbus.terminal import printable
 
 if TYPE_CHECKING:

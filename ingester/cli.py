@@ -170,9 +170,9 @@ def cmd_dead(args: argparse.Namespace) -> int:
     from redis import exceptions as redis_errors
 
     from runbus.ingester import deadletter
+    from runbus.query import documents, tables
     from runbus.redact import redact
     from runbus.redis import async_client
-    from runbus.storage import documents, tables
 
     async def act():
         async with async_client(args.redis, socket_connect_timeout=5) as client:

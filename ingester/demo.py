@@ -27,8 +27,8 @@ from runbus import config, storage, wire
 from runbus.errors import CommandError, MissingDependency, RedisServerNotFound
 from runbus.ingester.localredis import LocalRedis
 from runbus.ingester.worker import Worker, WorkerSettings
+from runbus.query import tables
 from runbus.redis import sync_client
-from runbus.storage import tables
 
 RANK_SCRIPT = "from runbus.ingester.demo import train_rank; train_rank()"
 DDP_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"

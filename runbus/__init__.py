@@ -22,7 +22,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "init": "runbus.producer",
     "Run": "runbus.producer.run",
-    "Api": "runbus.storage.notebook",
+    "Api": "runbus.query.notebook",
     "RunbusError": "runbus.errors",
     "InvalidName": "runbus.errors",
     "IdentityUnknown": "runbus.errors",
@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     )
     from runbus.producer import init
     from runbus.producer.run import Run
-    from runbus.storage.notebook import Api
+    from runbus.query.notebook import Api
 
 
 def __getattr__(name: str) -> Any:

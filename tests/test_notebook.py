@@ -25,9 +25,9 @@ import redis
 import runbus
 from runbus import wire
 from runbus.errors import CommandError, StoreMissing
+from runbus.query.documents import json_value
 from runbus.storage import Store, open_store
 from runbus.storage.base import LogLine, Point
-from runbus.storage.documents import json_value
 from runbus.wire import Event
 from tests.helpers import read_store, run_cli, xadd_event
 from tests.pgserver import create_database, drop_database

@@ -33,6 +33,7 @@ DIST_INFO = f"runbus-{runbus.__version__}.dist-info"
 SOME_MODULES = (
     "runbus.producer.run",
     "runbus.storage.sqlite",
+    "runbus.query.notebook",
     "runbus.ingester.worker",
     "runbus.dashboard.api",
 )
@@ -210,7 +211,7 @@ def test_the_wheel_installs_one_top_level_package_runbus(wheel: Path) -> None:
     assert {name.split("/")[0] for name in names} == {"runbus", DIST_INFO}
     packaged = {name for name in names if name.startswith("runbus/")}
     assert packaged == source_files()
-    for package in ("producer", "ingester", "storage", "dashboard"):
+    for package in ("producer", "ingester", "storage", "query", "dashboard"):
         assert f"runbus/{package}/__init__.py" in packaged
     assert "runbus/py.typed" in packaged
     static = {name for name in packaged if name.startswith("runbus/dashboard/static/")}

@@ -1,6 +1,6 @@
 """`runbus export`: a run's metrics, logs or system samples as CSV, JSON lines or Parquet.
 
-The tables are the notebook API's (storage/frames.py), complete, with the same columns and order.
+The tables are the notebook API's (query/frames.py), complete, with the same columns and order.
 CSV and JSON lines go to stdout unless --out names a file; Parquet needs --out. A file is written
 beside its final name and moved there once complete, so a failed export leaves none half-written.
 In JSON lines, ts is ISO 8601 with its UTC offset and a non-finite value is "NaN", "Infinity" or
@@ -21,9 +21,10 @@ import orjson
 
 from runbus.cli import add_redis_option, add_store_option
 from runbus.errors import CommandError, MissingDependency
-from runbus.storage import Store, frames
-from runbus.storage.cli import REDIS_HELP, known_run, read
-from runbus.storage.documents import json_value
+from runbus.query import frames
+from runbus.query.cli import REDIS_HELP, known_run, read
+from runbus.query.documents import json_value
+from runbus.storage import Store
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -15,9 +15,10 @@ from typing import TypeVar
 from runbus import wire
 from runbus.cli import add_redis_option, add_store_option, level_argument
 from runbus.errors import CommandError, RunNotFound
+from runbus.query import documents, tables
 from runbus.redact import redact_text
 from runbus.redis import reply_text, sync_client
-from runbus.storage import Store, documents, open_store, safe_url, tables
+from runbus.storage import Store, open_store, safe_url
 from runbus.storage.base import RunSummary
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key

@@ -14,9 +14,9 @@ from typing import Any
 
 import orjson
 
+from runbus.query.documents import git_document
 from runbus.redact import redact, redact_text
 from runbus.storage.base import RunSummary
-from runbus.storage.documents import git_document
 from runbus.terminal import printable
 from runbus.wire import finite_to_wire
 

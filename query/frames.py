@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 from runbus import wire
 from runbus.errors import CommandError, MissingDependency
+from runbus.query.cli import known_run
 from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
-from runbus.storage.cli import known_run
 from runbus.storage.rules import natural_key
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@
 
 The calls block until their table is built. The store is read on a private event loop in a helper
 thread, so they work alike from a plain script and inside a running loop, as in Jupyter, where
-asyncio.run() would fail. The tables are storage/frames.py's, as `runbus export` writes them.
+asyncio.run() would fail. The tables are query/frames.py's, as `runbus export` writes them.
 Importing this module stays cheap (`runbus.Api` is read in training scripts' imports): asyncio,
 pandas and the tables are imported on first use.
 """
@@ -125,7 +125,7 @@ class Api:
         """Every run, newest first: run_id, name, tags, state, primary, exit_code, labels (how
         many), started, ended, last_event (UTC timestamps), metric_events, log_events,
         system_events, config, summary (each its labels' merged)."""
-        from runbus.storage import frames
+        from runbus.query import frames
 
         return self.read(frames.runs_table)
 
@@ -134,7 +134,7 @@ class Api:
         store's most recent runs, or saying that the run's events wait in Redis (RUNBUS_REDIS_URL)
         for `runbus ingest`; an ambiguous prefix is AmbiguousRun."""
         from runbus.config import redis_url
-        from runbus.storage.cli import known_run
+        from runbus.query.cli import known_run
 
         return StoredRun(self, self.read(lambda store: known_run(store, run_id, redis_url())))
 
@@ -233,7 +233,7 @@ class StoredRun:
         """Every metric value (of `keys`, of `labels`): label, key, step, lease_epoch, life, seq, ts,
         value in (label, key, lease_epoch, seq) order; with `wide`, a row per logged event and a column
         per key. `lease_epoch` is the label's raw lease generation, `life` 1, 2, … per restart."""
-        from runbus.storage import frames
+        from runbus.query import frames
 
         return self.api.read(
             lambda store: frames.history_table(store, self.run_id, keys, labels, wide, self.api.page_rows)
@@ -243,7 +243,7 @@ class StoredRun:
         self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None
     ) -> pd.DataFrame:
         """Every system sample (of `keys`, of `labels`): label, key, lease_epoch, life, seq, ts, value."""
-        from runbus.storage import frames
+        from runbus.query import frames
 
         return self.api.read(
             lambda store: frames.system_table(store, self.run_id, keys, labels, self.api.page_rows)
@@ -257,7 +257,7 @@ class StoredRun:
     ) -> pd.DataFrame:
         """Every log line (of `labels`, at `level` or above, containing `grep`): label, lease_epoch, life,
         seq, ts, stream, level, text, by time."""
-        from runbus.storage import frames
+        from runbus.query import frames
 
         return self.api.read(
             lambda store: frames.logs_table(store, self.run_id, labels, level, grep, self.api.page_rows)
