@@ -79,7 +79,7 @@ EXTRAPOLATE = {"ranks": 512, "keys": 50, "steps": 100_000}
 class Key(NamedTuple):
     name: str
     kind: str
-    index: int  # the how-many-th key of its kind (columns.key_values varies the shape by it)
+    nth: int  # the how-many-th key of its kind (columns.key_values varies the shape by it)
 
 
 def key_specs(count: int, kinds: tuple[str, ...] | None = None) -> list[Key]:
@@ -95,7 +95,7 @@ def key_specs(count: int, kinds: tuple[str, ...] | None = None) -> list[Key]:
         base = template[n % len(template)]
         lap = n // len(template)
         name = base.name if lap == 0 else f"{base.name}_{lap}"
-        keys.append(Key(name, base.kind, base.index + lap * KINDS[base.kind]))
+        keys.append(Key(name, base.kind, base.nth + lap * KINDS[base.kind]))
     return keys
 
 
@@ -110,7 +110,7 @@ def label_entries(index: int, labels: int, steps: int, keys: list[Key], epoch: i
     ts = (1_764_190_000_000_000 + index * 1_000 + np.cumsum(ticks)) / 1e6
     # A short run's later schedules warm up past its end: numpy's unused branch divides by zero.
     with np.errstate(divide="ignore", invalid="ignore"):
-        columns = [key_values(key.index, key.kind, numbers, rng).tolist() for key in keys]
+        columns = [key_values(key.nth, key.kind, numbers, rng).tolist() for key in keys]
     names = [key.name for key in keys]
     start = {
         "primary": index == 0,
@@ -319,6 +319,9 @@ def measure_store(backend: Backend, redis_url: str, args: argparse.Namespace) ->
         print(f"{backend.kind} main: {main}", file=sys.stderr, flush=True)
         found["history_whole_run"] = read_in_child(url, "bench-history", None)
         found["history_one_key"] = read_in_child(url, "bench-history", "loss")
+        # Every value stored and read back: a rate over a short table would flatter the store.
+        found["history_whole_run"]["complete"] = found["history_whole_run"]["values"] == main["points"]
+        found["history_one_key"]["complete"] = found["history_one_key"]["values"] == labels * steps
         print(
             f"{backend.kind} history: {found['history_whole_run']} / {found['history_one_key']}",
             file=sys.stderr,
@@ -390,7 +393,8 @@ def main() -> None:
     parser.add_argument("--child-keys", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_read:
-        child_main(*args.child_read, args.child_keys)
+        store_url, run_id = args.child_read
+        child_main(store_url, run_id, args.child_keys)
         return
     if args.quick:
         args.labels, args.steps = 8, 250
