@@ -147,3 +147,29 @@ async def mark_crashed(store: Store, crash_after_s: float) -> int:
     for run, label in marked[:10]:
         log.warning("label %s of run %s sent nothing for %.0fs: crashed", label, run, crash_after_s)
     return len(marked)
+
+
+# Label epochs compacted per transaction: each slice is one write, between the batches.
+COMPACT_SLICE = 16
+# How often a long compaction says how far it is.
+COMPACT_REPORT_S = 10.0
+
+
+async def compact_backlog(store: Store) -> int:
+    """Compact every label epoch already due (a store migrated from value rows to column chunks:
+    storage/chunking.py), a slice at a time between the batches; how many were compacted."""
+    left = await store.compact_due(0)
+    if not left:
+        return 0
+    total, started, reported = left, time.monotonic(), time.monotonic()
+    log.info("compacting the values of %d label epochs into column chunks, while ingesting", total)
+    while left:
+        left = await store.compact_due(COMPACT_SLICE)
+        now = time.monotonic()
+        if left and now - reported >= COMPACT_REPORT_S:
+            done = total - left
+            eta = (now - started) / max(done, 1) * left
+            log.info("compacted %d of %d label epochs (about %.0fs left)", done, total, eta)
+            reported = now
+    log.info("compacted %d label epochs into column chunks in %.1fs", total, time.monotonic() - started)
+    return total

@@ -145,6 +145,7 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.start_from not in ("start", "now"):
             raise ValueError(f"start_from must be 'start' or 'now', not {self.start_from!r}")
+
     # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
     # for when every producer is a runbus that seals.
     require_seal: bool = field(default_factory=config.require_seal)
@@ -364,9 +365,11 @@ class Worker:
         )
         stop_keeping_alive = asyncio.Event()
         keep_alive = asyncio.create_task(self._keep_alive(stop_keeping_alive))
+        compacting: asyncio.Task | None = None
         try:
             if not await self._connect():
                 return self.stats  # stopped while the store was away
+            compacting = asyncio.create_task(self._compact_backlog())
             self._loop_task = asyncio.create_task(self._loop())
             try:
                 await self._loop_task
@@ -376,6 +379,7 @@ class Worker:
                 log.warning("drain timeout: the batches in flight stay pending for another worker")
             if settings.burst and not self._stop_requested:
                 await self._maintain()
+                await compacting  # a burst leaves the store compacted
             await self._release_consumer()
         finally:
             # Told to stop, not cancelled: redis-py may swallow a cancellation that lands while
@@ -383,6 +387,9 @@ class Worker:
             # ever. Awaiting a per-batch keep-alive cancelled so is how a burst used to hang.
             stop_keeping_alive.set()
             await keep_alive
+            if compacting is not None and not compacting.done():
+                compacting.cancel()
+                await asyncio.gather(compacting, return_exceptions=True)
             if settings.handle_signals:
                 for signum in STOP_SIGNALS:
                     loop.remove_signal_handler(signum)
@@ -693,6 +700,12 @@ class Worker:
                 await pipe.execute(raise_on_error=False)
             except Exception as exc:  # best effort: a lapse only risks a deduplicated rewrite
                 log.debug("keep-alive of %d streams failed: %s", len(held), exc)
+
+    async def _compact_backlog(self) -> None:
+        try:
+            await maintenance.compact_backlog(self.store)
+        except StoreError as exc:  # the next start takes it up where this one stopped
+            log.warning("compaction of the stored values stopped: %s", exc)
 
     async def _maintain(self) -> None:
         settings, stats = self.settings, self.stats

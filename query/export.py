@@ -90,14 +90,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def require_pyarrow() -> None:
+def require_pyarrow(what: str = "parquet files") -> None:
+    """Raise MissingDependency, naming the extra to install, where pyarrow is not installed."""
     try:
         import pyarrow  # noqa: F401
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "pyarrow":
             raise
         raise MissingDependency(
-            "parquet files need pyarrow, which is not installed: pip install 'runbus[parquet]'"
+            f"{what} need pyarrow, which is not installed: pip install 'runbus[parquet]'"
         ) from exc
 
 

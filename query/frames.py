@@ -29,21 +29,21 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from itertools import groupby
-from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from runbus import wire
 from runbus.errors import CommandError, MissingDependency
 from runbus.query.cli import known_run
 from runbus.redact import redact_line
 from runbus.storage import rows
-from runbus.storage.base import LogLine, Point, PointTable, RunSummary, Store
+from runbus.storage.base import LogLine, PointTable, RunSummary, Store
 from runbus.storage.rules import natural_key
 
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
+
+    from runbus.storage.values import Values
 
 PAGE_ROWS = 50_000  # values (or log lines) per query
 WIDE_COLUMNS = ("label", "lease_epoch", "life", "seq", "step", "ts")
@@ -117,12 +117,8 @@ async def history_table(
 ) -> pd.DataFrame:
     """Every metric value of a run (of `labels`, of `keys`), long or wide (see the module)."""
     require_pandas()
-    run = await known_run(store, run_id)
-    chosen_keys = names(keys, "keys")
-    if chosen_keys is not None:
-        await _check_keys(store, run, chosen_keys)
-    points = await _read_points(store, "metrics", run, _labels(run, labels), chosen_keys, page_rows)
-    history = points.table(with_step=True)
+    page_size(page_rows)
+    history = _point_table(await read_values(store, run_id, "metrics", keys, labels), "metrics")
     return wide_history(history) if wide else history
 
 
@@ -135,12 +131,8 @@ async def system_table(
 ) -> pd.DataFrame:
     """Every system sample of a run (of `labels`, of `keys`)."""
     require_pandas()
-    run = await known_run(store, run_id)
-    chosen_keys = names(keys, "keys")
-    if chosen_keys is not None:
-        await _check_keys(store, run, chosen_keys, "system")
-    points = await _read_points(store, "system", run, _labels(run, labels), chosen_keys, page_rows)
-    return points.table(with_step=False)
+    page_size(page_rows)
+    return _point_table(await read_values(store, run_id, "system", keys, labels), "system")
 
 
 async def logs_table(
@@ -175,7 +167,8 @@ def wide_history(history: pd.DataFrame) -> pd.DataFrame:
     index = ["label", "lease_epoch", "seq"]
     events = history.drop_duplicates(index)[list(WIDE_COLUMNS)]
     events = events.sort_values(index, kind="stable", ignore_index=True)
-    values = history.pivot(index=index, columns="key", values="value")
+    # The keys as text: a categorical would give a column to every key of the run, logged here or not.
+    values = history.assign(key=history.key.astype(str)).pivot(index=index, columns="key", values="value")
     values.columns = _wide_names([str(key) for key in values.columns])
     return events.join(values, on=index)
 
@@ -235,35 +228,95 @@ def page_size(page_rows: int | None) -> int:
     return page_rows
 
 
-async def _read_points(
+class RunValues(NamedTuple):
+    """A run's values as a read chose them, with what a table needs beside the store's arrays."""
+
+    found: Values
+    labels: list[str]  # every label of the run, in natural order: the label categories
+    keys: list[str]  # every key of the run's table, by code point: the key categories
+    life: np.ndarray
+
+
+async def read_values(
     store: Store,
+    run_id: str,
     table: PointTable,
-    run: RunSummary,
-    labels: list[str],
-    keys: list[str] | None,
-    page_rows: int | None,
-) -> _PointColumns:
-    page_rows = page_size(page_rows)
-    points = _PointColumns()
-    # Key by key where keys are chosen: each page is then one range of the table's primary key.
-    # In the order the store sorts them: by code point, as stored.
-    chosen: list[str | None] = [None]
-    if keys is not None:
-        chosen = [*sorted({rows.storable_text(key) for key in keys})]
-    lives = _lives(run)
-    for label in labels:
-        for key in chosen:
-            after: tuple[str, int, int] | None = None
-            while True:
-                page = await store.point_page(table, run.run_id, label, after, page_rows, key)
-                points.add(page, lives[label])
-                if len(page) < page_rows:
-                    break
-                after = (page[-1].key, page[-1].epoch, page[-1].seq)
-    return points
+    keys: str | Iterable[str] | None,
+    labels: str | Iterable[str] | None,
+) -> RunValues:
+    """A run's values of `table` (of `labels`, of `keys`: unknown ones are a CommandError that
+    names those there are), as arrays (Store.values)."""
+    run = await known_run(store, run_id)
+    chosen_keys = names(keys, "keys")
+    if chosen_keys is not None:
+        await _check_keys(store, run, chosen_keys, table)
+    chosen = None if labels is None else _labels(run, labels)
+    all_keys = await (store.metric_keys(run.run_id) if table == "metrics" else store.system_keys(run.run_id))
+    found = await store.values(run.run_id, table, chosen_keys, chosen)
+    return RunValues(
+        found,
+        sorted((lab.label for lab in run.labels), key=natural_key),
+        sorted(set(all_keys) | set(found.keys)),
+        _life_column(found, _lives(run)),
+    )
 
 
-_LABEL_AND_KEY = attrgetter("label", "key")
+def _point_table(read: RunValues, table: PointTable) -> pd.DataFrame:
+    """A long table of `read`'s values, built from its arrays: labels and keys as categoricals of
+    all the run's labels and keys, so tables of a run's subsets concatenate and compare."""
+    import pandas as pd
+
+    found = read.found
+    columns = {
+        "label": _categories(found.label, found.labels, read.labels),
+        "key": _categories(found.key, found.keys, read.keys),
+        **(
+            {"step": pd.Series(pd.arrays.IntegerArray(found.step, found.no_step))}
+            if table == "metrics"
+            else {}
+        ),
+        "lease_epoch": pd.Series(found.epoch),
+        "life": pd.Series(read.life),
+        "seq": pd.Series(found.seq),
+        "ts": _times(found.ts),
+        "value": pd.Series(found.value),
+    }
+    return pd.DataFrame(columns, copy=False)
+
+
+def category_codes(codes: np.ndarray, names: list[str], categories: list[str]) -> np.ndarray:
+    """Codes into `names` as codes into `categories` (which hold every one of `names`)."""
+    import numpy as np
+
+    place = {name: at for at, name in enumerate(categories)}
+    remap = np.array([place[name] for name in names], np.int32)
+    return remap[codes] if len(codes) else np.zeros(0, np.int32)
+
+
+def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Series:
+    import pandas as pd
+
+    return pd.Series(
+        pd.Categorical.from_codes(category_codes(codes, names, categories), categories=categories)
+    )
+
+
+def _life_column(found: Values, lives: dict[str, dict[int, int]]) -> np.ndarray:
+    """Each point's life (storage.rules.lives_of), a run of equal (label, epoch) at a time."""
+    import numpy as np
+
+    count = len(found)
+    if not count:
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(
+        np.concatenate(
+            [[True], (found.label[1:] != found.label[:-1]) | (found.epoch[1:] != found.epoch[:-1])]
+        )
+    )
+    lengths = np.diff(np.append(starts, count))
+    labels, epochs = found.label[starts].tolist(), found.epoch[starts].tolist()
+    each = [_life(lives.get(found.labels[lab], {}), epoch) for lab, epoch in zip(labels, epochs, strict=True)]
+    return np.repeat(np.array(each, np.int64), lengths)
 
 
 def _lives(run: RunSummary) -> dict[str, dict[int, int]]:
@@ -274,56 +327,6 @@ def _lives(run: RunSummary) -> dict[str, dict[int, int]]:
 def _life(lives: dict[int, int], epoch: int) -> int:
     # An epoch stored after the run was read (the ingester goes on) is a restart since then.
     return lives.get(epoch, len(lives) + 1)
-
-
-class _PointColumns:
-    """Pages of values gathered column by column: the numbers in arrays, label and key as runs of
-    equal names (the pages come in label and key order), so a long history is held compactly,
-    and once, until it becomes a DataFrame."""
-
-    def __init__(self) -> None:
-        self.names: list[tuple[str, str]] = []  # (label, key) of each run of rows
-        self.lengths: list[int] = []
-        self.step, self.no_step = array("q"), array("b")
-        self.epoch, self.life, self.seq = array("q"), array("q"), array("q")
-        self.ts, self.value = array("d"), array("d")
-
-    def add(self, page: Sequence[Point], lives: dict[int, int]) -> None:
-        for pair, same in groupby(page, _LABEL_AND_KEY):
-            count = sum(1 for _ in same)
-            if self.names and self.names[-1] == pair:
-                self.lengths[-1] += count
-            else:
-                self.names.append(pair)
-                self.lengths.append(count)
-        self.step.extend([0 if p.step is None else p.step for p in page])
-        self.no_step.extend([p.step is None for p in page])
-        self.epoch.extend([p.epoch for p in page])
-        self.life.extend([_life(lives, p.epoch) for p in page])
-        self.seq.extend([p.seq for p in page])
-        self.ts.extend([p.ts for p in page])
-        self.value.extend([p.value for p in page])
-
-    def table(self, with_step: bool) -> pd.DataFrame:
-        import numpy as np
-        import pandas as pd
-
-        label = np.repeat(np.array([n[0] for n in self.names], dtype=object), self.lengths)
-        key = np.repeat(np.array([n[1] for n in self.names], dtype=object), self.lengths)
-        step = pd.arrays.IntegerArray(
-            np.frombuffer(self.step, dtype=np.int64), np.frombuffer(self.no_step, dtype=np.int8).astype(bool)
-        )
-        columns = {
-            "label": _text(label),
-            "key": _text(key),
-            **({"step": pd.Series(step)} if with_step else {}),
-            "lease_epoch": pd.Series(np.frombuffer(self.epoch, dtype=np.int64)),
-            "life": pd.Series(np.frombuffer(self.life, dtype=np.int64)),
-            "seq": pd.Series(np.frombuffer(self.seq, dtype=np.int64)),
-            "ts": _times(np.frombuffer(self.ts, dtype=np.float64)),
-            "value": pd.Series(np.frombuffer(self.value, dtype=np.float64)),
-        }
-        return pd.DataFrame(columns)
 
 
 class _LogColumns:
@@ -393,12 +396,19 @@ def _seconds(ts: float | None) -> float:
 def _times(seconds: Sequence[float] | np.ndarray) -> pd.Series:
     """Seconds since the epoch as UTC timestamps to the microsecond; NaN (and any value beyond
     what a timestamp can hold) as NaT."""
-    import numpy as np
     import pandas as pd
 
-    micros = np.rint(np.asarray(seconds, dtype=np.float64) * 1e6)
+    return pd.Series(micros(seconds).view("datetime64[us]")).dt.tz_localize("UTC")
+
+
+def micros(seconds: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Seconds since the epoch as whole microseconds (int64), NaT's value (int64's least) where
+    NaN or beyond what a timestamp can hold."""
+    import numpy as np
+
+    whole = np.rint(np.asarray(seconds, dtype=np.float64) * 1e6)
     with np.errstate(invalid="ignore"):
-        bad = ~(np.abs(micros) < MAX_MICROSECONDS)  # NaN compares False: bad too
-    whole = np.where(bad, 0, micros).astype(np.int64)
-    whole[bad] = np.iinfo(np.int64).min  # NaT
-    return pd.Series(whole.view("datetime64[us]")).dt.tz_localize("UTC")
+        bad = ~(np.abs(whole) < MAX_MICROSECONDS)  # NaN compares False: bad too
+    out = np.where(bad, 0, whole).astype(np.int64)
+    out[bad] = np.iinfo(np.int64).min
+    return out

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import asyncio
 
     import pandas as pd
+    import pyarrow as pa
 
 T = TypeVar("T")
 
@@ -238,6 +239,20 @@ class StoredRun:
         return self.api.read(
             lambda store: frames.history_table(store, self.run_id, keys, labels, wide, self.api.page_rows)
         )
+
+    def arrow(
+        self,
+        keys: str | Iterable[str] | None = None,
+        labels: str | Iterable[str] | None = None,
+        table: str = "metrics",
+    ) -> pa.Table:
+        """Every value of `table` ("metrics" or "system"; of `keys`, of `labels`) as a pyarrow
+        Table, built without pandas: the long history's columns, label and key as dictionaries."""
+        from runbus.query import arrow
+        from runbus.storage.base import point_table
+
+        chosen = point_table(table)
+        return self.api.read(lambda store: arrow.arrow_table(store, self.run_id, chosen, keys, labels))
 
     def system(
         self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
 from runbus.storage.rules import Gap, lives_of
 from runbus.wire import Event
+
+if TYPE_CHECKING:
+    from runbus.storage.values import Values
 
 # The chart reads' defaults and bounds (storage/charts.py).
 XUnit = Literal["step", "ts"]
@@ -391,6 +394,11 @@ class Store(RollupReader, Protocol):
         the run's primary start (None: no claim was held), which decides a run's primary.
         """
 
+    async def compact_due(self, limit: int = 64) -> int:
+        """Move the head rows of up to `limit` label epochs already due (storage/chunking.py: a
+        store migrated from rows, a head left full) into column chunks, in one transaction; how
+        many label epochs are due still."""
+
     async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
         """Mark running labels not heard from (ingest time) since `silent_since` as crashed,
         with their runs where the label is the primary; return the (run, label)s marked."""
@@ -410,6 +418,16 @@ class Store(RollupReader, Protocol):
 
     async def system_keys(self, run_id: str) -> list[str]:
         """The system sample keys of a run (`gpu.0.util`, `proc.rss_mb` ...), from its rollups."""
+
+    async def values(
+        self,
+        run_id: str,
+        table: PointTable = "metrics",
+        keys: Sequence[str] | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> Values:
+        """A run's values of `table` (of `keys`, of `labels`: None is all) as arrays, by label
+        (natural order), key, epoch, seq: read from the chunks and head rows that hold them."""
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """Metric values ordered by label, key, step (then epoch, seq)."""

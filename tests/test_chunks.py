@@ -4,14 +4,19 @@ both, and whatever order its batches came in."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import random
 import struct
+from pathlib import Path
 
+import asyncpg
 import pytest
 
 from runbus.storage import Store
 from runbus.storage.chunking import COMPACT_EVENTS
+from tests import old_stores
+from tests.helpers import OpenStore
 from tests.test_storage import RUN, finish, metric, start, system
 
 # Bit patterns a float64 store must keep: signed zeros, infinities, the extremes, subnormals.
@@ -148,3 +153,81 @@ async def test_a_read_of_some_keys_and_labels_reads_only_those(store: Store, tab
     assert len(values) == 2 * 48
     assert sorted(set(values.value.tolist())) == sorted({-s * 1.0 for s in range(2, 50)})
     assert len(await store.values(RUN, table, keys=[])) == 0
+
+
+# -- a store written before chunks (tests/old_stores.py) -------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+
+
+async def restore_old_store(any_store_url: str) -> str:
+    """The schema-7 store tests/old_stores.py wrote with the code before chunks, at a new URL of
+    `any_store_url`'s backend."""
+    if any_store_url.startswith("sqlite"):
+        unpack("schema7.sqlite.gz", Path(any_store_url.removeprefix("sqlite:///")))
+        return any_store_url
+    dump = unpack("schema7.pg.sql.gz").decode()
+    # pg_dump's \restrict lines are psql's, not SQL.
+    script = "\n".join(line for line in dump.splitlines() if not line.startswith("\\"))
+    con = await asyncpg.connect(any_store_url)
+    try:
+        await con.execute(script)
+    finally:
+        await con.close()
+    return any_store_url
+
+
+def unpack(name: str, into: Path | None = None) -> bytes:
+    data = gzip.decompress((DATA / name).read_bytes())
+    if into is not None:
+        into.write_bytes(data)
+    return data
+
+
+def expected_points(table: str) -> set[tuple]:
+    kind = "metric" if table == "metrics" else "system"
+    return {
+        (e.run, e.label, key, e.step if kind == "metric" else None, e.epoch, e.seq, bits(e.ts), plain(value))
+        for e in old_stores.events()
+        if e.kind == kind
+        for key, value in e.data.items()
+    }
+
+
+def plain(value: float) -> float | str:
+    return "nan" if math.isnan(value) else float(value)
+
+
+async def stored_points(store: Store, table: str) -> set[tuple]:
+    read = store.metrics if table == "metrics" else store.system
+    return {
+        (run, p.label, p.key, p.step, p.epoch, p.seq, bits(p.ts), plain(p.value))
+        for run in ("done", "live")
+        for p in await read(run)
+    }
+
+
+async def test_a_store_written_before_chunks_is_migrated_and_compacted_resumably_value_for_value(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    url = await restore_old_store(any_store_url)
+    want = {table: expected_points(table) for table in ("metrics", "system")}
+    assert len(want["metrics"]) > 15_000
+    store = await open_stores(url)
+    # Migrated: every value still read, from the rows, each label epoch due for compaction.
+    assert {t: await stored_points(store, t) for t in want} == want
+    assert await store.compact_due(0) == 5  # done: rank0 in two lease epochs, rank1, rank2; live: rank0
+    assert await store.compact_due(2) == 3
+    await store.close()
+    store = await open_stores(url)  # the compaction goes on where it stopped
+    left = await store.compact_due(0)
+    while left:
+        left = await store.compact_due(3)
+    assert {t: await stored_points(store, t) for t in want} == want
+    logs = await store.logs("done")
+    assert len(logs) == sum(1 for e in old_stores.events() if e.kind == "log" and e.run == "done")
+    # The live label goes on in its epoch: its new values join the compacted ones in order.
+    last = max(e.seq for e in old_stores.events() if e.run == "live")
+    await store.write([metric(last + 1, {"loss": 0.5}, step=last + 1, run="live")])
+    loss = (await store.values("live", keys=["loss"])).seq.tolist()
+    assert loss == sorted(loss) and loss[-1] == last + 1

@@ -120,8 +120,10 @@ def ciede2000(one: tuple[float, float, float], two: tuple[float, float, float]) 
     )
     s_l = 1 + 0.015 * (l_mean - 50) ** 2 / math.sqrt(20 + (l_mean - 50) ** 2)
     s_c, s_h = 1 + 0.045 * c_mean, 1 + 0.015 * c_mean * t
-    r_t = -math.sin(math.radians(60 * math.exp(-(((h_mean - 275) / 25) ** 2)))) * 2 * math.sqrt(
-        c_mean**7 / (c_mean**7 + 25**7)
+    r_t = (
+        -math.sin(math.radians(60 * math.exp(-(((h_mean - 275) / 25) ** 2))))
+        * 2
+        * math.sqrt(c_mean**7 / (c_mean**7 + 25**7))
     )
     dl, dc, dh = (l2 - l1) / s_l, (c2 - c1) / s_c, big_h / s_h
     return math.sqrt(dl**2 + dc**2 + dh**2 + r_t * dc * dh)

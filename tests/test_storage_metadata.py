@@ -3,10 +3,6 @@ apart, in the label's (epoch, seq) order whatever order they arrive in, and merg
 run's view (the primary's value wins, else the latest any other label set), through writers
 racing each other and a store migrated from the schema before run metadata."""
 
-# The storage conformance `store` fixture (a store of each backend) is imported from
-# test_storage.py, and test arguments of the same name then redefine it: that is how pytest passes it.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +19,7 @@ from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import SetBy
 from runbus.wire import Event
 from tests.helpers import OpenStore
-from tests.test_storage import (  # noqa: F401 - fixtures among them
+from tests.test_storage import (
     RUN,
     T0,
     event,
@@ -32,7 +28,6 @@ from tests.test_storage import (  # noqa: F401 - fixtures among them
     schema_version,
     scrambled,
     start,
-    store,
 )
 
 
