@@ -174,3 +174,20 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
     return result
+
+
+# What undoes schema 8 (column chunks) in a store whose values are all still head rows (see
+# keep_values_in_rows): for the tests of the migrations before it.
+UNDO_CHUNKS = (
+    "DROP TABLE chunks",
+    "DROP INDEX IF EXISTS label_epochs_due",
+    "ALTER TABLE label_epochs DROP COLUMN head",
+)
+
+
+def keep_values_in_rows(monkeypatch: Any) -> None:
+    """From now on, stores keep every value as a head row (no label epoch is ever due for
+    compaction into chunks): how runbus kept them before schema 8."""
+    from runbus.storage import chunking
+
+    monkeypatch.setattr(chunking, "is_due", lambda head, ended: False)

@@ -31,7 +31,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
-from tests.helpers import OpenStore, get_json, ingest, xadd_event
+from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, xadd_event
 from tests.pgserver import create_database, drop_database
 
 T0 = 1_700_000_000.0
@@ -336,7 +336,7 @@ async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, an
 
 async def make_old(url: str) -> None:
     """The store as runbus left it before rollups: their tables gone, its version the one before."""
-    tables = ("series", "label_epochs", "label_rollups", "run_rollups")
+    tables = ("series", "label_epochs", "label_rollups", "run_rollups", "chunks")
     before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA)
     if url.startswith("sqlite"):
         con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
@@ -360,6 +360,7 @@ async def test_an_old_store_gets_the_rollups_of_what_it_holds(
     open_stores: OpenStore, any_store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rnd = random.Random(3)
+    keep_values_in_rows(monkeypatch)
     first = await open_stores()
     events = []
     for n in range(3):
@@ -381,6 +382,7 @@ async def test_an_old_store_gets_the_rollups_of_what_it_holds(
     want = await stored_rows(first, "old")
     await first.close()
     await make_old(any_store_url)
+    monkeypatch.undo()
     # Pages small enough that buckets straddle them.
     backend = sqlite_backend if any_store_url.startswith("sqlite") else postgres_backend
     monkeypatch.setattr(backend, "MIGRATION_PAGE", 333)

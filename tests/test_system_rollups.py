@@ -22,7 +22,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Envelope
 from runbus.wire import Event
-from tests.helpers import get_json
+from tests.helpers import UNDO_CHUNKS, get_json, keep_values_in_rows
 from tests.test_rollups import T0, WIDEST, as_batches, expected_rows, same, start
 
 RUN = "sys"
@@ -141,8 +141,9 @@ async def make_before_system_rollups(url: str) -> None:
         f"DELETE FROM label_rollups WHERE key_id IN ({system_series})",
         f"DELETE FROM run_rollups WHERE key_id IN ({system_series})",
         "DELETE FROM series WHERE run_id LIKE '%:system'",
+        *UNDO_CHUNKS,
     ]
-    before = len(sqlite_backend.MIGRATIONS) - 1
+    before = sqlite_backend.MIGRATIONS.index(sqlite_backend.CHUNKS_SCHEMA) - 1
     if url.startswith("sqlite"):
         con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
         try:
@@ -164,12 +165,14 @@ async def make_before_system_rollups(url: str) -> None:
 async def test_an_old_store_gets_the_rollups_of_its_system_samples(
     any_store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    keep_values_in_rows(monkeypatch)
     first = open_store(any_store_url)
     await first.connect()
     await write(first, system_run())
     want = await stored_system_rows(first, RUN)
     await first.close()
     await make_before_system_rollups(any_store_url)
+    monkeypatch.undo()
     backend = sqlite_backend if any_store_url.startswith("sqlite") else postgres_backend
     monkeypatch.setattr(backend, "MIGRATION_PAGE", 97)  # pages that cut through labels and buckets
     migrated = open_store(any_store_url)
