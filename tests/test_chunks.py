@@ -7,16 +7,21 @@ from __future__ import annotations
 import gzip
 import math
 import random
+import signal
 import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
+import redis
 
 from runbus.storage import Store
 from runbus.storage.chunking import COMPACT_EVENTS
 from tests import old_stores
-from tests.helpers import OpenStore
+from tests.helpers import T0, OpenStore, ingest, read_store, wait_for, xadd_event
+from tests.test_faults import start_ingester
 from tests.test_storage import RUN, finish, metric, start, system
 
 # Bit patterns a float64 store must keep: signed zeros, infinities, the extremes, subnormals.
@@ -231,3 +236,69 @@ async def test_a_store_written_before_chunks_is_migrated_and_compacted_resumably
     await store.write([metric(last + 1, {"loss": 0.5}, step=last + 1, run="live")])
     loss = (await store.values("live", keys=["loss"])).seq.tolist()
     assert loss == sorted(loss) and loss[-1] == last + 1
+
+
+# -- a worker killed while it writes ---------------------------------------------------------------
+
+KILLED_LABELS, KILLED_EVENTS = 6, 7000
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_url) as connection:
+        yield connection
+
+
+def killed_run_entries(client: redis.Redis) -> set[tuple]:
+    """Write KILLED_LABELS streams of KILLED_EVENTS metric events each (a label epoch crosses
+    COMPACT_EVENTS on the way, then ends), by hand; the points they hold."""
+    want = set()
+    rnd = random.Random(5)
+    with client.pipeline(transaction=False) as pipe:
+        for n in range(KILLED_LABELS):
+            label = f"rank{n}"
+            xadd_event(pipe, "killed", label, "start", 1, 1, {"primary": n == 0})
+            for seq in range(2, KILLED_EVENTS + 2):
+                data = {
+                    "loss": rnd.gauss(1, 0.1),
+                    "lr": 0.01,
+                    "n": seq,
+                    **({"rare": -0.0} if seq % 97 == 0 else {}),
+                }
+                ts = T0 + seq * 0.01 + rnd.random() * 1e-3
+                xadd_event(pipe, "killed", label, "metric", 1, seq, data, step=seq // 2, ts=ts)
+                want |= {(label, key, seq // 2, seq, bits(ts), bits(float(v))) for key, v in data.items()}
+            xadd_event(pipe, "killed", label, "finish", 1, KILLED_EVENTS + 2, {"exit_code": 0})
+        pipe.execute()
+    return want
+
+
+def stored_metrics(store_url: str) -> int:
+    run = read_store(store_url, "run", "killed")
+    return 0 if run is None else run.counts.get("metric", 0)
+
+
+def test_workers_sigkilled_while_they_write_and_compact_lose_and_repeat_nothing(
+    client: redis.Redis, redis_url: str, any_store_url: str
+) -> None:
+    want = killed_run_entries(client)
+    kills, rnd = 0, random.Random(9)
+    while kills < 6 and stored_metrics(any_store_url) < KILLED_LABELS * KILLED_EVENTS:
+        before = stored_metrics(any_store_url)
+        worker = start_ingester(redis_url, any_store_url, "--claim-idle", "0.2", "--batch-size", "50")
+        # Killed once it has committed a batch, so while it writes the next ones, a little
+        # later each time.
+        wait_for("a commit", lambda: worker.poll() is not None or stored_metrics(any_store_url) > before)  # noqa: B023
+        time.sleep(rnd.random() * 0.3)
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate(timeout=30)
+        kills += 1
+    assert kills >= 3
+    ingest(redis_url, any_store_url, claim_idle=0.0)
+    run = read_store(any_store_url, "run", "killed")
+    assert run.state == "finished" and all(lab.missing == 0 for lab in run.labels)
+    values = read_store(any_store_url, "values", "killed")
+    got = [(p.label, p.key, p.step, p.seq, bits(p.ts), bits(p.value)) for p in values.points()]
+    assert len(got) == len(want)  # nothing stored twice
+    assert set(got) == want  # nothing lost, every value and timestamp bit for bit
+    print(f"\nFIGURE workers SIGKILLed while writing chunks: {kills}, points: {len(want)}, lost: 0, twice: 0")
