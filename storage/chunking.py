@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import groupby
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, encode_arrays
+from runbus.storage.rollups import KeyColumns
 from runbus.wire import Event
 
 # A label epoch's head is compacted once this many events wait in it: a key logged every step
 # then fills a chunk of this many points (docs/columns.md: larger chunks compress and decode
 # better, and a head this size is read back and deleted in a few milliseconds).
 COMPACT_EVENTS = 4096
+# A batch that brings a label epoch this many events writes them (and its head) as chunks at once.
+DIRECT_EVENTS = 256
 # Points per chunk at most: a head compacted late (an old store, a label that ran long without
 # a batch ending it) is cut into chunks of this size.
 CHUNK_POINTS = 4096
@@ -58,11 +63,10 @@ class ChunkRow(NamedTuple):
     data: bytes
 
 
-# A head row as compaction reads it: (label id, table, key, epoch, seq, step or None, ts, value),
-# the value None where SQLite kept NaN, or bytes where it kept -0.0 (head_value).
-HeadRow = tuple[int, str, str, int, int, int | None, float, float | bytes | None]
-# A head point: (label id, series id, epoch, seq, step or None, ts, value).
-HeadPoint = tuple[int, int, int, int, int | None, float, float | bytes | None]
+# A stretch of one series' points in one label epoch, as columns: (label id, series id, epoch,
+# seqs, steps (None where not given), ts, values). The values of a head row may be None (SQLite's
+# NaN) or bytes (-0.0 as SQLite's head keeps it): head_value.
+Part = tuple[int, int, int, Sequence[int], Sequence[int | None], Sequence[float], Sequence[Any]]
 # How a head keeps -0.0 where its store would make it 0.0 (SQLite): the float64's 8 bytes.
 NEGATIVE_ZERO = struct.pack("<d", -0.0)
 
@@ -74,6 +78,29 @@ def head_value(value: float | bytes | None) -> float:
     if isinstance(value, bytes):
         return float(struct.unpack("<d", value)[0])
     return value
+
+
+def head_columns(label_id: int, rows: Iterable[Sequence[Any]]) -> list[KeyColumns]:
+    """A label's head rows, (key, epoch, seq, step, ts, value) each in (key, epoch) order, as
+    columns a key and epoch at a time."""
+    found: list[KeyColumns] = []
+    for (key, epoch), group in groupby(rows, itemgetter(0, 1)):
+        _, _, seqs, steps, ts, values = zip(*group, strict=True)
+        found.append((label_id, key, epoch, list(seqs), list(steps), list(ts), list(values)))
+    return found
+
+
+def system_columns(rows: Iterable[Sequence[Any]]) -> list[KeyColumns]:
+    """A batch's system rows, (label id, key, epoch, seq, ts, value) each, as columns a label,
+    key and epoch at a time."""
+    by_series: dict[tuple[int, str, int], list[Sequence[Any]]] = {}
+    for row in rows:
+        by_series.setdefault((row[0], row[1], row[2]), []).append(row)
+    found: list[KeyColumns] = []
+    for (label_id, key, epoch), group in by_series.items():
+        _, _, _, seqs, ts, values = zip(*group, strict=True)
+        found.append((label_id, key, epoch, list(seqs), [None] * len(seqs), list(ts), list(values)))
+    return found
 
 
 def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int, int], int]:
@@ -88,15 +115,15 @@ def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int,
     return counts
 
 
-def is_due(head: int, ended: bool) -> bool:
-    """Whether a label epoch whose head holds `head` events is compacted now."""
-    return head >= COMPACT_EVENTS or (ended and head > 0)
+def is_due(head: int, added: int, ended: bool) -> bool:
+    """Whether a label epoch whose head holds `head` events, `added` of them by this batch, is
+    compacted now: its head is full, its label has ended, or the batch brings so many events
+    that they make a chunk of their own (a burst writes its values once, as chunks: rows
+    written and deleted would leave their pages behind, and cost as much again)."""
+    return head >= COMPACT_EVENTS or added >= DIRECT_EVENTS or (ended and head > 0)
 
 
 class _Columns(NamedTuple):
-    label: Ints
-    series: Ints
-    epoch: Ints
     seq: Ints
     step: Ints
     nulls: Mask
@@ -104,51 +131,94 @@ class _Columns(NamedTuple):
     value: Floats
 
 
-def chunk_rows(points: Sequence[HeadPoint]) -> list[ChunkRow]:
-    """The chunk rows that hold `points` (head points of any label epochs, in any order), and
-    each of their label epochs' clock: every (label, series, epoch) cut into chunks of at most
-    CHUNK_POINTS consecutive seqs."""
-    if not points:
-        return []
-    columns = _columns(points)
-    order = np.lexsort((columns.seq, columns.epoch, columns.series, columns.label))
-    ordered = _Columns(*(column[order] for column in columns))
-    return [*_key_chunks(ordered), *_clock_chunks(ordered)]
+def chunk_rows(parts: Iterable[Part]) -> list[ChunkRow]:
+    """The chunk rows that hold the points of `parts` (of any label epochs and series, in any
+    order, none of a seq twice in a series), and each of their label epochs' clock: every
+    (label, series, epoch) in seq order, cut into chunks of at most CHUNK_POINTS."""
+    series: dict[tuple[int, int, int], list[_Columns]] = {}
+    arrays = _Arrays()
+    for label_id, series_id, epoch, seqs, steps, ts, values in parts:
+        if len(seqs):
+            series.setdefault((label_id, series_id, epoch), []).append(
+                arrays.columns(seqs, steps, ts, values)
+            )
+    # Each label epoch's clock from its series' columns, those of the same events once.
+    clocks: dict[tuple[int, int], dict[int, _Columns]] = {}
+    rows = []
+    for (label_id, series_id, epoch), found in series.items():
+        columns = _in_seq_order(found)
+        clocks.setdefault((label_id, epoch), {}).setdefault(id(columns.seq), columns)
+        rows += _key_chunks(label_id, series_id, epoch, columns)
+    for (label_id, epoch), distinct in clocks.items():
+        rows += _clock_chunks(label_id, epoch, _in_seq_order(list(distinct.values()), distinct=True))
+    return rows
 
 
-def _columns(points: Sequence[HeadPoint]) -> _Columns:
-    label, series, epoch, seq, step, ts, value = zip(*points, strict=True)
-    nulls = np.fromiter((s is None for s in step), np.bool_, len(step))
-    return _Columns(
-        np.array(label, np.int64),
-        np.array(series, np.int64),
-        np.array(epoch, np.int64),
-        np.array(seq, np.int64),
-        np.fromiter((0 if s is None else s for s in step), np.int64, len(step)),
-        nulls,
-        np.array(ts, np.float64),
-        np.fromiter(map(head_value, value), np.float64, len(value)),
-    )
+class _Arrays:
+    """Columns as arrays, each list converted once: a batch's keys share their events' seqs,
+    steps and ts (rollups.KeyColumns)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Sequence[Any], Any]] = {}
+
+    def columns(
+        self, seqs: Sequence[int], steps: Sequence[int | None], ts: Sequence[float], values: Sequence[Any]
+    ) -> _Columns:
+        step, nulls = self._steps(steps)
+        return _Columns(
+            self._once(seqs, lambda: np.array(seqs, np.int64)),
+            step,
+            nulls,
+            self._once(ts, lambda: np.array(ts, np.float64)),
+            _floats(values),
+        )
+
+    def _steps(self, steps: Sequence[int | None]) -> tuple[Ints, Mask]:
+        def made() -> tuple[Ints, Mask]:
+            if None not in steps:
+                return np.array(steps, np.int64), np.zeros(len(steps), np.bool_)
+            nulls = np.fromiter((s is None for s in steps), np.bool_, len(steps))
+            return np.fromiter((0 if s is None else s for s in steps), np.int64, len(steps)), nulls
+
+        return self._once(steps, made)
+
+    def _once(self, source: Sequence[Any], make: Callable[[], Any]) -> Any:
+        # Keyed by the list's id, kept alive beside its array so the id is not reused meanwhile.
+        found = self._made.get(id(source))
+        if found is None:
+            found = self._made[id(source)] = (source, make())
+        return found[1]
 
 
-def _runs(*keys: Ints) -> Iterator[tuple[int, int]]:
-    """(start, end) of each run of equal `keys` (sorted), cut at CHUNK_POINTS."""
-    count = len(keys[0])
-    change = np.zeros(count, np.bool_)
-    change[0] = True
-    for key in keys:
-        change[1:] |= key[1:] != key[:-1]
-    starts = np.flatnonzero(change).tolist()
-    for start, end in zip(starts, [*starts[1:], count], strict=True):
-        for at in range(start, end, CHUNK_POINTS):
-            yield at, min(at + CHUNK_POINTS, end)
+def _floats(values: Sequence[Any]) -> Floats:
+    try:
+        return np.array(values, np.float64)
+    except (TypeError, ValueError):  # a head's None (NaN) or bytes (-0.0)
+        return np.fromiter(map(head_value, values), np.float64, len(values))
 
 
-def _key_chunks(c: _Columns) -> Iterator[ChunkRow]:
-    for start, end in _runs(c.label, c.series, c.epoch):
+def _in_seq_order(found: list[_Columns], distinct: bool = False) -> _Columns:
+    """`found` as one set of columns in seq order; with `distinct`, the first of each seq."""
+    joined = found[0] if len(found) == 1 else _Columns(*(np.concatenate(c) for c in zip(*found, strict=True)))
+    seq = joined.seq
+    if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
+        joined = _Columns(*(c[np.argsort(seq, kind="stable")] for c in joined))
+        if distinct:
+            first = np.ones(len(seq), np.bool_)
+            first[1:] = joined.seq[1:] != joined.seq[:-1]
+            joined = _Columns(*(c[first] for c in joined))
+    return joined
+
+
+def _cuts(count: int) -> Iterator[tuple[int, int]]:
+    for at in range(0, count, CHUNK_POINTS):
+        yield at, min(at + CHUNK_POINTS, count)
+
+
+def _key_chunks(label_id: int, series_id: int, epoch: int, c: _Columns) -> Iterator[ChunkRow]:
+    for start, end in _cuts(len(c.seq)):
         part = slice(start, end)
-        nulls = c.nulls[part]
-        seqs = c.seq[part]
+        nulls, seqs, ts = c.nulls[part], c.seq[part], c.ts[part]
         given = c.step[part][~nulls]
         data = encode_arrays(
             Arrays(
@@ -159,11 +229,10 @@ def _key_chunks(c: _Columns) -> Iterator[ChunkRow]:
                 c.value[part],
             )
         )
-        ts = c.ts[part]
         yield ChunkRow(
-            int(c.label[start]),
-            int(c.series[start]),
-            int(c.epoch[start]),
+            label_id,
+            series_id,
+            epoch,
             int(seqs[0]),
             int(seqs[-1]),
             end - start,
@@ -175,35 +244,30 @@ def _key_chunks(c: _Columns) -> Iterator[ChunkRow]:
         )
 
 
-def _clock_chunks(c: _Columns) -> Iterator[ChunkRow]:
-    """Each label epoch's events once: (label, epoch, seq) in order, the first point of each."""
-    order = np.lexsort((c.seq, c.epoch, c.label))
-    label, epoch, seq, ts = c.label[order], c.epoch[order], c.seq[order], c.ts[order]
-    first = np.ones(len(seq), np.bool_)
-    first[1:] = (label[1:] != label[:-1]) | (epoch[1:] != epoch[:-1]) | (seq[1:] != seq[:-1])
-    label, epoch, seq, ts = label[first], epoch[first], seq[first], ts[first]
-    for start, end in _runs(label, epoch):
-        part = slice(start, end)
+def _clock_chunks(label_id: int, epoch: int, c: _Columns) -> Iterator[ChunkRow]:
+    """A label epoch's events once each: their seqs, and their ts as the float64's bits."""
+    for start, end in _cuts(len(c.seq)):
         count = end - start
+        seqs, ts = c.seq[start:end], c.ts[start:end]
         data = encode_arrays(
             Arrays(
-                seq[part],
+                seqs,
                 np.zeros(count, np.int64),
                 np.ones(count, np.bool_),
-                np.ascontiguousarray(ts[part]).view(np.int64),
+                np.ascontiguousarray(ts).view(np.int64),
                 np.zeros(count, np.int64),
             )
         )
         yield ChunkRow(
-            int(label[start]),
+            label_id,
             CLOCK,
-            int(epoch[start]),
-            int(seq[start]),
-            int(seq[end - 1]),
+            epoch,
+            int(seqs[0]),
+            int(seqs[-1]),
             count,
             None,
             None,
-            float(ts[part].min()),
-            float(ts[part].max()),
+            float(ts.min()),
+            float(ts.max()),
             data,
         )

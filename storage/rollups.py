@@ -266,15 +266,22 @@ _STEP, _SEQ, _TS, _DATA, _EPOCH = (
 )
 
 
-def fold_metrics(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tuple], dict[FineKey, Partial]]:
-    """The `metrics` rows of a batch's new events, (label id, key, epoch, seq, step, ts, value)
-    as the table declares them, and their fine partials, given (label id, its new events in
+# A key's values in one label epoch, as columns: (label id, stored key, epoch, seqs, steps
+# (None where not given), ts, values). Columns of the same events share their seqs, steps and ts.
+KeyColumns = tuple[int, str, int, list[int], list[int | None], list[float], list[Any]]
+
+
+def fold_metrics(
+    fresh: Iterable[tuple[int, Sequence[Event]]],
+) -> tuple[list[KeyColumns], dict[FineKey, Partial]]:
+    """The values of a batch's new metric events a key at a time (KeyColumns: what the store
+    keeps as head rows or chunks), and their fine partials, given (label id, its new events in
     (epoch, seq) order) pairs.
 
-    Both come from one pass over each label's values a key at a time: the rows are zipped from
-    columns in C rather than built one by one in Python, which pays for most of the partials.
+    Both come from one pass over each label's values a key at a time, never a Python object per
+    value: that pays for most of the partials.
     """
-    rows: list[tuple] = []
+    rows: list[KeyColumns] = []
     out: dict[FineKey, Partial] = {}
     for label_id, events in fresh:
         metrics = [e for e in events if e.kind == "metric"]
@@ -292,7 +299,7 @@ def fold_metrics(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tup
 
 
 def _fold_epoch(
-    rows: list[tuple], out: dict[FineKey, Partial], label_id: int, epoch: int, events: Sequence[Event]
+    rows: list[KeyColumns], out: dict[FineKey, Partial], label_id: int, epoch: int, events: Sequence[Event]
 ) -> None:
     steps = list(map(_STEP, events))
     if None not in steps:
@@ -307,7 +314,7 @@ def _fold_epoch(
 
 
 def _fold_axis(
-    rows: list[tuple],
+    rows: list[KeyColumns],
     out: dict[FineKey, Partial],
     label_id: int,
     epoch: int,
@@ -320,7 +327,7 @@ def _fold_axis(
     datas = list(map(_DATA, events))
     seqs = list(map(_SEQ, events))
     ts = list(map(_TS, events))
-    step_column = repeat(None) if steps is None else steps
+    step_column: list[int | None] = [None] * len(seqs) if steps is None else list(steps)
     keys = list(datas[0])
     values_of = None
     # The common case: every event logs the same keys (each has all of the first's, and no more).
@@ -338,7 +345,7 @@ def _fold_axis(
             ranges = [(min(ts[a:b]), max(ts[a:b])) for _, a, b in spans]
         for key, values in zip(keys, values_of, strict=True):
             stored_key = key if "\x00" not in key else storable_text(key)
-            rows += zip(repeat(label_id), repeat(stored_key), repeat(epoch), seqs, step_column, ts, values)
+            rows.append((label_id, stored_key, epoch, seqs, step_column, ts, values))
             if not rising:
                 for bucket, part in fold(xs, seqs, ts, values):
                     _add(out, (label_id, stored_key, epoch, axis, bucket), part)
@@ -379,7 +386,7 @@ def _fold_axis(
             column[4].append(step)
     for key, (kxs, kseqs, kts, values, ksteps) in columns.items():
         stored_key = key if "\x00" not in key else storable_text(key)
-        rows += zip(repeat(label_id), repeat(stored_key), repeat(epoch), kseqs, ksteps, kts, values)
+        rows.append((label_id, stored_key, epoch, kseqs, ksteps, kts, values))
         for bucket, part in fold(kxs, kseqs, kts, values):
             _add(out, (label_id, stored_key, epoch, axis, bucket), part)
 
@@ -678,3 +685,12 @@ def fold_system(system_rows: Iterable[Sequence[Any]]) -> dict[FineKey, Partial]:
     """The 128-second partials of `system` rows (label id, key, epoch, seq, ts, value), in any order."""
     ordered = sorted(system_rows, key=itemgetter(0, 1, 2, 3))
     return fine_partials_from_rows((r[0], r[1], r[2], r[3], None, r[4], r[5]) for r in ordered)
+
+
+def column_rows(columns: Iterable[KeyColumns]) -> list[tuple]:
+    """KeyColumns as `metrics` rows, (label id, key, epoch, seq, step, ts, value) as the table
+    declares them: zipped in C."""
+    rows: list[tuple] = []
+    for label_id, key, epoch, seqs, steps, ts, values in columns:
+        rows += zip(repeat(label_id), repeat(key), repeat(epoch), seqs, steps, ts, values)
+    return rows

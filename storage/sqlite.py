@@ -563,34 +563,41 @@ def _store_values(
     """A batch's new events' values, logs and rollups, given by label id as (run, new events,
     label state): values join their label epochs' heads, or with them go into chunks where the
     head is due (chunking.is_due), `ended` labels' included."""
-    metric_rows, fine = rollups.fold_metrics((label_id, new) for label_id, (_, new, _) in fresh.items())
+    metric_columns, fine = rollups.fold_metrics((label_id, new) for label_id, (_, new, _) in fresh.items())
     system_rows, log_rows = rows.value_rows((label_id, new) for label_id, (_, new, _) in fresh.items())
     _insert(con, "logs (label_id, epoch, seq, ts, stream, level, levelno, text)", 8, log_rows)
+    runs = {label_id: run for label_id, (run, _, _) in fresh.items()}
     starts = {label_id: _latest_start(label) for label_id, (_, _, label) in fresh.items()}
     if fine:
-        _roll_up(con, fine, {label_id: run for label_id, (run, _, _) in fresh.items()}, starts)
+        _roll_up(con, fine, runs, starts)
     if system_rows:
-        system_runs = {label_id: rollups.series_run(run, "system") for label_id, (run, _, _) in fresh.items()}
+        system_runs = {label_id: rollups.series_run(run, "system") for label_id, run in runs.items()}
         _roll_up(con, rollups.fold_system(system_rows), system_runs, starts)
-    due = _grow_heads(
-        con, chunking.head_events((label_id, new) for label_id, (_, new, _) in fresh.items()), ended
-    )
-    now = set(due)
+    heads = chunking.head_events((label_id, new) for label_id, (_, new, _) in fresh.items())
+    due = set(_grow_heads(con, heads, ended))
+    system_columns = chunking.system_columns(system_rows)
     _insert(
         con,
         "metrics (label_id, key, epoch, seq, step, ts, value)",
         7,
-        _exact([r for r in metric_rows if (r[0], r[2]) not in now]),
+        _exact(rollups.column_rows(c for c in metric_columns if (c[0], c[2]) not in due)),
     )
     _insert(
         con,
         "system (label_id, key, epoch, seq, ts, value)",
         6,
-        _exact([r for r in system_rows if (r[0], r[2]) not in now]),
+        _exact(
+            [
+                (c[0], c[1], c[2], *row)
+                for c in system_columns
+                if (c[0], c[2]) not in due
+                for row in zip(c[3], c[5], c[6])
+            ]
+        ),
     )
-    direct = [(r[0], "metrics", *r[1:]) for r in metric_rows if (r[0], r[2]) in now]
-    direct += [(r[0], "system", *r[1:4], None, *r[4:]) for r in system_rows if (r[0], r[2]) in now]
-    _compact(con, due, direct)
+    direct = [("metrics", c) for c in metric_columns if (c[0], c[2]) in due]
+    direct += [("system", c) for c in system_columns if (c[0], c[2]) in due]
+    _compact(con, sorted(due), direct)
 
 
 def _exact(value_rows: list[tuple]) -> list[tuple]:
@@ -620,7 +627,7 @@ def _grow_heads(
         due += [
             (label_id, epoch)
             for label_id, epoch, head in con.execute(statement, list(chain.from_iterable(chunk))).fetchall()
-            if chunking.is_due(head, label_id in ended)
+            if chunking.is_due(head, heads[label_id, epoch], label_id in ended)
         ]
     for chunk in _chunks(sorted(ended), MAX_LABELS_PER_STATEMENT):
         due += con.execute(
@@ -631,39 +638,28 @@ def _grow_heads(
 
 
 def _compact(
-    con: sqlite3.Connection, due: Sequence[tuple[int, int]], fresh: Sequence[chunking.HeadRow] = ()
+    con: sqlite3.Connection,
+    due: Sequence[tuple[int, int]],
+    fresh: Sequence[tuple[PointTable, rollups.KeyColumns]] = (),
 ) -> None:
-    """Move the heads of `due` label epochs, and with them `fresh` values of the same label
-    epochs that never were head rows, into column chunks (storage/chunking.py)."""
+    """Move the heads of `due` label epochs, and with them `fresh` values (of their table) of
+    the same label epochs that never were head rows, into column chunks (storage/chunking.py)."""
     if not due:
         return
+    label_ids = sorted({label_id for label_id, _ in due})
     runs = dict(
-        con.execute(
-            f"SELECT id, run_id FROM labels WHERE id IN ({_rows_sql(1, len({d[0] for d in due}))})",
-            sorted({d[0] for d in due}),
-        ).fetchall()
+        con.execute(f"SELECT id, run_id FROM labels WHERE id IN ({_rows_sql(1, len(label_ids))})", label_ids)
     )
-    head = list(fresh)
+    found: list[tuple[PointTable, rollups.KeyColumns]] = list(fresh)
     for label_id, epoch in due:
         where = (label_id, epoch)
-        head += [
-            (label_id, "metrics", *row)
-            for row in con.execute(
-                "SELECT key, epoch, seq, step, ts, value FROM metrics WHERE label_id = ? AND epoch = ?", where
-            )
-        ]
-        head += [
-            (label_id, "system", key, ep, seq, None, ts, value)
-            for key, ep, seq, ts, value in con.execute(
-                "SELECT key, epoch, seq, ts, value FROM system WHERE label_id = ? AND epoch = ?", where
-            )
-        ]
-    ids = _series_id_map(con, {(rollups.series_run(runs[h[0]], h[1]), h[2]) for h in head})
-    points = [(h[0], ids[rollups.series_run(runs[h[0]], h[1]), h[2]], *h[3:]) for h in head]
-    for label_id, epoch in due:
-        con.execute("DELETE FROM metrics WHERE label_id = ? AND epoch = ?", (label_id, epoch))
-        con.execute("DELETE FROM system WHERE label_id = ? AND epoch = ?", (label_id, epoch))
-    _insert(con, "chunks", 11, [tuple(row) for row in chunking.chunk_rows(points)], verb="INSERT")
+        for table, step in (("metrics", "step"), ("system", "NULL")):
+            query = f"SELECT key, epoch, seq, {step}, ts, value FROM {table} WHERE label_id = ? AND epoch = ? ORDER BY key, seq"
+            found += [(table, part) for part in chunking.head_columns(label_id, con.execute(query, where))]
+            con.execute(f"DELETE FROM {table} WHERE label_id = ? AND epoch = ?", where)
+    ids = _series_id_map(con, {(rollups.series_run(runs[c[0]], table), c[1]) for table, c in found})
+    parts = [(c[0], ids[rollups.series_run(runs[c[0]], table), c[1]], *c[2:]) for table, c in found]
+    _insert(con, "chunks", 11, [tuple(row) for row in chunking.chunk_rows(parts)], verb="INSERT")
     for chunk in _chunks(list(due), MAX_LABELS_PER_STATEMENT):
         con.execute(
             _given_rows(

@@ -190,4 +190,4 @@ def keep_values_in_rows(monkeypatch: Any) -> None:
     compaction into chunks): how runbus kept them before schema 8."""
     from runbus.storage import chunking
 
-    monkeypatch.setattr(chunking, "is_due", lambda head, ended: False)
+    monkeypatch.setattr(chunking, "is_due", lambda head, added, ended: False)
