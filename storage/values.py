@@ -276,21 +276,47 @@ def page(
 
     The chunks not taken hold no point before the first of them's (key, epoch, first seq), so
     the points before it are complete even where a late compaction made chunks overlap."""
-
-    def held(taken: list[ChunkPart]) -> Values:
-        found = assemble(taken, clocks, head)
-        return found if past is None else after(found, *past)
-
-    taken: list[ChunkPart] = []
-    count = 0
+    pager = Pager(clocks, head, limit, past)
     for part, points in chunks:
-        if count >= limit:
-            before = _before(held(taken), part[1], part[2], part[3])
-            if len(before) >= limit:
-                return before.take(slice(0, limit))
-        taken.append(part)
-        count += points
-    return held(taken).take(slice(0, limit))
+        found = pager.add(part, points)
+        if found is not None:
+            return found
+    return pager.end()
+
+
+class Pager:
+    """`page` a chunk at a time, for a backend whose chunks come from an asynchronous cursor:
+    `add` each chunk in (key, epoch, first seq) order until it gives the page, else `end`."""
+
+    def __init__(
+        self,
+        clocks: Sequence[ClockPart],
+        head: Sequence[HeadRow],
+        limit: int,
+        past: tuple[str, int, int] | None = None,
+    ) -> None:
+        self.clocks, self.head, self.limit, self.past = clocks, head, limit, past
+        self.taken: list[ChunkPart] = []
+        self.count = 0
+
+    def add(self, part: ChunkPart, points: int) -> Values | None:
+        """Take the next chunk (`points` its point count): the page, where the chunks taken
+        before it already hold it (no chunk after is needed then), else None."""
+        if self.count >= self.limit:
+            before = _before(self._held(), part[1], part[2], part[3])
+            if len(before) >= self.limit:
+                return before.take(slice(0, self.limit))
+        self.taken.append(part)
+        self.count += points
+        return None
+
+    def end(self) -> Values:
+        """The page, once no chunk is left to add."""
+        return self._held().take(slice(0, self.limit))
+
+    def _held(self) -> Values:
+        found = assemble(self.taken, self.clocks, self.head)
+        return found if self.past is None else after(found, *self.past)
 
 
 def _before(v: Values, key: str, epoch: int, seq: int) -> Values:
