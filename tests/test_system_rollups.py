@@ -135,26 +135,29 @@ async def test_system_rollups_equal_a_recomputation_from_the_stored_samples(stor
 
 
 async def make_before_system_rollups(url: str) -> None:
-    """The store as runbus left it before system rollups: none of them, its version one lower."""
+    """The store as runbus left it before system rollups: none of them, no column chunks (which
+    came later: the values written here are all head rows), its version the one before."""
     system_series = "SELECT id FROM series WHERE run_id LIKE '%:system'"
     statements = [
         f"DELETE FROM label_rollups WHERE key_id IN ({system_series})",
         f"DELETE FROM run_rollups WHERE key_id IN ({system_series})",
         "DELETE FROM series WHERE run_id LIKE '%:system'",
+        "DROP TABLE chunks",
     ]
-    before = len(sqlite_backend.MIGRATIONS) - 1
+    before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA) + 1
     if url.startswith("sqlite"):
         con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
         try:
-            for statement in statements:
+            for statement in [*statements, "DROP INDEX label_epochs_due"]:
                 con.execute(statement)
+            con.execute("ALTER TABLE label_epochs DROP COLUMN head")
             con.execute(f"PRAGMA user_version = {before}")
         finally:
             con.close()
         return
     pg = await asyncpg.connect(url)
     try:
-        for statement in statements:
+        for statement in [*statements, "ALTER TABLE label_epochs DROP COLUMN head"]:
             await pg.execute(statement)
         await pg.execute("DELETE FROM schema_version WHERE version > $1", before)
     finally:
