@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import math
 import random
+import sqlite3
 import struct
+import time
 
+import asyncpg
 import pytest
 
 from runbus.storage import Store
+from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.chunking import COMPACT_EVENTS
+from tests.helpers import OpenStore
 from tests.test_storage import RUN, finish, metric, start, system
 
 # Bit patterns a float64 store must keep: signed zeros, infinities, the extremes, subnormals.
@@ -148,3 +153,76 @@ async def test_a_read_of_some_keys_and_labels_reads_only_those(store: Store, tab
     assert len(values) == 2 * 48
     assert sorted(set(values.value.tolist())) == sorted({-s * 1.0 for s in range(2, 50)})
     assert len(await store.values(RUN, table, keys=[])) == 0
+
+
+async def run_sql(url: str, *statements: str) -> list[tuple]:
+    """Run `statements` on the store at `url` as it stands (its own connection): the last one's rows."""
+    found: list[tuple] = []
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            for statement in statements:
+                found = con.execute(statement).fetchall()
+        finally:
+            con.close()
+        return found
+    pg = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            found = [tuple(row) for row in await pg.fetch(statement)]
+    finally:
+        await pg.close()
+    return found
+
+
+async def head_and_chunks(url: str) -> tuple[int, int]:
+    """How many head rows (metrics and system) and chunk rows the store holds."""
+    ((head, chunks),) = await run_sql(
+        url,
+        "SELECT (SELECT count(*) FROM metrics) + (SELECT count(*) FROM system), "
+        "(SELECT count(*) FROM chunks)",
+    )
+    return head, chunks
+
+
+def labelled_values(labels: int) -> list:
+    events = []
+    for rank in range(labels):
+        label = f"rank{rank}"
+        events += [start(1, primary=rank == 0, label=label)]
+        events += [metric(s, {"loss": noisy(s), "zero": -0.0}, step=s, label=label) for s in range(2, 300)]
+        events += [system(s, {"cpu": s / 3}, label=label) for s in range(300, 340)]
+    return events
+
+
+async def test_a_store_from_before_chunks_is_compacted_a_few_label_epochs_at_a_time(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    first = await open_stores()
+    await first.write(labelled_values(3))
+    want = (await point_rows(first), await point_rows(first, "system"))
+    await first.close()
+    # The store as schema 7 left it: values in rows only.
+    version = sqlite_backend.MIGRATIONS.index(sqlite_backend.CHUNKS_SCHEMA)
+    if any_store_url.startswith("sqlite"):
+        old = ["DROP INDEX label_epochs_due", f"PRAGMA user_version = {version}"]
+    else:
+        old = [f"DELETE FROM schema_version WHERE version > {version}"]
+    await run_sql(any_store_url, "DROP TABLE chunks", *old, "ALTER TABLE label_epochs DROP COLUMN head")
+    migrated = await open_stores()
+    assert (await point_rows(migrated), await point_rows(migrated, "system")) == want
+    assert await migrated.compact_due(2) == 1
+    assert await migrated.compact_due(2) == 0
+    assert (await head_and_chunks(any_store_url))[0] == 0
+    assert (await point_rows(migrated), await point_rows(migrated, "system")) == want
+
+
+async def test_a_crashed_labels_values_are_compacted(open_stores: OpenStore, any_store_url: str) -> None:
+    store = await open_stores()
+    await store.write(labelled_values(2))
+    want = (await point_rows(store), await point_rows(store, "system"))
+    assert await head_and_chunks(any_store_url) == (2 * (2 * 298 + 40), 0)
+    assert len(await store.mark_crashed(time.time() + 60)) == 2
+    head, chunks = await head_and_chunks(any_store_url)
+    assert head == 0 and chunks == 2 * 4  # per label: loss, zero, cpu and the clock
+    assert (await point_rows(store), await point_rows(store, "system")) == want
