@@ -619,11 +619,15 @@ async def _grow_heads(
 ) -> list[tuple[int, int]]:
     """Add a batch's value events to their label epochs' heads: the label epochs now due for
     compaction, those of `ended` labels (ended now or before) included."""
-    grown = await con.fetch(
-        "UPDATE label_epochs e SET head = e.head + u.added "
-        "FROM unnest($1::int8[], $2::int8[], $3::int4[]) AS u(label_id, epoch, added) "
-        "WHERE e.label_id = u.label_id AND e.epoch = u.epoch RETURNING e.label_id, e.epoch, e.head",
-        *_columns([(*key, count) for key, count in heads.items()], 3),
+    grown = (
+        await con.fetch(
+            "UPDATE label_epochs e SET head = e.head + u.added "
+            "FROM unnest($1::int8[], $2::int8[], $3::int4[]) AS u(label_id, epoch, added) "
+            "WHERE e.label_id = u.label_id AND e.epoch = u.epoch RETURNING e.label_id, e.epoch, e.head",
+            *_columns([(*key, count) for key, count in heads.items()], 3),
+        )
+        if heads
+        else []
     )
     due = {(r[0], r[1]) for r in grown if chunking.is_due(r[2], r[0] in ended)}
     if ended:
@@ -671,9 +675,11 @@ async def _compact(
         head += [
             (r[0], table, *r[1:]) for r in await con.fetch(_TAKE_HEAD.format(table=table, step=step), *pairs)
         ]
-    series = {(rollups.series_run(runs[h[0]], h[1]), h[2]) for h in head}
+    run_of = {(h[0], h[1]): "" for h in head}
+    run_of = {(label_id, table): rollups.series_run(runs[label_id], table) for label_id, table in run_of}
+    series = {(run_of[h[0], h[1]], h[2]) for h in head}
     ids = await _series_id_map(con, series, known.series, learned.series)
-    points = [(h[0], ids[rollups.series_run(runs[h[0]], h[1]), h[2]], *h[3:]) for h in head]
+    points = [(h[0], ids[run_of[h[0], h[1]], h[2]], *h[3:]) for h in head]
     await con.copy_records_to_table("chunks", records=chunking.chunk_rows(points), columns=_CHUNK_COLUMNS)
     await con.execute(
         "UPDATE label_epochs e SET head = 0 FROM unnest($1::int8[], $2::int8[]) AS u(label_id, epoch) "
