@@ -675,8 +675,8 @@ async def _compact(
         head += [
             (r[0], table, *r[1:]) for r in await con.fetch(_TAKE_HEAD.format(table=table, step=step), *pairs)
         ]
-    run_of = {(h[0], h[1]): "" for h in head}
-    run_of = {(label_id, table): rollups.series_run(runs[label_id], table) for label_id, table in run_of}
+    tables = {(h[0], h[1]) for h in head}
+    run_of = {(label_id, table): rollups.series_run(runs[label_id], table) for label_id, table in tables}
     series = {(run_of[h[0], h[1]], h[2]) for h in head}
     ids = await _series_id_map(con, series, known.series, learned.series)
     points = [(h[0], ids[run_of[h[0], h[1]], h[2]], *h[3:]) for h in head]
@@ -935,8 +935,8 @@ class PostgresStore:
                 updates,
             )
             new = [(ids[key], mine) for key, mine in fresh.items() if mine]
-            runs_of = {label_id: key[0] for key, label_id in ids.items()}
-            await _store_values(con, new, ended, runs_of, starts, self._known, learned)
+            run_of = {label_id: key[0] for key, label_id in ids.items()}
+            await _store_values(con, new, ended, run_of, starts, self._known, learned)
             await _store_settings(con, rows.setting_rows((ids[key], mine) for key, mine in fresh.items()))
             await self._update_runs(con, runs, by_label, holders)
             return sum(map(len, fresh.values()))
@@ -1169,7 +1169,7 @@ class PostgresStore:
                     f"JOIN {table} m ON m.label_id = l.id WHERE l.run_id = $1{head_where}",
                     *head_args,
                 )
-            return values.assemble(map(tuple, chunks), map(tuple, clocks), map(tuple, head))
+            return values.assemble(chunks, clocks, head)
 
         return await self._call(read)
 
