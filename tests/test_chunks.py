@@ -4,6 +4,7 @@ both, and whatever order its batches came in."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import sqlite3
@@ -226,3 +227,35 @@ async def test_a_crashed_labels_values_are_compacted(open_stores: OpenStore, any
     head, chunks = await head_and_chunks(any_store_url)
     assert head == 0 and chunks == 2 * 4  # per label: loss, zero, cpu and the clock
     assert (await point_rows(store), await point_rows(store, "system")) == want
+
+
+async def test_compaction_while_batches_are_written_loses_and_doubles_nothing(
+    store: Store, any_store_url: str
+) -> None:
+    labels = [f"rank{n}" for n in range(3)]
+    await store.write([start(1, primary=n == 0, label=label) for n, label in enumerate(labels)])
+    first = [metric(s, {"loss": float(s)}, step=s, label=label) for label in labels for s in range(2, 1000)]
+    await store.write(first)
+    # Every label epoch due, as migration 8 leaves an old store's.
+    await run_sql(any_store_url, f"UPDATE label_epochs SET head = {COMPACT_EVENTS}")
+
+    async def write_more() -> None:
+        for low in range(1000, 3000, 250):
+            await store.write(
+                [
+                    metric(s, {"loss": float(s)}, step=s, label=label)
+                    for label in labels
+                    for s in range(low, low + 250)
+                ]
+            )
+
+    async def compact() -> None:
+        left = 1
+        while left:
+            left = await store.compact_due(1)
+
+    await asyncio.gather(write_more(), compact(), compact())
+    await compact()
+    found = sorted((p.label, p.seq, p.value) for p in await store.metrics(RUN))
+    assert found == sorted((label, s, float(s)) for label in labels for s in range(2, 3000))
+    assert await store.compact_due() == 0
