@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, encode_arrays
+from runbus.storage.rollups import series_run
+from runbus.storage.rules import RUNNING
 from runbus.wire import Event
 
 # A label epoch's head is compacted once this many events wait in it: a key logged every step
@@ -91,6 +93,46 @@ def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int,
 def is_due(head: int, ended: bool) -> bool:
     """Whether a label epoch whose head holds `head` events is compacted now."""
     return head >= COMPACT_EVENTS or (ended and head > 0)
+
+
+# The label epochs whose head is due (is_due), in SQL both backends run: the FROM and WHERE of a
+# query over label_epochs `e` and their labels `l`.
+DUE_SQL = (
+    "FROM label_epochs e JOIN labels l ON l.id = e.label_id WHERE e.head > 0 "
+    f"AND (e.head >= {COMPACT_EVENTS} OR l.state != '{RUNNING}')"
+)
+
+
+def split_due(
+    metric_rows: Sequence[tuple], system_rows: Sequence[tuple], due: Iterable[tuple[int, int]]
+) -> tuple[list[tuple], list[tuple], list[HeadRow]]:
+    """A batch's metric and system rows (rollups.fold_metrics, rows.value_rows: label id first,
+    epoch third) by whether their (label id, epoch) is `due`: the metric and system rows that join
+    the head, and the others as head rows that go into chunks with their label epoch's head."""
+    now = set(due)
+    direct: list[HeadRow] = [(r[0], "metrics", *r[1:]) for r in metric_rows if (r[0], r[2]) in now]
+    direct += [(r[0], "system", *r[1:4], None, *r[4:]) for r in system_rows if (r[0], r[2]) in now]
+    return (
+        [r for r in metric_rows if (r[0], r[2]) not in now],
+        [r for r in system_rows if (r[0], r[2]) not in now],
+        direct,
+    )
+
+
+def head_series(head: Sequence[HeadRow], runs: Mapping[int, str]) -> list[tuple[str, str]]:
+    """Each head row's series, as (series run, key): `runs` gives each label id's run."""
+    run_of: dict[tuple[int, str], str] = {}
+    for label_id, table, *_ in head:
+        if (label_id, table) not in run_of:
+            run_of[label_id, table] = series_run(runs[label_id], table)
+    return [(run_of[h[0], h[1]], h[2]) for h in head]
+
+
+def head_points(
+    head: Sequence[HeadRow], series: Sequence[tuple[str, str]], ids: Mapping[tuple[str, str], int]
+) -> list[HeadPoint]:
+    """The head rows as points of their series (`series`: head_series; `ids`: the series' ids)."""
+    return [(h[0], ids[s], *h[3:]) for h, s in zip(head, series, strict=True)]
 
 
 class _Columns(NamedTuple):

@@ -602,15 +602,12 @@ async def _store_values(
         system_of = {label_id: rollups.series_run(run, "system") for label_id, run in run_of.items()}
         await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned)
     due = await _grow_heads(con, chunking.head_events(new), ended)
-    now = set(due)
+    metric_head, system_head, direct = chunking.split_due(metric_rows, system_rows, due)
     # Only new events' rows, so straight into the tables: the labels are locked, and no other
     # writer can store these (label, epoch, seq) meanwhile.
-    for (table, columns), found in ((_METRICS, metric_rows), (_SYSTEM, system_rows)):
-        head = [r for r in found if (r[0], r[2]) not in now]
+    for (table, columns), head in ((_METRICS, metric_head), (_SYSTEM, system_head)):
         if head:
             await con.copy_records_to_table(table, records=head, columns=columns)
-    direct = [(r[0], "metrics", *r[1:]) for r in metric_rows if (r[0], r[2]) in now]
-    direct += [(r[0], "system", *r[1:4], None, *r[4:]) for r in system_rows if (r[0], r[2]) in now]
     await _compact(con, due, known, learned, direct)
 
 
@@ -675,11 +672,9 @@ async def _compact(
         head += [
             (r[0], table, *r[1:]) for r in await con.fetch(_TAKE_HEAD.format(table=table, step=step), *pairs)
         ]
-    tables = {(h[0], h[1]) for h in head}
-    run_of = {(label_id, table): rollups.series_run(runs[label_id], table) for label_id, table in tables}
-    series = {(run_of[h[0], h[1]], h[2]) for h in head}
-    ids = await _series_id_map(con, series, known.series, learned.series)
-    points = [(h[0], ids[run_of[h[0], h[1]], h[2]], *h[3:]) for h in head]
+    series = chunking.head_series(head, runs)
+    ids = await _series_id_map(con, set(series), known.series, learned.series)
+    points = chunking.head_points(head, series, ids)
     await con.copy_records_to_table("chunks", records=chunking.chunk_rows(points), columns=_CHUNK_COLUMNS)
     await con.execute(
         "UPDATE label_epochs e SET head = 0 FROM unnest($1::int8[], $2::int8[]) AS u(label_id, epoch) "
@@ -742,13 +737,6 @@ def _log_filters(where: list[str], args: list[Any], level: str | None, grep: str
     if grep is not None:
         args.append(rows.storable_text(grep))
         where.append(f"strpos(g.text, ${len(args)}) > 0")
-
-
-# The label epochs whose head is due for compaction (chunking.is_due).
-_DUE = (
-    "FROM label_epochs e JOIN labels l ON l.id = e.label_id WHERE e.head > 0 "
-    f"AND (e.head >= {chunking.COMPACT_EVENTS} OR l.state != '{RUNNING}')"
-)
 
 
 class PostgresStore:
@@ -1065,12 +1053,12 @@ class PostgresStore:
             # transactions compact a label epoch at once. SKIP LOCKED: a label being written is
             # left for a later call (its batch compacts it if due).
             locked = await con.fetch(
-                f"SELECT e.label_id, e.epoch {_DUE} ORDER BY l.run_id, l.label, e.epoch LIMIT $1 "
+                f"SELECT e.label_id, e.epoch {chunking.DUE_SQL} ORDER BY l.run_id, l.label, e.epoch LIMIT $1 "
                 "FOR UPDATE OF l SKIP LOCKED",
                 limit,
             )
             await _compact(con, [(row[0], row[1]) for row in locked], self._known, learned)
-            return int(await con.fetchval(f"SELECT count(*) {_DUE}"))
+            return int(await con.fetchval(f"SELECT count(*) {chunking.DUE_SQL}"))
 
     # -- reads ---------------------------------------------------------------------------------
 
