@@ -154,7 +154,7 @@ def chunk_rows(points: Sequence[HeadPoint]) -> list[ChunkRow]:
         return []
     columns = _columns(points)
     order = np.lexsort((columns.seq, columns.epoch, columns.series, columns.label))
-    ordered = _Columns(*(column[order] for column in columns))
+    ordered = _Columns._make(column[order] for column in columns)
     return [*_key_chunks(ordered), *_clock_chunks(ordered)]
 
 

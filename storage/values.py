@@ -43,7 +43,7 @@ class Values(NamedTuple):
     ts: Floats
     value: Floats
 
-    def __len__(self) -> int:  # type: ignore[override]
+    def __len__(self) -> int:
         return len(self.seq)
 
     def points(self) -> list[Point]:
@@ -145,11 +145,11 @@ def _clocks_in_order(
         spans[group] = (min(low, first), max(high, last))
     mine = []
     for clock in clocks:
-        group = groups.get((clock[0], clock[1]))
-        if group is not None:
+        of = groups.get((clock[0], clock[1]))
+        if of is not None:
             first, last = _seq_bounds(clock[2])
-            if last >= spans[group][0] and first <= spans[group][1]:
-                mine.append((group, first, clock))
+            if last >= spans[of][0] and first <= spans[of][1]:
+                mine.append((of, first, clock))
     mine.sort(key=lambda found: found[:2])
     return [clock for _, _, clock in mine]
 
