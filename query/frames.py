@@ -297,7 +297,7 @@ def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> p
     import pandas as pd
 
     return pd.Series(
-        pd.Categorical.from_codes(category_codes(codes, names, categories), categories=categories)
+        pd.Categorical.from_codes(category_codes(codes, names, categories), categories=pd.Index(categories))
     )
 
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import groupby
-from operator import itemgetter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from runbus.storage.base import PointTable
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, encode_arrays
-from runbus.storage.rollups import KeyColumns
+from runbus.storage.rollups import KeyColumns, column_rows, series_run
+from runbus.storage.rules import RUNNING
 from runbus.wire import Event
 
 # A label epoch's head is compacted once this many events wait in it: a key logged every step
@@ -80,27 +80,63 @@ def head_value(value: float | bytes | None) -> float:
     return value
 
 
-def head_columns(label_id: int, rows: Iterable[Sequence[Any]]) -> list[KeyColumns]:
-    """A label's head rows, (key, epoch, seq, step, ts, value) each in (key, epoch) order, as
-    columns a key and epoch at a time."""
-    found: list[KeyColumns] = []
-    for (key, epoch), group in groupby(rows, itemgetter(0, 1)):
-        _, _, seqs, steps, ts, values = zip(*group, strict=True)
-        found.append((label_id, key, epoch, list(seqs), list(steps), list(ts), list(values)))
-    return found
-
-
-def system_columns(rows: Iterable[Sequence[Any]]) -> list[KeyColumns]:
-    """A batch's system rows, (label id, key, epoch, seq, ts, value) each, as columns a label,
-    key and epoch at a time."""
+def row_columns(rows: Iterable[Sequence[Any]], steps: bool) -> list[KeyColumns]:
+    """Value rows, (label id, key, epoch, seq, step, ts, value) or without the step, in any
+    order, as columns a label, key and epoch at a time."""
     by_series: dict[tuple[int, str, int], list[Sequence[Any]]] = {}
     for row in rows:
         by_series.setdefault((row[0], row[1], row[2]), []).append(row)
     found: list[KeyColumns] = []
     for (label_id, key, epoch), group in by_series.items():
-        _, _, _, seqs, ts, values = zip(*group, strict=True)
-        found.append((label_id, key, epoch, list(seqs), [None] * len(seqs), list(ts), list(values)))
+        columns = list(zip(*group, strict=True))
+        seqs = list(columns[3])
+        given = list(columns[4]) if steps else [None] * len(seqs)
+        found.append((label_id, key, epoch, seqs, given, list(columns[-2]), list(columns[-1])))
     return found
+
+
+def split_due(
+    metric_columns: Sequence[KeyColumns], system_columns: Sequence[KeyColumns], due: set[tuple[int, int]]
+) -> tuple[list[tuple], list[tuple], list[tuple[PointTable, KeyColumns]]]:
+    """A batch's columns (label id first, epoch third) by whether their label epoch is `due`:
+    the rows of those that join the head (metrics rows, then system rows, as the tables declare
+    them), and the others, which go into chunks with their label epoch's head, with their table."""
+    metric_rows = column_rows(c for c in metric_columns if (c[0], c[2]) not in due)
+    system_rows = [
+        (c[0], c[1], c[2], seq, ts, value)
+        for c in system_columns
+        if (c[0], c[2]) not in due
+        for seq, ts, value in zip(c[3], c[5], c[6], strict=True)
+    ]
+    direct: list[tuple[PointTable, KeyColumns]] = [
+        ("metrics", c) for c in metric_columns if (c[0], c[2]) in due
+    ]
+    direct += [("system", c) for c in system_columns if (c[0], c[2]) in due]
+    return metric_rows, system_rows, direct
+
+
+def series_wanted(
+    found: Iterable[tuple[PointTable, KeyColumns]], runs: Mapping[int, str]
+) -> set[tuple[str, str]]:
+    """The series (series run, key) of columns of `found` tables: `runs` names each label id's run."""
+    return {(series_run(runs[c[0]], table), c[1]) for table, c in found}
+
+
+def parts_of(
+    found: Iterable[tuple[PointTable, KeyColumns]],
+    runs: Mapping[int, str],
+    ids: Mapping[tuple[str, str], int],
+) -> list[Part]:
+    """The columns of `found` tables as parts of their series (`ids`: each series' id)."""
+    return [(c[0], ids[series_run(runs[c[0]], table), c[1]], *c[2:]) for table, c in found]
+
+
+# The label epochs whose head is due (is_due) on their own, in SQL both backends run: the FROM
+# and WHERE of a query over label_epochs `e` and their labels `l`.
+DUE_SQL = (
+    "FROM label_epochs e JOIN labels l ON l.id = e.label_id WHERE e.head > 0 "
+    f"AND (e.head >= {COMPACT_EVENTS} OR l.state != '{RUNNING}')"
+)
 
 
 def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int, int], int]:
@@ -144,7 +180,7 @@ def chunk_rows(parts: Iterable[Part]) -> list[ChunkRow]:
             )
     # Each label epoch's clock from its series' columns, those of the same events once.
     clocks: dict[tuple[int, int], dict[int, _Columns]] = {}
-    rows = []
+    rows: list[ChunkRow] = []
     for (label_id, series_id, epoch), found in series.items():
         columns = _in_seq_order(found)
         clocks.setdefault((label_id, epoch), {}).setdefault(id(columns.seq), columns)
@@ -199,14 +235,17 @@ def _floats(values: Sequence[Any]) -> Floats:
 
 def _in_seq_order(found: list[_Columns], distinct: bool = False) -> _Columns:
     """`found` as one set of columns in seq order; with `distinct`, the first of each seq."""
-    joined = found[0] if len(found) == 1 else _Columns(*(np.concatenate(c) for c in zip(*found, strict=True)))
+    joined = (
+        found[0] if len(found) == 1 else _Columns._make(np.concatenate(c) for c in zip(*found, strict=True))
+    )
     seq = joined.seq
     if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
-        joined = _Columns(*(c[np.argsort(seq, kind="stable")] for c in joined))
+        order = np.argsort(seq, kind="stable")
+        joined = _Columns._make(c[order] for c in joined)
         if distinct:
             first = np.ones(len(seq), np.bool_)
             first[1:] = joined.seq[1:] != joined.seq[:-1]
-            joined = _Columns(*(c[first] for c in joined))
+            joined = _Columns._make(c[first] for c in joined)
     return joined
 
 

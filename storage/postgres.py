@@ -14,7 +14,7 @@ import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
-from runbus.storage import base, charts, rollups, rows, safe_url
+from runbus.storage import base, charts, chunking, rollups, rows, safe_url, values
 from runbus.storage.base import (
     KeyPage,
     LabelSummary,
@@ -25,7 +25,7 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
-from runbus.storage.rules import LabelState, Setting, apply_events, crash, out_of_reach, run_state
+from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -94,6 +94,34 @@ ROLLUPS_SCHEMA = """
     ) WITH (fillfactor = 50);
 """
 
+# Migration 8, column chunks (storage/chunking.py): values move from the metrics and system rows
+# (the head) into chunks. Every label epoch already stored is marked due, so workers compact the
+# store a label epoch at a time (compact_due), while they go on taking batches. A chunk's data is
+# compressed already: stored out of line (EXTERNAL), never compressed again.
+CHUNKS_SCHEMA = f"""
+    CREATE TABLE chunks (
+        label_id BIGINT NOT NULL,
+        series_id BIGINT NOT NULL,
+        epoch BIGINT NOT NULL,
+        first_seq BIGINT NOT NULL,
+        last_seq BIGINT NOT NULL,
+        points INTEGER NOT NULL,
+        min_step BIGINT,
+        max_step BIGINT,
+        first_ts DOUBLE PRECISION NOT NULL,
+        last_ts DOUBLE PRECISION NOT NULL,
+        data BYTEA NOT NULL,
+        PRIMARY KEY (label_id, series_id, epoch, first_seq)
+    );
+    ALTER TABLE chunks ALTER COLUMN data SET STORAGE EXTERNAL;
+    ALTER TABLE label_epochs ADD COLUMN head INTEGER NOT NULL DEFAULT 0;
+    UPDATE label_epochs e SET head = {chunking.COMPACT_EVENTS} WHERE EXISTS (
+        SELECT 1 FROM metrics m WHERE m.label_id = e.label_id AND m.epoch = e.epoch
+    ) OR EXISTS (
+        SELECT 1 FROM system m WHERE m.label_id = e.label_id AND m.epoch = e.epoch
+    );
+    CREATE INDEX label_epochs_due ON label_epochs (label_id, epoch) WHERE head > 0;
+"""
 
 MIGRATIONS: list[str] = [
     """
@@ -211,6 +239,7 @@ MIGRATIONS: list[str] = [
     # System samples' rollups, in the rollup tables (rollups.series_run); DATA_MIGRATIONS[7]
     # rolls up the samples already stored.
     "",
+    CHUNKS_SCHEMA,
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -417,7 +446,18 @@ async def _series_ids(
     """The `series` id of each (label id, key) of a batch, new keys added; those it read go
     into `learned`."""
     wanted = {(label_id, key) for label_id, key, *_ in fine}
-    pairs = {(run_of[label_id], key) for label_id, key in wanted}
+    found = await _series_id_map(con, {(run_of[label_id], key) for label_id, key in wanted}, known, learned)
+    return {(label_id, key): found[run_of[label_id], key] for label_id, key in wanted}
+
+
+async def _series_id_map(
+    con: asyncpg.Connection,
+    pairs: set[tuple[str, str]],
+    known: Mapping[tuple[str, str], int],
+    learned: dict[tuple[str, str], int],
+) -> dict[tuple[str, str], int]:
+    """The `series` id of each (series run, stored key), new ones added; those it read go into
+    `learned`."""
     found = {pair: known[pair] for pair in pairs if pair in known}
     missing = sorted(pairs - found.keys())
     if missing:
@@ -436,7 +476,7 @@ async def _series_ids(
             keys_,
         ):
             found[row["run_id"], row["key"]] = learned[row["run_id"], row["key"]] = row["id"]
-    return {(label_id, key): found[run_of[label_id], key] for label_id, key in wanted}
+    return found
 
 
 async def _generations(
@@ -538,6 +578,110 @@ _SLOT_ROWS = (
     "SELECT * FROM run_rollups y WHERE y.key_id = u.key_id AND y.width = u.width AND y.axis = u.axis "
     "AND y.generation = u.generation AND y.bucket = u.bucket AND y.slot = $6 OFFSET 0) x"
 )
+
+
+async def _store_values(
+    con: asyncpg.Connection,
+    new: list[tuple[int, list[Event]]],
+    ended: set[int],
+    run_of: Mapping[int, str],
+    starts: Mapping[int, tuple[int, int | None]],
+    known: Known,
+    learned: Known,
+) -> None:
+    """A batch's new events' values, logs and rollups, given as (label id, new events): values
+    join their label epochs' heads, or with them go into chunks where the head is due
+    (chunking.is_due), `ended` labels' included. The labels are locked by the caller."""
+    metric_columns, fine = rollups.fold_metrics(new)
+    system_rows, log_rows = rows.value_rows(new)
+    if log_rows:
+        await con.copy_records_to_table(_LOGS[0], records=log_rows, columns=_LOGS[1])
+    if fine:
+        await _roll_up(con, fine, run_of, starts, known, learned)
+    if system_rows:
+        system_of = {label_id: rollups.series_run(run, "system") for label_id, run in run_of.items()}
+        await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned)
+    due = set(await _grow_heads(con, chunking.head_events(new), ended))
+    metric_head, system_head, direct = chunking.split_due(
+        metric_columns, chunking.row_columns(system_rows, steps=False), due
+    )
+    # Only new events' rows, so straight into the tables: the labels are locked, and no other
+    # writer can store these (label, epoch, seq) meanwhile.
+    for (table, columns), head in ((_METRICS, metric_head), (_SYSTEM, system_head)):
+        if head:
+            await con.copy_records_to_table(table, records=head, columns=columns)
+    await _compact(con, sorted(due), known, learned, direct)
+
+
+async def _grow_heads(
+    con: asyncpg.Connection, heads: Mapping[tuple[int, int], int], ended: set[int]
+) -> list[tuple[int, int]]:
+    """Add a batch's value events to their label epochs' heads: the label epochs now due for
+    compaction, those of `ended` labels (ended now or before) included."""
+    grown = (
+        await con.fetch(
+            "UPDATE label_epochs e SET head = e.head + u.added "
+            "FROM unnest($1::int8[], $2::int8[], $3::int4[]) AS u(label_id, epoch, added) "
+            "WHERE e.label_id = u.label_id AND e.epoch = u.epoch RETURNING e.label_id, e.epoch, e.head",
+            *_columns([(*key, count) for key, count in heads.items()], 3),
+        )
+        if heads
+        else []
+    )
+    due = {(r[0], r[1]) for r in grown if chunking.is_due(r[2], heads[r[0], r[1]], r[0] in ended)}
+    if ended:
+        due |= {
+            (r[0], r[1])
+            for r in await con.fetch(
+                "SELECT label_id, epoch FROM label_epochs WHERE label_id = ANY($1::int8[]) AND head > 0",
+                sorted(ended),
+            )
+        }
+    return sorted(due)
+
+
+# A due label epoch's head rows, read and deleted in one statement. `label_id = ANY($1)` as well
+# as the join: the primary key's range per label, never a scan of the whole table.
+_TAKE_HEAD = (
+    "DELETE FROM {table} m USING unnest($1::int8[], $2::int8[]) AS u(label_id, epoch) "
+    "WHERE m.label_id = u.label_id AND m.epoch = u.epoch AND m.label_id = ANY($1::int8[]) "
+    "RETURNING m.label_id, m.key, m.epoch, m.seq, {step}, m.ts, m.value"
+)
+_CHUNK_COLUMNS = tuple(chunking.ChunkRow._fields)
+# Chunks a page read fetches per round trip: a page usually needs only its first few.
+_PAGE_CHUNKS = 8
+
+
+async def _compact(
+    con: asyncpg.Connection,
+    due: Sequence[tuple[int, int]],
+    known: Known,
+    learned: Known,
+    fresh: Sequence[tuple[PointTable, rollups.KeyColumns]] = (),
+) -> None:
+    """Move the heads of `due` label epochs, and with them `fresh` values of the same label
+    epochs that never were head rows, into column chunks (storage/chunking.py). The caller holds
+    the labels' locks (FOR UPDATE), so no two transactions ever compact a label epoch at once:
+    no head row is read twice, none is left behind by a writer that adds to it meanwhile."""
+    if not due:
+        return
+    pairs = _columns(list(due), 2)
+    runs = dict(
+        await con.fetch("SELECT id, run_id FROM labels WHERE id = ANY($1::int8[])", sorted(set(pairs[0])))
+    )
+    found = list(fresh)
+    heads: tuple[tuple[PointTable, str], ...] = (("metrics", "m.step"), ("system", "NULL::int8"))
+    for table, step in heads:
+        taken = await con.fetch(_TAKE_HEAD.format(table=table, step=step), *pairs)
+        found += [(table, c) for c in chunking.row_columns(taken, steps=True)]
+    ids = await _series_id_map(con, chunking.series_wanted(found, runs), known.series, learned.series)
+    records = chunking.chunk_rows(chunking.parts_of(found, runs, ids))
+    await con.copy_records_to_table("chunks", records=records, columns=_CHUNK_COLUMNS)
+    await con.execute(
+        "UPDATE label_epochs e SET head = 0 FROM unnest($1::int8[], $2::int8[]) AS u(label_id, epoch) "
+        "WHERE e.label_id = u.label_id AND e.epoch = u.epoch",
+        *pairs,
+    )
 
 
 _LABEL_COLUMNS = (
@@ -761,12 +905,15 @@ class PostgresStore:
             updates = []
             seen_at = time.time()
             starts: dict[int, tuple[int, int | None]] = {}
+            ended = set()
             for row in locked:
                 label = _label_state(row)
                 folded = apply_events(label, by_label[label.run, label.label])
                 mine = fresh[label.run, label.label]
                 updates.append((*rows.label_columns(folded), seen_at, *rows.kind_counts(mine), row["id"]))
                 starts[row["id"]] = (folded.start_pos[0], rollups.restart_count(folded.start_data))
+                if folded.state != RUNNING:
+                    ended.add(row["id"])
             await con.executemany(
                 "UPDATE labels SET state = $1, exit_code = $2, state_epoch = $3, "
                 "state_seq = $4, state_ts = $5, is_primary = $6, start_epoch = $7, "
@@ -777,21 +924,8 @@ class PostgresStore:
                 updates,
             )
             new = [(ids[key], mine) for key, mine in fresh.items() if mine]
-            metric_rows, fine = rollups.fold_metrics(new)
-            system_rows, log_rows = rows.value_rows(new)
-            # Only new events' rows, so straight into the tables: the labels are locked, and no
-            # other writer can store these (label, epoch, seq) meanwhile.
-            for (table, columns), found in zip(
-                (_METRICS, _SYSTEM, _LOGS), (metric_rows, system_rows, log_rows), strict=True
-            ):
-                if found:
-                    await con.copy_records_to_table(table, records=found, columns=columns)
-            if fine:
-                run_of = {label_id: key[0] for key, label_id in ids.items()}
-                await _roll_up(con, fine, run_of, starts, self._known, learned)
-            if system_rows:
-                run_of = {label_id: rollups.series_run(key[0], "system") for key, label_id in ids.items()}
-                await _roll_up(con, rollups.fold_system(system_rows), run_of, starts, self._known, learned)
+            run_of = {label_id: key[0] for key, label_id in ids.items()}
+            await _store_values(con, new, ended, run_of, starts, self._known, learned)
             await _store_settings(con, rows.setting_rows((ids[key], mine) for key, mine in fresh.items()))
             await self._update_runs(con, runs, by_label, holders)
             return sum(map(len, fresh.values()))
@@ -902,7 +1036,30 @@ class PostgresStore:
                 [(label.state, *label.state_pos, label.state_ts, id_) for label, id_ in crashed],
             )
             await self._update_runs(con, sorted({row["run_id"] for row in silent}))
+            # The crashed labels' heads into chunks, under the labels' locks taken above.
+            await _compact(con, await _grow_heads(con, {}, {row["id"] for row in silent}), Known(), Known())
         return [(row["run_id"], row["label"]) for row in silent]
+
+    async def compact_due(self, limit: int = 64) -> int:
+        """Compact up to `limit` label epochs whose head is due (a store migrated to chunks, a
+        label that ran long), in one transaction: how many are still due after it."""
+        learned = Known(slot=self._known.slot)
+        left = await self._call(lambda con: self._compact_due(con, limit, learned))
+        self._known.learn(learned)
+        return left
+
+    async def _compact_due(self, con: asyncpg.Connection, limit: int, learned: Known) -> int:
+        async with con.transaction():
+            # The labels' locks, as a batch's transaction takes them (same order): no two
+            # transactions compact a label epoch at once. SKIP LOCKED: a label being written is
+            # left for a later call (its batch compacts it if due).
+            locked = await con.fetch(
+                f"SELECT e.label_id, e.epoch {chunking.DUE_SQL} ORDER BY l.run_id, l.label, e.epoch LIMIT $1 "
+                "FOR UPDATE OF l SKIP LOCKED",
+                limit,
+            )
+            await _compact(con, [(row[0], row[1]) for row in locked], self._known, learned)
+            return int(await con.fetchval(f"SELECT count(*) {chunking.DUE_SQL}"))
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -960,18 +1117,50 @@ class PostgresStore:
         return await self._points("system", run_id, key, label)
 
     async def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        step = "m.step" if table == "metrics" else "NULL::bigint"
-        order = "m.step NULLS FIRST, m.epoch, m.seq" if table == "metrics" else "m.ts, m.epoch, m.seq"
-        where, args = _filters(
-            ["l.run_id = $1"], [run_id], ("m.key", key and rows.storable_text(key)), ("l.label", label)
+        found = await self.values(
+            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
         )
-        query = (
-            f"SELECT l.label, m.key, {step} AS step, m.epoch, m.seq, m.ts, m.value "
-            f"FROM {table} m JOIN labels l ON l.id = m.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY l.label, m.key, {order}"
-        )
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [Point(*row) for row in found]
+        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
+
+    async def values(
+        self,
+        run_id: str,
+        table: PointTable = "metrics",
+        keys: Sequence[str] | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> values.Values:
+        table = point_table(table)
+        stored = None if keys is None else [rows.storable_text(k) for k in keys]
+        chunk_args: list[Any] = [run_id, rollups.series_run(run_id, table)]
+        chunk_where = _any_of(chunk_args, ("l.label", labels), ("s.key", stored))
+        clock_args: list[Any] = [run_id]
+        clock_where = _any_of(clock_args, ("l.label", labels))
+        head_args: list[Any] = [run_id]
+        head_where = _any_of(head_args, ("l.label", labels), ("m.key", stored))
+        step = "m.step" if table == "metrics" else "NULL::int8"
+
+        async def read(con: asyncpg.Connection) -> values.Values:
+            # One snapshot: a compaction that commits meanwhile moves no point past the read.
+            async with con.transaction(isolation="repeatable_read", readonly=True):
+                chunks = await con.fetch(
+                    "SELECT l.label, s.key, c.epoch, c.first_seq, c.data FROM labels l "
+                    "JOIN chunks c ON c.label_id = l.id JOIN series s ON s.id = c.series_id "
+                    f"WHERE l.run_id = $1 AND s.run_id = $2{chunk_where}",
+                    *chunk_args,
+                )
+                clocks = await con.fetch(
+                    "SELECT l.label, c.epoch, c.data FROM labels l JOIN chunks c ON c.label_id = l.id "
+                    f"WHERE l.run_id = $1 AND c.series_id = {chunking.CLOCK}{clock_where}",
+                    *clock_args,
+                )
+                head = await con.fetch(
+                    f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l "
+                    f"JOIN {table} m ON m.label_id = l.id WHERE l.run_id = $1{head_where}",
+                    *head_args,
+                )
+            return values.assemble(chunks, clocks, head)
+
+        return await self._call(read)
 
     async def logs(
         self,
@@ -1004,22 +1193,60 @@ class PostgresStore:
         key: str | None = None,
     ) -> list[Point]:
         table = point_table(table)
-        where = [_ONE_LABEL.format(column="m.label_id")]
-        args: list[Any] = [run_id, label]
-        if after is not None:
-            args += [rows.storable_text(after[0]), after[1], after[2]]
-            where.append(f"(m.key, m.epoch, m.seq) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})")
-        if key is not None:
-            args.append(rows.storable_text(key))
-            where.append(f"m.key = ${len(args)}")
-        args.append(limit)
-        step = "m.step" if table == "metrics" else "NULL::bigint"
-        query = (
-            f"SELECT m.key, {step}, m.epoch, m.seq, m.ts, m.value FROM {table} m "
-            f"WHERE {' AND '.join(where)} ORDER BY m.key, m.epoch, m.seq LIMIT ${len(args)}"
-        )
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [Point(label, *row) for row in found]
+        past = None if after is None else (rows.storable_text(after[0]), after[1], after[2])
+        return await self._call(lambda con: self._point_page(con, table, run_id, label, past, limit, key))
+
+    async def _point_page(
+        self,
+        con: asyncpg.Connection,
+        table: PointTable,
+        run_id: str,
+        label: str,
+        past: tuple[str, int, int] | None,
+        limit: int,
+        key: str | None,
+    ) -> list[Point]:
+        # One snapshot (a compaction that commits meanwhile moves no point past the read), which
+        # a cursor needs anyway.
+        async with con.transaction(isolation="repeatable_read", readonly=True):
+            label_id = await con.fetchval(
+                "SELECT id FROM labels WHERE run_id = $1 AND label = $2", run_id, label
+            )
+            if label_id is None:
+                return []
+            stored = None if key is None else rows.storable_text(key)
+            args: list[Any] = [label_id, rollups.series_run(run_id, table)]
+            where = _past(args, "s.key, c.epoch, c.last_seq", stored, past)
+            head_args: list[Any] = [label_id]
+            head_where = _past(head_args, "s.key, s.epoch, s.seq", stored, past)
+            clocks = [
+                (label, *row)
+                for row in await con.fetch(
+                    f"SELECT epoch, data FROM chunks WHERE label_id = $1 AND series_id = {chunking.CLOCK}",
+                    label_id,
+                )
+            ]
+            step = "s.step" if table == "metrics" else "NULL::int8"
+            head = [
+                (label, *row)
+                for row in await con.fetch(
+                    f"SELECT s.key, s.epoch, s.seq, {step}, s.ts, s.value FROM {table} s "
+                    f"WHERE s.label_id = $1{head_where}",
+                    *head_args,
+                )
+            ]
+            pager = values.Pager(clocks, head, limit, past)
+            async for row in con.cursor(
+                "SELECT s.key, c.epoch, c.first_seq, c.data, c.points FROM chunks c "
+                f"JOIN series s ON s.id = c.series_id WHERE c.label_id = $1 AND s.run_id = $2{where} "
+                "ORDER BY s.key, c.epoch, c.first_seq",
+                *args,
+                prefetch=_PAGE_CHUNKS,
+            ):
+                found = pager.add((label, row[0], row[1], row[2], row[3]), row[4])
+                if found is not None:
+                    return found.points()
+            return pager.end().points()
 
     async def log_page(
         self,
@@ -1084,14 +1311,8 @@ class PostgresStore:
     async def key_values(
         self, run_id: str, key: str, table: PointTable = "metrics"
     ) -> list[tuple[str, int, int, int | None, float, float]]:
-        table = point_table(table)
-        step = "m.step" if table == "metrics" else "NULL::bigint"
-        query = (
-            f"SELECT l.label, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l JOIN {table} m "
-            "ON m.label_id = l.id WHERE l.run_id = $1 AND m.key = $2"
-        )
-        found = await self._call(lambda con: con.fetch(query, run_id, rows.storable_text(key)))
-        return [(row[0], row[1], row[2], row[3], row[4], row[5]) for row in found]
+        found = await self.values(run_id, table, [key])
+        return [(p.label, p.epoch, p.seq, p.step, p.ts, p.value) for p in found.points()]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         async def read(con: asyncpg.Connection) -> base.KeyExtent | None:
@@ -1284,6 +1505,27 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
 # A page read's label, as a value the planner knows before it plans (not a join): the table's
 # primary key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
 _ONE_LABEL = "{column} = (SELECT id FROM labels WHERE run_id = $1 AND label = $2)"
+
+
+def _any_of(args: list[Any], *chosen: tuple[str, Sequence[str] | None]) -> str:
+    """` AND column = ANY($n)` for each (column, names) given names (None: any), the names
+    appended to `args` as $n."""
+    found = ""
+    for column, names in chosen:
+        if names is not None:
+            args.append(list(names))
+            found += f" AND {column} = ANY(${len(args)}::text[])"
+    return found
+
+
+def _past(args: list[Any], columns: str, key: str | None, past: tuple[str, int, int] | None) -> str:
+    """A page read's conditions on `columns` (key, epoch, seq): the key `key` if given, past
+    `past` if given; their values appended to `args` as $n."""
+    where = _any_of(args, (columns.split(", ")[0], None if key is None else [key]))
+    if past is not None:
+        args += past
+        where += f" AND ({columns}) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})"
+    return where
 
 
 def _filters(

@@ -31,6 +31,7 @@ from runbus.storage.base import (
     point_table,
 )
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
+from runbus.storage.values import Values
 from runbus.wire import Event, level_number
 
 T = TypeVar("T")
@@ -575,28 +576,11 @@ def _store_values(
         _roll_up(con, rollups.fold_system(system_rows), system_runs, starts)
     heads = chunking.head_events((label_id, new) for label_id, (_, new, _) in fresh.items())
     due = set(_grow_heads(con, heads, ended))
-    system_columns = chunking.system_columns(system_rows)
-    _insert(
-        con,
-        "metrics (label_id, key, epoch, seq, step, ts, value)",
-        7,
-        _exact(rollups.column_rows(c for c in metric_columns if (c[0], c[2]) not in due)),
+    metric_rows, system_head, direct = chunking.split_due(
+        metric_columns, chunking.row_columns(system_rows, steps=False), due
     )
-    _insert(
-        con,
-        "system (label_id, key, epoch, seq, ts, value)",
-        6,
-        _exact(
-            [
-                (c[0], c[1], c[2], *row)
-                for c in system_columns
-                if (c[0], c[2]) not in due
-                for row in zip(c[3], c[5], c[6])
-            ]
-        ),
-    )
-    direct = [("metrics", c) for c in metric_columns if (c[0], c[2]) in due]
-    direct += [("system", c) for c in system_columns if (c[0], c[2]) in due]
+    _insert(con, "metrics (label_id, key, epoch, seq, step, ts, value)", 7, _exact(metric_rows))
+    _insert(con, "system (label_id, key, epoch, seq, ts, value)", 6, _exact(system_head))
     _compact(con, sorted(due), direct)
 
 
@@ -631,10 +615,15 @@ def _grow_heads(
         ]
     for chunk in _chunks(sorted(ended), MAX_LABELS_PER_STATEMENT):
         due += con.execute(
-            f"SELECT label_id, epoch FROM label_epochs WHERE head > 0 AND label_id IN ({_rows_sql(1, len(chunk))})",
+            "SELECT label_id, epoch FROM label_epochs "
+            f"WHERE head > 0 AND label_id IN ({_rows_sql(1, len(chunk))})",
             chunk,
         ).fetchall()
     return sorted(set(map(tuple, due)))
+
+
+# The head tables, and what each holds as a value's step.
+_HEADS: tuple[tuple[PointTable, str], ...] = (("metrics", "step"), ("system", "NULL"))
 
 
 def _compact(
@@ -650,15 +639,18 @@ def _compact(
     runs = dict(
         con.execute(f"SELECT id, run_id FROM labels WHERE id IN ({_rows_sql(1, len(label_ids))})", label_ids)
     )
-    found: list[tuple[PointTable, rollups.KeyColumns]] = list(fresh)
+    found = list(fresh)
     for label_id, epoch in due:
         where = (label_id, epoch)
-        for table, step in (("metrics", "step"), ("system", "NULL")):
-            query = f"SELECT key, epoch, seq, {step}, ts, value FROM {table} WHERE label_id = ? AND epoch = ? ORDER BY key, seq"
-            found += [(table, part) for part in chunking.head_columns(label_id, con.execute(query, where))]
+        for table, step in _HEADS:
+            query = (
+                f"SELECT label_id, key, epoch, seq, {step}, ts, value FROM {table} "
+                "WHERE label_id = ? AND epoch = ?"
+            )
+            found += [(table, c) for c in chunking.row_columns(con.execute(query, where), steps=True)]
             con.execute(f"DELETE FROM {table} WHERE label_id = ? AND epoch = ?", where)
-    ids = _series_id_map(con, {(rollups.series_run(runs[c[0]], table), c[1]) for table, c in found})
-    parts = [(c[0], ids[rollups.series_run(runs[c[0]], table), c[1]], *c[2:]) for table, c in found]
+    ids = _series_id_map(con, chunking.series_wanted(found, runs))
+    parts = chunking.parts_of(found, runs, ids)
     _insert(con, "chunks", 11, [tuple(row) for row in chunking.chunk_rows(parts)], verb="INSERT")
     for chunk in _chunks(list(due), MAX_LABELS_PER_STATEMENT):
         con.execute(
@@ -1083,7 +1075,7 @@ class SQLiteStore:
         return await self._call(self._in_transaction, self._compact_due, limit)
 
     def _compact_due(self, con: sqlite3.Connection, limit: int) -> int:
-        due = f"FROM label_epochs e JOIN labels l ON l.id = e.label_id WHERE e.head > 0 AND (e.head >= {chunking.COMPACT_EVENTS} OR l.state != '{RUNNING}')"
+        due = chunking.DUE_SQL
         _compact(con, con.execute(f"SELECT e.label_id, e.epoch {due} LIMIT ?", (limit,)).fetchall())
         return con.execute(f"SELECT count(*) {due}").fetchone()[0]
 
@@ -1164,12 +1156,12 @@ class SQLiteStore:
         table: PointTable = "metrics",
         keys: Sequence[str] | None = None,
         labels: Sequence[str] | None = None,
-    ) -> values.Values:
+    ) -> Values:
         return await self._call(self._values, run_id, point_table(table), keys, labels)
 
     def _values(
         self, run_id: str, table: PointTable, keys: Sequence[str] | None, labels: Sequence[str] | None
-    ) -> values.Values:
+    ) -> Values:
         con = self._db()
         chosen, chosen_args = _chosen("l.label", labels)
         with_key, key_args = _chosen("s.key", None if keys is None else [rows.storable_text(k) for k in keys])
@@ -1186,8 +1178,9 @@ class SQLiteStore:
         ).fetchall()
         step = "m.step" if table == "metrics" else "NULL"
         head = con.execute(
-            f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l CROSS JOIN {table} m "
-            f"WHERE l.run_id = ?{chosen}{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id",
+            f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value "
+            f"FROM labels l CROSS JOIN {table} m WHERE l.run_id = ?{chosen}"
+            f"{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id",
             [run_id, *chosen_args, *key_args],
         ).fetchall()
         return values.assemble(chunks, clocks, head)

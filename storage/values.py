@@ -43,7 +43,7 @@ class Values(NamedTuple):
     ts: Floats
     value: Floats
 
-    def __len__(self) -> int:  # type: ignore[override]
+    def __len__(self) -> int:
         return len(self.seq)
 
     def points(self) -> list[Point]:
@@ -145,11 +145,11 @@ def _clocks_in_order(
         spans[group] = (min(low, first), max(high, last))
     mine = []
     for clock in clocks:
-        group = groups.get((clock[0], clock[1]))
-        if group is not None:
+        of = groups.get((clock[0], clock[1]))
+        if of is not None:
             first, last = _seq_bounds(clock[2])
-            if last >= spans[group][0] and first <= spans[group][1]:
-                mine.append((group, first, clock))
+            if last >= spans[of][0] and first <= spans[of][1]:
+                mine.append((of, first, clock))
     mine.sort(key=lambda found: found[:2])
     return [clock for _, _, clock in mine]
 
@@ -276,21 +276,47 @@ def page(
 
     The chunks not taken hold no point before the first of them's (key, epoch, first seq), so
     the points before it are complete even where a late compaction made chunks overlap."""
-
-    def held(taken: list[ChunkPart]) -> Values:
-        found = assemble(taken, clocks, head)
-        return found if past is None else after(found, *past)
-
-    taken: list[ChunkPart] = []
-    count = 0
+    pager = Pager(clocks, head, limit, past)
     for part, points in chunks:
-        if count >= limit:
-            before = _before(held(taken), part[1], part[2], part[3])
-            if len(before) >= limit:
-                return before.take(slice(0, limit))
-        taken.append(part)
-        count += points
-    return held(taken).take(slice(0, limit))
+        found = pager.add(part, points)
+        if found is not None:
+            return found
+    return pager.end()
+
+
+class Pager:
+    """`page` a chunk at a time, for a backend whose chunks come from an asynchronous cursor:
+    `add` each chunk in (key, epoch, first seq) order until it gives the page, else `end`."""
+
+    def __init__(
+        self,
+        clocks: Sequence[ClockPart],
+        head: Sequence[HeadRow],
+        limit: int,
+        past: tuple[str, int, int] | None = None,
+    ) -> None:
+        self.clocks, self.head, self.limit, self.past = clocks, head, limit, past
+        self.taken: list[ChunkPart] = []
+        self.count = 0
+
+    def add(self, part: ChunkPart, points: int) -> Values | None:
+        """Take the next chunk (`points` its point count): the page, where the chunks taken
+        before it already hold it (no chunk after is needed then), else None."""
+        if self.count >= self.limit:
+            before = _before(self._held(), part[1], part[2], part[3])
+            if len(before) >= self.limit:
+                return before.take(slice(0, self.limit))
+        self.taken.append(part)
+        self.count += points
+        return None
+
+    def end(self) -> Values:
+        """The page, once no chunk is left to add."""
+        return self._held().take(slice(0, self.limit))
+
+    def _held(self) -> Values:
+        found = assemble(self.taken, self.clocks, self.head)
+        return found if self.past is None else after(found, *self.past)
 
 
 def _before(v: Values, key: str, epoch: int, seq: int) -> Values:

@@ -4,10 +4,12 @@ both, and whatever order its batches came in."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import math
 import random
 import signal
+import sqlite3
 import struct
 import time
 from collections.abc import Iterator
@@ -302,3 +304,91 @@ def test_workers_sigkilled_while_they_write_and_compact_lose_and_repeat_nothing(
     assert len(got) == len(want)  # nothing stored twice
     assert set(got) == want  # nothing lost, every value and timestamp bit for bit
     print(f"\nFIGURE workers SIGKILLed while writing chunks: {kills}, points: {len(want)}, lost: 0, twice: 0")
+
+
+# -- compaction: crashes, and workers compacting while others write -------------------------------
+
+
+async def run_sql(url: str, *statements: str) -> list[tuple]:
+    """Run `statements` on the store at `url` as it stands (its own connection): the last one's rows."""
+    found: list[tuple] = []
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            for statement in statements:
+                found = con.execute(statement).fetchall()
+        finally:
+            con.close()
+        return found
+    pg = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            found = [tuple(row) for row in await pg.fetch(statement)]
+    finally:
+        await pg.close()
+    return found
+
+
+async def head_and_chunks(url: str) -> tuple[int, int]:
+    """How many head rows (metrics and system) and chunk rows the store holds."""
+    ((head, chunks),) = await run_sql(
+        url,
+        "SELECT (SELECT count(*) FROM metrics) + (SELECT count(*) FROM system), "
+        "(SELECT count(*) FROM chunks)",
+    )
+    return head, chunks
+
+
+def labelled_values(labels: int) -> list:
+    events = []
+    for rank in range(labels):
+        label = f"rank{rank}"
+        events += [start(1, primary=rank == 0, label=label)]
+        events += [metric(s, {"loss": noisy(s), "zero": -0.0}, step=s, label=label) for s in range(2, 300)]
+        events += [system(s, {"cpu": s / 3}, label=label) for s in range(300, 340)]
+    return events
+
+
+async def test_a_crashed_labels_values_are_compacted(open_stores: OpenStore, any_store_url: str) -> None:
+    store = await open_stores()
+    made = labelled_values(2)
+    for first in range(0, len(made), 100):  # batches too small to make chunks of their own
+        await store.write(made[first : first + 100])
+    want = (await point_rows(store), await point_rows(store, "system"))
+    assert await head_and_chunks(any_store_url) == (2 * (2 * 298 + 40), 0)
+    assert len(await store.mark_crashed(time.time() + 60)) == 2
+    head, chunks = await head_and_chunks(any_store_url)
+    assert head == 0 and chunks == 2 * 4  # per label: loss, zero, cpu and the clock
+    assert (await point_rows(store), await point_rows(store, "system")) == want
+
+
+async def test_compaction_while_batches_are_written_loses_and_doubles_nothing(
+    store: Store, any_store_url: str
+) -> None:
+    labels = [f"rank{n}" for n in range(3)]
+    await store.write([start(1, primary=n == 0, label=label) for n, label in enumerate(labels)])
+    first = [metric(s, {"loss": float(s)}, step=s, label=label) for label in labels for s in range(2, 1000)]
+    await store.write(first)
+    # Every label epoch due, as migration 8 leaves an old store's.
+    await run_sql(any_store_url, f"UPDATE label_epochs SET head = {COMPACT_EVENTS}")
+
+    async def write_more() -> None:
+        for low in range(1000, 3000, 250):
+            await store.write(
+                [
+                    metric(s, {"loss": float(s)}, step=s, label=label)
+                    for label in labels
+                    for s in range(low, low + 250)
+                ]
+            )
+
+    async def compact() -> None:
+        left = 1
+        while left:
+            left = await store.compact_due(1)
+
+    await asyncio.gather(write_more(), compact(), compact())
+    await compact()
+    found = sorted((p.label, p.seq, p.value) for p in await store.metrics(RUN))
+    assert found == sorted((label, s, float(s)) for label in labels for s in range(2, 3000))
+    assert await store.compact_due() == 0
