@@ -267,19 +267,20 @@ def _point_table(read: RunValues, table: PointTable) -> pd.DataFrame:
     import pandas as pd
 
     found = read.found
+    # The store's arrays become the columns as they are: no copy (pandas copies unless told).
     columns = {
         "label": _categories(found.label, found.labels, read.labels),
         "key": _categories(found.key, found.keys, read.keys),
         **(
-            {"step": pd.Series(pd.arrays.IntegerArray(found.step, found.no_step))}
+            {"step": pd.Series(pd.arrays.IntegerArray(found.step, found.no_step), copy=False)}
             if table == "metrics"
             else {}
         ),
-        "lease_epoch": pd.Series(found.epoch),
-        "life": pd.Series(read.life),
-        "seq": pd.Series(found.seq),
+        "lease_epoch": pd.Series(found.epoch, copy=False),
+        "life": pd.Series(read.life, copy=False),
+        "seq": pd.Series(found.seq, copy=False),
         "ts": _times(found.ts),
-        "value": pd.Series(found.value),
+        "value": pd.Series(found.value, copy=False),
     }
     return pd.DataFrame(columns, copy=False)
 
@@ -398,7 +399,7 @@ def _times(seconds: Sequence[float] | np.ndarray) -> pd.Series:
     what a timestamp can hold) as NaT."""
     import pandas as pd
 
-    return pd.Series(micros(seconds).view("datetime64[us]")).dt.tz_localize("UTC")
+    return pd.Series(micros(seconds).view("datetime64[us]"), copy=False).dt.tz_localize("UTC")
 
 
 def micros(seconds: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -406,9 +407,11 @@ def micros(seconds: Sequence[float] | np.ndarray) -> np.ndarray:
     NaN or beyond what a timestamp can hold."""
     import numpy as np
 
-    whole = np.rint(np.asarray(seconds, dtype=np.float64) * 1e6)
+    whole = np.multiply(np.asarray(seconds, dtype=np.float64), 1e6)
+    np.rint(whole, out=whole)
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(whole) < MAX_MICROSECONDS)  # NaN compares False: bad too
-    out = np.where(bad, 0, whole).astype(np.int64)
+    whole[bad] = 0
+    out = whole.astype(np.int64)
     out[bad] = np.iinfo(np.int64).min
     return out

@@ -244,16 +244,32 @@ def decode_arrays(blob: bytes) -> Arrays:
 
 def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
-    the running sums start again at each chunk, in a few passes over all of them at once."""
-    steps = (words >> np.uint64(1)) ^ (np.uint64(0) - (words & np.uint64(1)))
-    # Each chunk's first word is its first value, not a delta: taken out of both sums (as 0) and
-    # added back to the chunk's values at the end.
+    two running sums over all of them at once, each chunk's start set so that the sums start
+    again there (from the segment sums of the chunk before, np.add.reduceat). `words` is reused."""
+    steps = words >> np.uint64(1)
+    words &= np.uint64(1)
+    np.negative(words, out=words)
+    steps ^= words  # the zigzag undone
+    # Each chunk's first word is its first value: kept aside, the chunk's deltas start at 0.
     firsts = steps[starts]
     steps[starts] = 0
-    sums = np.cumsum(steps, dtype=np.uint64)
-    deltas = sums - np.repeat(sums[starts], counts)  # 0 at each chunk's start
-    sums = np.cumsum(deltas, dtype=np.uint64)
-    return (sums - np.repeat(sums[starts] - firsts, counts)).view(np.int64)
+    # deltas: a chunk's start cancels what the chunk before added up.
+    _restart_at(steps, starts, np.zeros(len(starts), np.uint64))
+    np.cumsum(steps, out=steps)
+    # values: each chunk's start is its first value, less where the chunk before ended.
+    _restart_at(steps, starts, firsts)
+    np.cumsum(steps, out=steps)
+    return steps.view(np.int64)
+
+
+def _restart_at(words: Words, starts: Ints, values: Words) -> None:
+    """Set each chunk's first word so that a running sum over all the chunks reaches `values`
+    there (its other words unchanged, all modulo 2**64): chunk i's first word becomes
+    values[i] minus (values[i-1] plus the chunk i-1's words after its first)."""
+    sums = np.add.reduceat(words, starts, dtype=np.uint64)  # each chunk's words, its first at 0
+    words[starts[0]] = values[0]
+    if len(starts) > 1:
+        words[starts[1:]] = values[1:] - (values[:-1] + sums[:-1])
 
 
 # How a chunk's values column decodes in decode_many: its encoding, with ints apart.
@@ -343,20 +359,32 @@ def _gather(blobs: Sequence[bytes]) -> _Gathered:
 
 
 def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
-    """The values of chunks decoded together, whatever each chunk's encoding."""
+    """The values of chunks decoded together, whatever each chunk's encoding: each encoding's
+    chunks decoded apart, together (a chunk's points lie together)."""
     counts, encodings, words = gathered.counts, gathered.value_encodings, gathered.values
-    by_point = np.repeat(encodings, counts)
     if (encodings == _LOGGED_INTS).all():
         return _undod_segments(words, starts, counts)
-    xor = by_point == FLOAT_XOR
-    running = np.bitwise_xor.accumulate(np.where(xor, words, np.uint64(0)))
-    before = np.concatenate([np.zeros(1, np.uint64), running[starts[1:] - 1]])
-    bits = np.where(xor, running ^ np.repeat(before, counts), words).view(np.float64)
-    as_ints = np.isin(by_point, (_LOGGED_INTS, FLOAT_INTEGRAL))
-    if not as_ints.any():
-        return bits
-    ints = _undod_segments(np.where(as_ints, words, np.uint64(0)), starts, counts)
-    return np.where(as_ints, ints.astype(np.float64), bits)
+    bits = words  # FLOAT_PLAIN: the bits as they are
+    xor = encodings == FLOAT_XOR
+    if xor.any():
+        mine = np.repeat(xor, counts)
+        part = words[mine]
+        mine_counts = counts[xor]
+        mine_starts = np.cumsum(mine_counts) - mine_counts
+        running = np.bitwise_xor.accumulate(part)
+        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
+        ended = np.zeros(len(mine_counts), np.uint64)
+        ended[1:] = running[mine_starts[1:] - 1]
+        running ^= np.repeat(ended, mine_counts)
+        bits[mine] = running
+    floats = bits.view(np.float64)
+    as_ints = (encodings == _LOGGED_INTS) | (encodings == FLOAT_INTEGRAL)
+    if as_ints.any():
+        mine = np.repeat(as_ints, counts)
+        mine_counts = counts[as_ints]
+        ints = _undod_segments(words[mine], np.cumsum(mine_counts) - mine_counts, mine_counts)
+        floats[mine] = ints.astype(np.float64)
+    return floats
 
 
 def decode_many(blobs: Sequence[bytes]) -> Arrays:
@@ -370,7 +398,7 @@ def decode_many(blobs: Sequence[bytes]) -> Arrays:
         return Arrays(np.zeros(0, np.int64), np.zeros(0, np.int64), None, np.zeros(0, np.int64), np.zeros(0))
     starts = np.cumsum(counts) - counts
     seqs = _undod_segments(gathered.seqs, starts, counts)
-    ts = _undod_segments(gathered.ts, starts, counts)
+    ts = _undod_segments(gathered.ts, starts, counts) if gathered.ts.any() else gathered.ts.view(np.int64)
     steps = _undod_segments(gathered.steps, starts, counts)
     if gathered.steps_from_seqs.any():
         relative = np.repeat(gathered.steps_from_seqs, counts)

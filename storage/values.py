@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
@@ -28,14 +29,18 @@ ClockPart = tuple[str, int, bytes]
 HeadRow = tuple[str, str, int, int, int | None, float, float | bytes | None]
 
 
+# Label and key codes: places in Values.labels and Values.keys.
+Codes = npt.NDArray[np.int32]
+
+
 class Values(NamedTuple):
     """Stored points as columns: `label` and `key` index `labels` and `keys`; `step` is 0 where
     `no_step` is True."""
 
     labels: list[str]
     keys: list[str]
-    label: Ints
-    key: Ints
+    label: Codes
+    key: Codes
     epoch: Ints
     seq: Ints
     step: Ints
@@ -74,12 +79,12 @@ class Values(NamedTuple):
 
 
 def empty(labels: Sequence[str] = (), keys: Sequence[str] = ()) -> Values:
-    ints = np.zeros(0, np.int64)
+    ints, codes = np.zeros(0, np.int64), np.zeros(0, np.int32)
     return Values(
         list(labels),
         list(keys),
-        ints,
-        ints,
+        codes,
+        codes,
         ints,
         ints,
         ints,
@@ -100,7 +105,12 @@ def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Ite
     label_code = {name: code for code, name in enumerate(labels)}
     key_code = {name: code for code, name in enumerate(keys)}
     parts = [_from_chunks(chunks, list(clocks), label_code, key_code), _from_head(head, label_code, key_code)]
-    joined = Values(labels, keys, *(np.concatenate([p[i] for p in parts]) for i in range(2, 10)))
+    parts = [part for part in parts if len(part)] or parts[:1]
+    joined = Values(
+        labels,
+        keys,
+        *(np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(2, 10)),
+    )
     return joined if _in_order(joined) else joined.take(_order(joined))
 
 
@@ -110,24 +120,25 @@ def _from_chunks(
     if not chunks:
         return empty()
     chunks.sort(key=lambda c: (label_code[c[0]], key_code[c[1]], c[2], c[3]))
-    arrays = decode_many([c[4] for c in chunks])
     counts = _counts([c[4] for c in chunks])
+    if not counts.all():  # decode_many leaves empty chunks out: so do the columns beside them
+        chunks = [chunk for chunk, count in zip(chunks, counts.tolist(), strict=True) if count]
+        counts = counts[counts > 0]
+    arrays = decode_many([c[4] for c in chunks])
     # Each label epoch a group: a point's timestamp is its group's clock's at its seq.
     groups: dict[tuple[str, int], int] = {}
-    group = np.repeat(
-        np.array([groups.setdefault((c[0], c[2]), len(groups)) for c in chunks], np.int64), counts
-    )
+    chunk_group = np.array([groups.setdefault((c[0], c[2]), len(groups)) for c in chunks], np.int64)
     nulls = arrays.step_nulls if arrays.step_nulls is not None else np.zeros(len(arrays.seqs), np.bool_)
     return Values(
         [],
         [],
-        np.repeat(np.array([label_code[c[0]] for c in chunks], np.int64), counts),
-        np.repeat(np.array([key_code[c[1]] for c in chunks], np.int64), counts),
+        np.repeat(np.array([label_code[c[0]] for c in chunks], np.int32), counts),
+        np.repeat(np.array([key_code[c[1]] for c in chunks], np.int32), counts),
         np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
         arrays.seqs,
         arrays.steps,
         nulls,
-        _times(group, arrays.seqs, _clocks_in_order(clocks, groups, chunks), groups),
+        _times(chunk_group, counts, arrays.seqs, _clocks_in_order(clocks, groups, chunks), groups),
         arrays.values.astype(np.float64, copy=False),
     )
 
@@ -167,29 +178,43 @@ def _counts(blobs: list[bytes]) -> Ints:
     return np.array([int.from_bytes(blob[2:6], "little") for blob in blobs], np.int64)
 
 
-def _times(group: Ints, seq: Ints, clocks: list[ClockPart], groups: dict[tuple[str, int], int]) -> Floats:
-    """Each point's timestamp, from its label epoch's clock; NaN where the clock lacks its seq
-    (a store damaged by hand: every compaction writes the clock with the values)."""
-    ts = np.full(len(seq), np.nan)
-    if not clocks:
-        return ts
+def _times(
+    chunk_group: Ints, counts: Ints, seq: Ints, clocks: list[ClockPart], groups: dict[tuple[str, int], int]
+) -> Floats:
+    """Each point's timestamp, from its label epoch's clock (chunks laid end to end: each one's
+    group and point count); NaN where the clock lacks its seq (a store damaged by hand: every
+    compaction writes the clock with the values)."""
+    if not clocks or not len(seq):
+        return np.full(len(seq), np.nan)
     arrays = decode_many([c[2] for c in clocks])
     clock_group = np.repeat(
         np.array([groups[c[0], c[1]] for c in clocks], np.int64), _counts([c[2] for c in clocks])
     )
-    low = min(int(seq.min()), int(arrays.seqs.min(initial=0)))
-    span = max(int(seq.max()), int(arrays.seqs.max(initial=0))) - low + 1
+    clock_seq, clock_ts = arrays.seqs, arrays.ts.view(np.float64)
+    group = np.repeat(chunk_group, counts)
+    low = min(int(seq.min()), int(clock_seq.min(initial=0)))
+    span = max(int(seq.max()), int(clock_seq.max(initial=0))) - low + 1
     if len(groups) * span >= 2**62:  # seqs this far apart: a label epoch at a time
-        return _times_by_group(group, seq, clock_group, arrays.seqs, arrays.ts.view(np.float64))
+        return _times_by_group(group, seq, clock_group, clock_seq, clock_ts)
     # (group, seq) as one rank, in which the clock is sorted and each point is looked up.
-    ranks, clock_ts = clock_group * span + (arrays.seqs - low), arrays.ts.view(np.float64)
+    ranks = clock_group * span + (clock_seq - low)
     if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():  # a late compaction's clock
         order = np.argsort(ranks, kind="stable")
-        ranks, clock_ts = ranks[order], clock_ts[order]
-    wanted = group * span + (seq - low)
-    at = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
-    found = ranks[at] == wanted
-    ts[found] = clock_ts[at[found]]
+        ranks, clock_seq, clock_ts = ranks[order], clock_seq[order], clock_ts[order]
+    # Where a chunk's seqs are the clock's between its first and last (a key logged at every
+    # event: the common case), its points' places in the clock follow from its first's alone.
+    starts = np.cumsum(counts) - counts
+    first = np.searchsorted(ranks, chunk_group * span + (seq[starts] - low))
+    at = np.arange(len(seq)) + np.repeat(first - starts, counts)
+    np.minimum(at, len(ranks) - 1, out=at)
+    found = (clock_seq[at] == seq) & (clock_group[at] == group)
+    if not found.all():  # the others looked up one by one
+        lost = np.flatnonzero(~found)
+        wanted = group[lost] * span + (seq[lost] - low)
+        at[lost] = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
+        found[lost] = ranks[at[lost]] == wanted
+    ts = clock_ts[at]
+    ts[~found] = np.nan
     return ts
 
 
@@ -215,8 +240,8 @@ def _from_head(head: list[HeadRow], label_code: dict[str, int], key_code: dict[s
     return Values(
         [],
         [],
-        np.fromiter((label_code[n] for n in label), np.int64, count),
-        np.fromiter((key_code[n] for n in key), np.int64, count),
+        np.fromiter((label_code[n] for n in label), np.int32, count),
+        np.fromiter((key_code[n] for n in key), np.int32, count),
         np.array(epoch, np.int64),
         np.array(seq, np.int64),
         np.fromiter((0 if s is None else s for s in step), np.int64, count),

@@ -180,7 +180,11 @@ def test_the_path_in_use_is_numpy_and_use_switches_it() -> None:
         assert columns.encode_chunk is columns.encode_reference
     finally:
         columns.use("numpy")
-    assert columns.encode_chunk is columns_numpy.encode_chunk
+    chunk = Chunk([1, 2, 3], [1, None, 3], [7, 8, 9], [0.5, -0.0, math.inf])
+    assert columns.encode_chunk(chunk) == columns_numpy.encode_chunk(chunk)
+    assert columns.decode_chunk(columns_numpy.encode_chunk(chunk)) == columns_numpy.decode_chunk(
+        columns_numpy.encode_chunk(chunk)
+    )
     with pytest.raises(ValueError, match="unknown column path"):
         columns.use("c")
 
