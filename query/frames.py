@@ -1,17 +1,19 @@
 """A store's tables as pandas DataFrames, each built one way for the notebook API and `runbus export`.
 
 pandas is optional (`pip install 'runbus[pandas]'`): it is imported when a table is built, so this
-module imports without it. The tables are complete: every stored value, never sampled, read a page
-at a time through each label's primary key (Store.point_page, Store.log_page) rather than in one
-query. A run that is being written is read as it stands while its pages are read: a value stored
+module imports without it. The tables are complete: every stored value, never sampled. Values
+come as the store's arrays (Store.values, decoded from its column chunks) and become columns
+without a Python object per value; log lines are read a page at a time through each label's
+primary key (Store.log_page). A run that is being written is read as it stands: a value stored
 meanwhile may or may not be in the table, none is in it twice.
 
 Columns and order (times are pandas timestamps in UTC, to the microsecond):
 - runs: run_id, name, tags (a list), state, primary, exit_code, labels (how many), started,
   ended, last_event, metric_events, log_events, system_events, config, summary (dicts: each the
   run's labels' merged); newest first.
-- history (metrics): label, key, step (Int64, <NA> where none was given), lease_epoch, life, seq,
-  ts, value (float64, NaN and ±inf as logged); by label, key, lease_epoch, seq.
+- history (metrics): label, key (categoricals of all the run's labels and keys), step (Int64, <NA>
+  where none was given), lease_epoch, life, seq, ts, value (float64, NaN and ±inf as logged); by
+  label (natural order), key, lease_epoch, seq.
 - history, wide: one row per metric event, i.e. per log() call of a label, (label, lease_epoch,
   seq): label, lease_epoch, life, seq, step, ts, then a float64 column per key in key order, NaN
   where that event did not log the key; by label, lease_epoch, seq. A key named like one of those

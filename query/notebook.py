@@ -86,8 +86,8 @@ class Api:
 
     The store is opened read-only: nothing is ever created, and where there is no runbus store
     at the URL this raises StoreMissing. Close it with close() or a `with` block (it is closed
-    when garbage-collected, too). `page_rows`: how many values (or log lines) each query reads,
-    50,000 by default.
+    when garbage-collected, too). `page_rows`: how many log lines each query reads, 50,000 by
+    default (values are read as the store's arrays, in one read).
     """
 
     def __init__(self, store: str | None = None, *, page_rows: int | None = None) -> None:
