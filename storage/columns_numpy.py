@@ -7,7 +7,6 @@ runbus.storage.columns and the tests that compare the two paths bit for bit.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -24,7 +23,9 @@ from runbus.storage.columns import (
     FLOAT_XOR,
     INT_DOD,
     INT_DOD_FROM_SEQS,
+    NOISE_DISTINCT,
     NULL_MASK,
+    SAMPLE,
     STEP_CHOICES,
     ZLIB_LEVEL,
     Chunk,
@@ -32,6 +33,7 @@ from runbus.storage.columns import (
     checked_count,
     column,
     columns,
+    deflate,
     header,
     inflate,
     pack_planes,
@@ -63,7 +65,16 @@ class Arrays(NamedTuple):
 
 def _shuffle(words: Words) -> bytes:
     planes = words.astype(_WORD, copy=False).view(np.uint8).reshape(-1, 8).T
-    return pack_planes([plane.tobytes() for plane in planes], len(words))
+    return pack_planes([plane.tobytes() for plane in planes], len(words), _noise(planes))
+
+
+def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
+    """columns.incompressible of each of 8 planes, counted in one pass: the distinct bytes of
+    each plane's first SAMPLE."""
+    sample = planes[:, :SAMPLE]
+    seen = np.zeros((8, 256), np.bool_)
+    seen[np.arange(8)[:, None], sample] = True
+    return (seen.sum(axis=1) >= NOISE_DISTINCT[sample.shape[1]]).tolist()
 
 
 def _unshuffle(payload: bytes, count: int) -> Words:
@@ -169,7 +180,7 @@ def _steps_columns(seqs: Ints, steps: Ints, nulls: Mask | None) -> tuple[int, li
     parts = [column(encoding, payload)]
     if nulls is None or not nulls.any():
         return FLAG_STEPS, parts, given
-    mask = zlib.compress(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
+    mask = deflate(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
     return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
 
 
