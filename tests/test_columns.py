@@ -18,7 +18,6 @@ from runbus.storage.columns import Chunk, FormatError
 # These tests do no I/O. Hypothesis collects garbage as it starts (the first module to use it in the
 # suite's order), which surfaces a socket left unclosed by an earlier test as an unraisable warning
 # here. That leak is not this module's; finding the test that makes it is still open.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 # Every float64 bit pattern: NaNs with any payload and sign, -0.0, ±inf, subnormals.
