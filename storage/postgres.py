@@ -14,10 +14,9 @@ import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
-from runbus.storage import base, charts, chunking, rollups, rows, safe_url, values
+from runbus.storage import base, charts, chunking, reads, rollups, rows, safe_url, values
 from runbus.storage.base import (
     KeyPage,
-    LabelSummary,
     LogLine,
     Point,
     PointTable,
@@ -25,8 +24,9 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
+from runbus.storage.dialect import POSTGRES
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
-from runbus.wire import Event, level_number
+from runbus.wire import Event
 
 T = TypeVar("T")
 
@@ -689,9 +689,6 @@ _LABEL_COLUMNS = (
     "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
     "l.last_ts, l.dropped, l.primary_refused_ts"
 )
-_RUN_WITH_LABEL_COUNT = (
-    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
-)
 
 # (table, columns) that rows are copied into; the columns in the order rollups.fold_metrics and
 # rows.value_rows make them.
@@ -708,36 +705,6 @@ REJECTED_CLASSES = frozenset({"22", "23", "54"})
 # Invalid authorization specification (a wrong password, a role that may not log in), and
 # insufficient privilege.
 DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
-
-
-def _label_state(row: asyncpg.Record) -> LabelState:
-    return LabelState(
-        run=row["run_id"],
-        label=row["label"],
-        state=row["state"],
-        exit_code=row["exit_code"],
-        state_pos=(row["state_epoch"], row["state_seq"]),
-        state_ts=row["state_ts"],
-        primary=row["is_primary"],
-        start_pos=(row["start_epoch"], row["start_seq"]),
-        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
-        epoch=row["epoch"],
-        last_seq=row["last_seq"],
-        first_ts=row["first_ts"],
-        last_ts=row["last_ts"],
-        dropped=rows.dropped_from_json(row["dropped"]),
-        primary_refused_ts=row["primary_refused_ts"],
-    )
-
-
-def _log_filters(where: list[str], args: list[Any], level: str | None, grep: str | None) -> None:
-    """Add the log reads' level and text filters to `where`, their values to `args` ($n)."""
-    if level is not None:
-        args.append(level_number(level))
-        where.append(f"g.levelno >= ${len(args)}")
-    if grep is not None:
-        args.append(rows.storable_text(grep))
-        where.append(f"strpos(g.text, ${len(args)}) > 0")
 
 
 class PostgresStore:
@@ -898,7 +865,7 @@ class PostgresStore:
             )
             ids = {(row["run_id"], row["label"]): row["id"] for row in locked}
             for row in locked:
-                beyond = out_of_reach(_label_state(row), by_label[row["run_id"], row["label"]])
+                beyond = out_of_reach(reads.label_state(row), by_label[row["run_id"], row["label"]])
                 if beyond is not None:  # the worker isolates the event and dead-letters it
                     raise StoreRejected(f"{row['run_id']}/{row['label']}: {beyond}")
             fresh = await self._take_new(con, ids, by_label)
@@ -907,7 +874,7 @@ class PostgresStore:
             starts: dict[int, tuple[int, int | None]] = {}
             ended = set()
             for row in locked:
-                label = _label_state(row)
+                label = reads.label_state(row)
                 folded = apply_events(label, by_label[label.run, label.label])
                 mine = fresh[label.run, label.label]
                 updates.append((*rows.label_columns(folded), seen_at, *rows.kind_counts(mine), row["id"]))
@@ -981,7 +948,7 @@ class PostgresStore:
         for row in await con.fetch(
             f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
         ):
-            labels[row["run_id"], row["label"]] = _label_state(row)
+            labels[row["run_id"], row["label"]] = reads.label_state(row)
         if by_label is not None:
             before = dict(labels)
             primaries = rows.settle_primaries(by_label, labels, primaries, holders or {})
@@ -1030,7 +997,7 @@ class PostgresStore:
             )
             if not silent:
                 return []
-            crashed = [(crash(_label_state(row)), row["id"]) for row in silent]
+            crashed = [(crash(reads.label_state(row)), row["id"]) for row in silent]
             await con.executemany(
                 "UPDATE labels SET state = $1, state_epoch = $2, state_seq = $3, state_ts = $4 WHERE id = $5",
                 [(label.state, *label.state_pos, label.state_ts, id_) for label, id_ in crashed],
@@ -1064,8 +1031,7 @@ class PostgresStore:
     # -- reads ---------------------------------------------------------------------------------
 
     async def runs(self) -> list[RunSummary]:
-        query = f"{_RUN_WITH_LABEL_COUNT} ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
-        found = await self._call(lambda con: con.fetch(query))
+        found = await self._call(lambda con: con.fetch(reads.RUNS_SQL))
         return [rows.run_summary(dict(row)) for row in found]
 
     async def run(self, run_id: str) -> RunSummary | None:
@@ -1073,7 +1039,7 @@ class PostgresStore:
 
     async def _run(self, con: asyncpg.Connection, run_id: str) -> RunSummary | None:
         async with con.transaction(isolation="repeatable_read", readonly=True):
-            row = await con.fetchrow(f"{_RUN_WITH_LABEL_COUNT} WHERE r.run_id = $1", run_id)
+            row = await con.fetchrow(POSTGRES.sql(reads.RUN_SQL), run_id)
             if row is None:
                 return None
             epochs = await con.fetch(rows.EPOCHS_SQL.format(param="$1"), run_id)
@@ -1086,14 +1052,7 @@ class PostgresStore:
                 run_id,
             )
             settings = rows.label_settings((await _run_settings(con, [run_id]))[run_id])
-        labels: list[LabelSummary] = []
-        for label_row in label_rows:
-            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
-            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            values = settings.get(label_row["label"])
-            labels.append(
-                rows.label_summary(_label_state(label_row), mine, gaps, row["primary_label"], values)
-            )
+        labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def run_ids(self, prefix: str, limit: int) -> list[str]:
@@ -1102,8 +1061,7 @@ class PostgresStore:
         return [row[0] for row in found]
 
     async def metric_keys(self, run_id: str) -> list[str]:
-        # The rollups' list of the run's keys (its index), not a scan of every value.
-        query = "SELECT key FROM series WHERE run_id = $1 ORDER BY key"
+        query = POSTGRES.sql(reads.RUN_KEYS_SQL)
         found = await self._call(lambda con: con.fetch(query, run_id))
         return [row[0] for row in found]
 
@@ -1171,15 +1129,7 @@ class PostgresStore:
         limit: int | None = None,
         offset: int = 0,
     ) -> list[LogLine]:
-        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
-        _log_filters(where, args, level, grep)
-        # As in SQLite: a negative limit means none, a negative offset counts as 0.
-        args += [None if limit is None or limit < 0 else limit, max(offset, 0)]
-        query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ${len(args) - 1} OFFSET ${len(args)}"
-        )
+        query, args = reads.logs_query(POSTGRES, run_id, label, level, grep, limit, offset)
         found = await self._call(lambda con: con.fetch(query, *args))
         return [LogLine(*row) for row in found]
 
@@ -1209,9 +1159,7 @@ class PostgresStore:
         # One snapshot (a compaction that commits meanwhile moves no point past the read), which
         # a cursor needs anyway.
         async with con.transaction(isolation="repeatable_read", readonly=True):
-            label_id = await con.fetchval(
-                "SELECT id FROM labels WHERE run_id = $1 AND label = $2", run_id, label
-            )
+            label_id = await con.fetchval(POSTGRES.sql(reads.LABEL_ID_SQL), run_id, label)
             if label_id is None:
                 return []
             stored = None if key is None else rows.storable_text(key)
@@ -1257,17 +1205,7 @@ class PostgresStore:
         level: str | None = None,
         grep: str | None = None,
     ) -> list[LogLine]:
-        where = [_ONE_LABEL.format(column="g.label_id")]
-        args: list[Any] = [run_id, label]
-        if after is not None:
-            args += [after[0], after[1]]
-            where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
-        _log_filters(where, args, level, grep)
-        args.append(limit)
-        query = (
-            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
-        )
+        query, args = reads.log_page_query(POSTGRES, run_id, label, after, limit, level, grep)
         found = await self._call(lambda con: con.fetch(query, *args))
         return [LogLine(label, *row) for row in found]
 
@@ -1281,30 +1219,13 @@ class PostgresStore:
         offset: int = 0,
         limit: int = 100,
     ) -> KeyPage:
-        where, args = ["run_id = $1"], [run_id]
-        if prefix:
-            args.append(rows.storable_text(prefix))
-            where.append(f"key >= ${len(args)}")
-            end = charts.prefix_end(rows.storable_text(prefix))
-            if end is not None:
-                args.append(end)
-                where.append(f"key < ${len(args)}")
-        if contains:
-            args.append(rows.storable_text(contains))
-            where.append(f"strpos(lower(key), lower(${len(args)})) > 0")
-        condition = " AND ".join(where)
+        total, keys = reads.key_page_queries(POSTGRES, run_id, prefix, contains, offset, limit)
 
         async def read(con: asyncpg.Connection) -> KeyPage:
             async with con.transaction(isolation="repeatable_read", readonly=True):
-                total = await con.fetchval(f"SELECT count(*) FROM series WHERE {condition}", *args)
-                found = await con.fetch(
-                    f"SELECT key FROM series WHERE {condition} ORDER BY key "
-                    f"LIMIT ${len(args) + 1} OFFSET ${len(args) + 2}",
-                    *args,
-                    limit,
-                    max(offset, 0),
-                )
-            return KeyPage(total, offset, [row[0] for row in found])
+                count = await con.fetchval(total.sql, *total.args)
+                found = await con.fetch(keys.sql, *keys.args)
+            return KeyPage(count, offset, [row[0] for row in found])
 
         return await self._call(read)
 
@@ -1318,7 +1239,7 @@ class PostgresStore:
         async def read(con: asyncpg.Connection) -> base.KeyExtent | None:
             async with con.transaction(isolation="repeatable_read", readonly=True):
                 found = await con.fetchval(
-                    "SELECT id FROM series WHERE run_id = $1 AND key = $2",
+                    POSTGRES.sql(reads.SERIES_ID_SQL),
                     rollups.series_run(run_id, table),
                     rows.storable_text(key),
                 )
@@ -1429,12 +1350,8 @@ class PostgresStore:
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
 
     async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        found = await self._call(
-            lambda con: con.fetch(
-                "SELECT label, start_data FROM labels WHERE run_id = $1 ORDER BY label", run_id
-            )
-        )
-        return {row[0]: orjson.loads(row[1]) if row[1] else {} for row in found}
+        query = POSTGRES.sql(reads.LABEL_STARTS_SQL)
+        return reads.label_starts(await self._call(lambda con: con.fetch(query, run_id)))
 
     # The chart reads, one implementation over this backend's rollup reads.
     envelope = charts.envelope
@@ -1502,11 +1419,6 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
 }
 
 
-# A page read's label, as a value the planner knows before it plans (not a join): the table's
-# primary key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
-_ONE_LABEL = "{column} = (SELECT id FROM labels WHERE run_id = $1 AND label = $2)"
-
-
 def _any_of(args: list[Any], *chosen: tuple[str, Sequence[str] | None]) -> str:
     """` AND column = ANY($n)` for each (column, names) given names (None: any), the names
     appended to `args` as $n."""
@@ -1526,14 +1438,3 @@ def _past(args: list[Any], columns: str, key: str | None, past: tuple[str, int, 
         args += past
         where += f" AND ({columns}) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})"
     return where
-
-
-def _filters(
-    where: list[str], args: list[Any], *optional: tuple[str, str | None]
-) -> tuple[list[str], list[Any]]:
-    """`where` and `args` extended with `column = $n` for each (column, value) given a value."""
-    for column, value in optional:
-        if value is not None:
-            args.append(value)
-            where.append(f"{column} = ${len(args)}")
-    return where, args

@@ -19,10 +19,9 @@ from urllib.parse import unquote, urlsplit
 import orjson
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import base, charts, chunking, rollups, rows, values
+from runbus.storage import base, charts, chunking, reads, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
-    LabelSummary,
     LogLine,
     Point,
     PointTable,
@@ -30,9 +29,10 @@ from runbus.storage.base import (
     missing_store,
     point_table,
 )
+from runbus.storage.dialect import SQLITE
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.storage.values import Values
-from runbus.wire import Event, level_number
+from runbus.wire import Event
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
@@ -695,26 +695,6 @@ def _chosen(column: str, names: Sequence[str] | None) -> tuple[str, list[str]]:
     return f" AND {column} IN ({_rows_sql(1, len(names))})", list(names)
 
 
-def _label_state(run: str, row: sqlite3.Row) -> LabelState:
-    return LabelState(
-        run=run,
-        label=row["label"],
-        state=row["state"],
-        exit_code=row["exit_code"],
-        state_pos=(row["state_epoch"], row["state_seq"]),
-        state_ts=row["state_ts"],
-        primary=bool(row["is_primary"]),
-        start_pos=(row["start_epoch"], row["start_seq"]),
-        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
-        epoch=row["epoch"],
-        last_seq=row["last_seq"],
-        first_ts=row["first_ts"],
-        last_ts=row["last_ts"],
-        dropped=rows.dropped_from_json(row["dropped"]),
-        primary_refused_ts=row["primary_refused_ts"],
-    )
-
-
 def _latest_start(label: LabelState) -> tuple[int, int | None]:
     """(epoch, restart count) of a label's latest start, for the generation of its epochs."""
     return label.start_pos[0], rollups.restart_count(label.start_data)
@@ -723,16 +703,6 @@ def _latest_start(label: LabelState) -> tuple[int, int | None]:
 def _unreal(value: float | None) -> float:
     # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
     return math.nan if value is None else float(value)
-
-
-def _log_filters(where: list[str], args: list[str | int], level: str | None, grep: str | None) -> None:
-    """Add the log reads' level and text filters to `where`, their values to `args`."""
-    if level is not None:
-        where.append("g.levelno >= ?")
-        args.append(level_number(level))
-    if grep is not None:
-        where.append("instr(g.text, ?) > 0")
-        args.append(rows.storable_text(grep))
 
 
 _KIND = operator.attrgetter("kind")
@@ -971,7 +941,7 @@ class SQLiteStore:
                 chunk,
             )
         }
-        labels = {key: _label_state(key[0], row) for key, row in stored.items()}
+        labels = {key: reads.label_state(row, key[0]) for key, row in stored.items()}
         for key, group in by_label.items():
             beyond = out_of_reach(labels[key], group)
             if beyond is not None:  # the worker isolates the event and dead-letters it
@@ -1046,7 +1016,7 @@ class SQLiteStore:
         """Derive a run's state from its labels and primary (both read here unless given)."""
         if labels is None:
             labels = [
-                _label_state(run, row)
+                reads.label_state(row, run)
                 for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
             ]
             primary = self._primaries(con, [run]).get(run)
@@ -1066,7 +1036,7 @@ class SQLiteStore:
             (silent_since,),
         ).fetchall()
         for row in silent:
-            crashed = crash(_label_state(row["run_id"], row))
+            crashed = crash(reads.label_state(row))
             con.execute(
                 "UPDATE labels SET state = ?, state_epoch = ?, state_seq = ?, state_ts = ? WHERE id = ?",
                 (crashed.state, *crashed.state_pos, crashed.state_ts, row["id"]),
@@ -1090,22 +1060,14 @@ class SQLiteStore:
         return await self._call(self._runs)
 
     def _runs(self) -> list[RunSummary]:
-        query = (
-            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
-            "FROM runs r ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
-        )
-        return [rows.run_summary(dict(row)) for row in self._db().execute(query)]
+        return [rows.run_summary(dict(row)) for row in self._db().execute(reads.RUNS_SQL)]
 
     async def run(self, run_id: str) -> RunSummary | None:
         return await self._call(self._run, run_id)
 
     def _run(self, run_id: str) -> RunSummary | None:
         con = self._db()
-        row = con.execute(
-            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
-            "FROM runs r WHERE r.run_id = ?",
-            (run_id,),
-        ).fetchone()
+        row = con.execute(reads.RUN_SQL, (run_id,)).fetchone()
         if row is None:
             return None
         epochs = con.execute(rows.EPOCHS_SQL.format(param="?"), (run_id,)).fetchall()
@@ -1114,15 +1076,10 @@ class SQLiteStore:
             rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
         ).fetchall()
         settings = rows.label_settings(_run_settings(con, [run_id])[run_id])
-        labels: list[LabelSummary] = []
-        for label_row in con.execute(
+        label_rows = con.execute(
             f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
-        ):
-            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
-            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            label = _label_state(run_id, label_row)
-            values = settings.get(label.label)
-            labels.append(rows.label_summary(label, mine, gaps, row["primary_label"], values))
+        )
+        labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def run_ids(self, prefix: str, limit: int) -> list[str]:
@@ -1136,9 +1093,7 @@ class SQLiteStore:
         return await self._call(self._metric_keys, run_id)
 
     def _metric_keys(self, run_id: str) -> list[str]:
-        # The rollups' list of the run's keys (its index), not a scan of every value.
-        query = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
-        return [row[0] for row in self._db().execute(query, (run_id,))]
+        return [row[0] for row in self._db().execute(reads.RUN_KEYS_SQL, (run_id,))]
 
     async def system_keys(self, run_id: str) -> list[str]:
         return await self._call(self._metric_keys, rollups.series_run(run_id, "system"))
@@ -1210,19 +1165,8 @@ class SQLiteStore:
         limit: int | None,
         offset: int,
     ) -> list[LogLine]:
-        where: list[str] = ["l.run_id = ?"]
-        args: list[str | int] = [run_id]
-        if label is not None:
-            where.append("l.label = ?")
-            args.append(label)
-        _log_filters(where, args, level, grep)
-        query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            "ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ? OFFSET ?"
-        )
-        args += [-1 if limit is None else limit, offset]
-        return [LogLine(*row) for row in self._db().execute(query, args)]
+        query = reads.logs_query(SQLITE, run_id, label, level, grep, limit, offset)
+        return [LogLine(*row) for row in self._db().execute(*query)]
 
     async def point_page(
         self,
@@ -1245,9 +1189,7 @@ class SQLiteStore:
         key: str | None,
     ) -> list[Point]:
         con = self._db()
-        found = con.execute(
-            "SELECT id FROM labels WHERE run_id = ? AND label = ?", (run_id, label)
-        ).fetchone()
+        found = con.execute(reads.LABEL_ID_SQL, (run_id, label)).fetchone()
         if found is None:
             return []
         label_id = found[0]
@@ -1307,17 +1249,8 @@ class SQLiteStore:
         level: str | None,
         grep: str | None,
     ) -> list[LogLine]:
-        where: list[str] = ["g.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
-        args: list[str | int] = [run_id, label]
-        if after is not None:
-            where.append("(g.epoch, g.seq) > (?, ?)")
-            args += [after[0], after[1]]
-        _log_filters(where, args, level, grep)
-        query = (
-            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
-        )
-        return [LogLine(label, *row) for row in self._db().execute(query, [*args, limit])]
+        query = reads.log_page_query(SQLITE, run_id, label, after, limit, level, grep)
+        return [LogLine(label, *row) for row in self._db().execute(*query)]
 
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
 
@@ -1334,28 +1267,10 @@ class SQLiteStore:
     def _key_page(
         self, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
     ) -> KeyPage:
-        where, args = ["run_id = ?"], [run_id]
-        if prefix:
-            where.append("key >= ?")
-            args.append(rows.storable_text(prefix))
-            end = charts.prefix_end(rows.storable_text(prefix))
-            if end is not None:
-                where.append("key < ?")
-                args.append(end)
-        if contains:
-            where.append("instr(lower(key), lower(?)) > 0")
-            args.append(rows.storable_text(contains))
+        total, keys = reads.key_page_queries(SQLITE, run_id, prefix, contains, offset, limit)
         con = self._db()
-        condition = " AND ".join(where)
-        total = con.execute(f"SELECT count(*) FROM series WHERE {condition}", args).fetchone()[0]
-        keys = [
-            row[0]
-            for row in con.execute(
-                f"SELECT key FROM series WHERE {condition} ORDER BY key LIMIT ? OFFSET ?",
-                [*args, limit, offset],
-            )
-        ]
-        return KeyPage(total, offset, keys)
+        count = con.execute(*total).fetchone()[0]
+        return KeyPage(count, offset, [row[0] for row in con.execute(*keys)])
 
     async def key_values(
         self, run_id: str, key: str, table: PointTable = "metrics"
@@ -1376,8 +1291,7 @@ class SQLiteStore:
     def _key_extent(self, run_id: str, key: str, table: PointTable) -> base.KeyExtent | None:
         con = self._db()
         found = con.execute(
-            "SELECT id FROM series WHERE run_id = ? AND key = ?",
-            (rollups.series_run(run_id, table), rows.storable_text(key)),
+            reads.SERIES_ID_SQL, (rollups.series_run(run_id, table), rows.storable_text(key))
         ).fetchone()
         if found is None:
             return None
@@ -1518,12 +1432,7 @@ class SQLiteStore:
         return await self._call(self._label_starts, run_id)
 
     def _label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return {
-            label: orjson.loads(data) if data else {}
-            for label, data in self._db().execute(
-                "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
-            )
-        }
+        return reads.label_starts(self._db().execute(reads.LABEL_STARTS_SQL, (run_id,)))
 
     # The chart reads, one implementation over this backend's rollup reads.
     envelope = charts.envelope

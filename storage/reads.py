@@ -1,0 +1,181 @@
+"""The reads both backends write alike but for their dialect: each read's SQL and arguments built
+from its filters (storage/dialect.py), and the stored rows turned into records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import orjson
+
+from runbus.storage import charts, rows
+from runbus.storage.base import LabelSummary
+from runbus.storage.dialect import Dialect
+from runbus.storage.rules import LabelState
+from runbus.wire import level_number
+
+
+class Row(Protocol):
+    """A stored row read by column name: sqlite3.Row or asyncpg.Record."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+class Query(NamedTuple):
+    """A statement in its backend's placeholder style, and its arguments."""
+
+    sql: str
+    args: list[Any]
+
+
+RUN_WITH_LABEL_COUNT = (
+    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
+)
+RUNS_SQL = f"{RUN_WITH_LABEL_COUNT} ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
+RUN_SQL = f"{RUN_WITH_LABEL_COUNT} WHERE r.run_id = ?"
+# The rollups' list of the run's keys (its index), not a scan of every value.
+RUN_KEYS_SQL = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
+SERIES_ID_SQL = "SELECT id FROM series WHERE run_id = ? AND key = ?"
+LABEL_ID_SQL = "SELECT id FROM labels WHERE run_id = ? AND label = ?"
+LABEL_STARTS_SQL = "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label"
+
+
+def label_state(row: Row, run: str | None = None) -> LabelState:
+    """A label's rule record from its stored row (the backends' _LABEL_COLUMNS), of `run` or else
+    of the row's run_id."""
+    return LabelState(
+        run=row["run_id"] if run is None else run,
+        label=row["label"],
+        state=row["state"],
+        exit_code=row["exit_code"],
+        state_pos=(row["state_epoch"], row["state_seq"]),
+        state_ts=row["state_ts"],
+        primary=bool(row["is_primary"]),
+        start_pos=(row["start_epoch"], row["start_seq"]),
+        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
+        epoch=row["epoch"],
+        last_seq=row["last_seq"],
+        first_ts=row["first_ts"],
+        last_ts=row["last_ts"],
+        dropped=rows.dropped_from_json(row["dropped"]),
+        primary_refused_ts=row["primary_refused_ts"],
+    )
+
+
+def label_summaries(
+    run_id: str,
+    label_rows: Iterable[Row],
+    epochs: Sequence[Row],
+    missing: Sequence[Row],
+    settings: Mapping[str, dict[str, Any]],
+    primary: str | None,
+) -> list[LabelSummary]:
+    """A run's label summaries from its label rows, the rows of rows.EPOCHS_SQL and
+    rows.MISSING_RANGES_SQL, its labels' settings (rows.label_settings) and its primary."""
+    labels: list[LabelSummary] = []
+    for label_row in label_rows:
+        mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
+        gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
+        label = label_state(label_row, run_id)
+        labels.append(rows.label_summary(label, mine, gaps, primary, settings.get(label.label)))
+    return labels
+
+
+def label_starts(found: Iterable[Sequence[Any]]) -> dict[str, dict[str, Any]]:
+    """Each label's start data ({} before its start) from the rows of LABEL_STARTS_SQL."""
+    return {label: orjson.loads(data) if data else {} for label, data in found}
+
+
+def log_filters(
+    dialect: Dialect, where: list[str], args: list[Any], level: str | None, grep: str | None
+) -> None:
+    """Add the log reads' level and text filters to `where`, their values to `args`."""
+    if level is not None:
+        where.append("g.levelno >= ?")
+        args.append(level_number(level))
+    if grep is not None:
+        where.append(dialect.contains("g.text"))
+        args.append(rows.storable_text(grep))
+
+
+def logs_query(
+    dialect: Dialect,
+    run_id: str,
+    label: str | None,
+    level: str | None,
+    grep: str | None,
+    limit: int | None,
+    offset: int,
+) -> Query:
+    """A run's log lines by time, `label`, `level` and `grep` filtering them when given."""
+    where: list[str] = ["l.run_id = ?"]
+    args: list[Any] = [run_id]
+    if label is not None:
+        where.append("l.label = ?")
+        args.append(label)
+    log_filters(dialect, where, args, level, grep)
+    query = (
+        "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+        f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
+        "ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ? OFFSET ?"
+    )
+    # A negative offset counts as 0, as SQLite reads one.
+    return Query(dialect.sql(query), [*args, dialect.limit(limit), max(offset, 0)])
+
+
+def log_page_query(
+    dialect: Dialect,
+    run_id: str,
+    label: str,
+    after: tuple[int, int] | None,
+    limit: int,
+    level: str | None,
+    grep: str | None,
+) -> Query:
+    """A page of a label's log lines in (epoch, seq) order, those past `after`."""
+    # The label as a value the planner knows before it plans (not a join): the table's primary
+    # key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
+    where = [f"g.label_id = ({LABEL_ID_SQL})"]
+    args: list[Any] = [run_id, label]
+    if after is not None:
+        where.append("(g.epoch, g.seq) > (?, ?)")
+        args += [after[0], after[1]]
+    log_filters(dialect, where, args, level, grep)
+    query = (
+        "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+        f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
+    )
+    return Query(dialect.sql(query), [*args, limit])
+
+
+class KeyPageQueries(NamedTuple):
+    """A key page's two statements: the count of the keys that match, and the page of them."""
+
+    total: Query
+    keys: Query
+
+
+def key_page_queries(
+    dialect: Dialect, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
+) -> KeyPageQueries:
+    """The reads of a page of a run's keys in order, those starting with `prefix` and containing
+    `contains` (whatever its case) when given."""
+    where, args = ["run_id = ?"], [run_id]
+    if prefix:
+        where.append("key >= ?")
+        args.append(rows.storable_text(prefix))
+        end = charts.prefix_end(rows.storable_text(prefix))
+        if end is not None:
+            where.append("key < ?")
+            args.append(end)
+    if contains:
+        where.append(dialect.contains("lower(key)", "lower(?)"))
+        args.append(rows.storable_text(contains))
+    condition = " AND ".join(where)
+    return KeyPageQueries(
+        Query(dialect.sql(f"SELECT count(*) FROM series WHERE {condition}"), args),
+        Query(
+            dialect.sql(f"SELECT key FROM series WHERE {condition} ORDER BY key LIMIT ? OFFSET ?"),
+            [*args, limit, max(offset, 0)],
+        ),
+    )
