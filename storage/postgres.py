@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import asyncpg
-import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
-from runbus.storage import base, charts, chunking, reads, rollups, rows, safe_url, values
+from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, safe_url, values
 from runbus.storage.base import (
     KeyPage,
     LogLine,
@@ -259,31 +258,16 @@ async def _roll_up_stored_system(con: asyncpg.Connection) -> None:
 
 async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
     """Every stored value of `table` rolled up, a page of rows at a time."""
-    labels = {
-        row["id"]: (row["run_id"], row["start_epoch"], row["start_data"])
-        for row in await con.fetch("SELECT id, run_id, start_epoch, start_data FROM labels")
-    }
-    step = "step, " if table == "metrics" else ""
+    labels = backfill.stored_labels(await con.fetch(backfill.STORED_LABELS_SQL))
+    query = POSTGRES.sql(backfill.stored_page_sql(table))
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
-        page = await con.fetch(
-            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
-            "WHERE (label_id, key, epoch, seq) > ($1, $2, $3, $4) "
-            "ORDER BY label_id, key, epoch, seq LIMIT $5",
-            *after,
-            MIGRATION_PAGE,
-        )
+        page = await con.fetch(query, *after, MIGRATION_PAGE)
         if not page:
             return
         after = tuple(page[-1][:4])
         fine = rollups.fine_partials_from_rows(page) if table == "metrics" else rollups.fold_system(page)
-        ids = {label_id for label_id, *_ in fine}
-        starts = {
-            i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
-            for i in ids
-        }
-        run_of = {i: rollups.series_run(labels[i][0], table) for i in ids}
-        await _roll_up(con, fine, run_of, starts, Known(), Known())
+        await _roll_up(con, fine, *backfill.page_labels(labels, fine, table), Known(), Known())
 
 
 # label_values rows (rows.setting_rows) replace the stored value of their key only if later in
@@ -1376,39 +1360,16 @@ async def _derive_metadata(con: asyncpg.Connection, primaries: Mapping[str, str 
     if not primaries:
         return
     settings = await _run_settings(con, sorted(primaries))
-    await con.executemany(
-        "UPDATE runs SET config = $1, summary = $2, name = $3, tags = $4, set_by = $5 WHERE run_id = $6",
-        [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()],
-    )
+    query = POSTGRES.sql(metadata.UPDATE_METADATA_SQL)
+    await con.executemany(query, metadata.metadata_rows(settings, primaries))
 
 
 async def _start_configs_to_settings(con: asyncpg.Connection) -> None:
     """Migration 5's data: the stored starts' configs become their labels' settings, and every
     run's metadata is derived from them (its config as before, its primary's, plus the keys
     only other labels set)."""
-    found: list[tuple] = []
-    # The columns as of version 5, whatever later versions add.
-    for row in await con.fetch(
-        "SELECT id, run_id, label, start_epoch, start_seq, start_data, first_ts FROM labels "
-        "WHERE start_data IS NOT NULL"
-    ):
-        label = LabelState(
-            row["run_id"],
-            row["label"],
-            start_pos=(row["start_epoch"], row["start_seq"]),
-            start_data=orjson.loads(row["start_data"]),
-        )
-        found += rows.setting_rows([(row["id"], rows.start_event(row["run_id"], label, row["first_ts"]))])
-    await _store_settings(con, found)
-    await _derive_metadata(con, {row[0]: row[1] for row in await con.fetch(_STARTED_RUNS)})
-
-
-# The runs whose metadata migration 5 derives: those a label has started (config stays None
-# for the others, as it is until a label starts or sets any).
-_STARTED_RUNS = (
-    "SELECT run_id, primary_label FROM runs "
-    "WHERE run_id IN (SELECT run_id FROM labels WHERE start_data IS NOT NULL)"
-)
+    await _store_settings(con, metadata.start_setting_rows(await con.fetch(metadata.START_CONFIGS_SQL)))
+    await _derive_metadata(con, {row[0]: row[1] for row in await con.fetch(metadata.STARTED_RUNS_SQL)})
 
 
 # Data migrations, run after the schema migration of the same number, in its transaction.

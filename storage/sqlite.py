@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-import orjson
-
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import base, charts, chunking, reads, rollups, rows, values
+from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
     LogLine,
@@ -385,18 +383,11 @@ def _roll_up_stored_system(con: sqlite3.Connection) -> None:
 
 def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
     """Every stored value of `table` rolled up, a page of rows at a time."""
-    labels = {
-        row[0]: (row[1], row[2], row[3])
-        for row in con.execute("SELECT id, run_id, start_epoch, start_data FROM labels")
-    }
-    step = "step, " if table == "metrics" else ""
+    labels = backfill.stored_labels(con.execute(backfill.STORED_LABELS_SQL))
+    query = backfill.stored_page_sql(table)
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
-        page = con.execute(
-            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
-            "WHERE (label_id, key, epoch, seq) > (?, ?, ?, ?) ORDER BY label_id, key, epoch, seq LIMIT ?",
-            (*after, MIGRATION_PAGE),
-        ).fetchall()
+        page = con.execute(query, (*after, MIGRATION_PAGE)).fetchall()
         if not page:
             return
         after = tuple(page[-1][:4])
@@ -404,12 +395,7 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
             fine = rollups.fine_partials_from_rows((*r[:6], _unreal(r[6])) for r in page)
         else:
             fine = rollups.fold_system((*r[:5], _unreal(r[5])) for r in page)
-        ids = {label_id for label_id, *_ in fine}
-        starts = {
-            i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
-            for i in ids
-        }
-        _roll_up(con, fine, {i: rollups.series_run(labels[i][0], table) for i in ids}, starts)
+        _roll_up(con, fine, *backfill.page_labels(labels, fine, table))
 
 
 def _roll_up(
@@ -726,34 +712,16 @@ def _derive_metadata(con: sqlite3.Connection, primaries: Mapping[str, str | None
     if not primaries:
         return
     settings = _run_settings(con, sorted(primaries))
-    con.executemany(
-        "UPDATE runs SET config = ?, summary = ?, name = ?, tags = ?, set_by = ? WHERE run_id = ?",
-        [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()],
-    )
+    con.executemany(metadata.UPDATE_METADATA_SQL, metadata.metadata_rows(settings, primaries))
 
 
 def _start_configs_to_settings(con: sqlite3.Connection) -> None:
     """Migration 5's data: the stored starts' configs become their labels' settings, and every
     run's metadata is derived from them (its config as before, its primary's, plus the keys
     only other labels set)."""
-    found: list[tuple] = []
-    # The columns as of version 5, whatever later versions add.
-    for label_id, run, name, epoch, seq, start, first_ts in con.execute(
-        "SELECT id, run_id, label, start_epoch, start_seq, start_data, first_ts FROM labels "
-        "WHERE start_data IS NOT NULL"
-    ):
-        label = LabelState(run, name, start_pos=(epoch, seq), start_data=orjson.loads(start))
-        found += rows.setting_rows([(label_id, rows.start_event(run, label, first_ts))])
+    found = metadata.start_setting_rows(con.execute(metadata.START_CONFIGS_SQL))
     _insert(con, _SETTINGS_TABLE, 7, found, verb="INSERT", tail=_LATER_SETTING)
-    _derive_metadata(con, {row[0]: row[1] for row in con.execute(_STARTED_RUNS)})
-
-
-# The runs whose metadata migration 5 derives: those a label has started (config stays None
-# for the others, as it is until a label starts or sets any).
-_STARTED_RUNS = (
-    "SELECT run_id, primary_label FROM runs "
-    "WHERE run_id IN (SELECT run_id FROM labels WHERE start_data IS NOT NULL)"
-)
+    _derive_metadata(con, {row[0]: row[1] for row in con.execute(metadata.STARTED_RUNS_SQL)})
 
 
 # Data migrations, run after the schema migration of the same number, in its transaction.
