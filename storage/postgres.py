@@ -15,8 +15,6 @@ from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavaila
 from runbus.redact import redact_text, url_secrets
 from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, safe_url, values
 from runbus.storage.base import (
-    KeyPage,
-    LogLine,
     Point,
     PointTable,
     RunSummary,
@@ -694,6 +692,8 @@ DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 class PostgresStore:
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
+    dialect = POSTGRES
+
     def __init__(self, url: str, create: bool = True, min_size: int = 1, max_size: int = 10) -> None:
         self.url = url
         self.create = create
@@ -729,6 +729,16 @@ class PostgresStore:
                 return await fn(con)
         except _ERRORS as exc:
             raise self._error(exc) from exc
+
+    async def _fetch(self, query: reads.Query) -> list[asyncpg.Record]:
+        return await self._call(lambda con: con.fetch(query.sql, *query.args))
+
+    async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[asyncpg.Record]]:
+        async def read(con: asyncpg.Connection) -> list[list[asyncpg.Record]]:
+            async with con.transaction(isolation="repeatable_read", readonly=True):
+                return [await con.fetch(query.sql, *query.args) for query in queries]
+
+        return await self._call(read)
 
     def _db(self) -> asyncpg.Pool:
         if self._pool is None:
@@ -1014,10 +1024,6 @@ class PostgresStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def runs(self) -> list[RunSummary]:
-        found = await self._call(lambda con: con.fetch(reads.RUNS_SQL))
-        return [rows.run_summary(dict(row)) for row in found]
-
     async def run(self, run_id: str) -> RunSummary | None:
         return await self._call(lambda con: self._run(con, run_id))
 
@@ -1038,31 +1044,6 @@ class PostgresStore:
             settings = rows.label_settings((await _run_settings(con, [run_id]))[run_id])
         labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
-
-    async def run_ids(self, prefix: str, limit: int) -> list[str]:
-        query = rows.RUN_IDS_SQL.format(lo="$1", hi="$2", limit="$3")
-        found = await self._call(lambda con: con.fetch(query, *rows.prefix_bounds(prefix), limit))
-        return [row[0] for row in found]
-
-    async def metric_keys(self, run_id: str) -> list[str]:
-        query = POSTGRES.sql(reads.RUN_KEYS_SQL)
-        found = await self._call(lambda con: con.fetch(query, run_id))
-        return [row[0] for row in found]
-
-    async def system_keys(self, run_id: str) -> list[str]:
-        return await self.metric_keys(rollups.series_run(run_id, "system"))
-
-    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._points("metrics", run_id, key, label)
-
-    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._points("system", run_id, key, label)
-
-    async def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        found = await self.values(
-            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
-        )
-        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
 
     async def values(
         self,
@@ -1103,19 +1084,6 @@ class PostgresStore:
             return values.assemble(chunks, clocks, head)
 
         return await self._call(read)
-
-    async def logs(
-        self,
-        run_id: str,
-        label: str | None = None,
-        level: str | None = None,
-        grep: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[LogLine]:
-        query, args = reads.logs_query(POSTGRES, run_id, label, level, grep, limit, offset)
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [LogLine(*row) for row in found]
 
     async def point_page(
         self,
@@ -1180,44 +1148,7 @@ class PostgresStore:
                     return found.points()
             return pager.end().points()
 
-    async def log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None = None,
-        grep: str | None = None,
-    ) -> list[LogLine]:
-        query, args = reads.log_page_query(POSTGRES, run_id, label, after, limit, level, grep)
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [LogLine(label, *row) for row in found]
-
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
-
-    async def key_page(
-        self,
-        run_id: str,
-        prefix: str | None = None,
-        contains: str | None = None,
-        offset: int = 0,
-        limit: int = 100,
-    ) -> KeyPage:
-        total, keys = reads.key_page_queries(POSTGRES, run_id, prefix, contains, offset, limit)
-
-        async def read(con: asyncpg.Connection) -> KeyPage:
-            async with con.transaction(isolation="repeatable_read", readonly=True):
-                count = await con.fetchval(total.sql, *total.args)
-                found = await con.fetch(keys.sql, *keys.args)
-            return KeyPage(count, offset, [row[0] for row in found])
-
-        return await self._call(read)
-
-    async def key_values(
-        self, run_id: str, key: str, table: PointTable = "metrics"
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        found = await self.values(run_id, table, [key])
-        return [(p.label, p.epoch, p.seq, p.step, p.ts, p.value) for p in found.points()]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         async def read(con: asyncpg.Connection) -> base.KeyExtent | None:
@@ -1333,9 +1264,18 @@ class PostgresStore:
         found = await self._call(lambda con: con.fetch(query, *args))
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
 
-    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        query = POSTGRES.sql(reads.LABEL_STARTS_SQL)
-        return reads.label_starts(await self._call(lambda con: con.fetch(query, run_id)))
+    # The reads written once over this backend's _fetch (storage/reads.py).
+    runs = reads.runs
+    run_ids = reads.run_ids
+    metric_keys = reads.metric_keys
+    system_keys = reads.system_keys
+    metrics = reads.metrics
+    system = reads.system
+    key_values = reads.key_values
+    logs = reads.logs
+    log_page = reads.log_page
+    key_page = reads.key_page
+    label_starts = reads.label_starts
 
     # The chart reads, one implementation over this backend's rollup reads.
     envelope = charts.envelope

@@ -1,5 +1,6 @@
 """The reads both backends write alike but for their dialect: each read's SQL and arguments built
-from its filters (storage/dialect.py), and the stored rows turned into records."""
+from its filters (storage/dialect.py), the stored rows turned into records, and the reads that need
+no more of a backend than its rows for a statement (Fetcher), each a method of both stores."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any, NamedTuple, Protocol
 
 import orjson
 
-from runbus.storage import charts, rows
-from runbus.storage.base import LabelSummary
+from runbus.storage import charts, rollups, rows, values
+from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary
 from runbus.storage.dialect import Dialect
 from runbus.storage.rules import LabelState
 from runbus.wire import level_number
@@ -79,11 +80,6 @@ def label_summaries(
         label = label_state(label_row, run_id)
         labels.append(rows.label_summary(label, mine, gaps, primary, settings.get(label.label)))
     return labels
-
-
-def label_starts(found: Iterable[Sequence[Any]]) -> dict[str, dict[str, Any]]:
-    """Each label's start data ({} before its start) from the rows of LABEL_STARTS_SQL."""
-    return {label: orjson.loads(data) if data else {} for label, data in found}
 
 
 def log_filters(
@@ -179,3 +175,121 @@ def key_page_queries(
             [*args, limit, max(offset, 0)],
         ),
     )
+
+
+class Fetcher(Protocol):
+    """What the shared reads below need of a backend."""
+
+    dialect: Dialect
+
+    async def _fetch(self, query: Query) -> list[Any]:
+        """The rows of `query`."""
+        ...
+
+    async def _fetch_together(self, queries: Sequence[Query]) -> list[list[Any]]:
+        """The rows of each of `queries`, read in one snapshot where the backend keeps one across
+        statements."""
+        ...
+
+    async def values(
+        self,
+        run_id: str,
+        table: PointTable = "metrics",
+        keys: Sequence[str] | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> values.Values: ...
+
+
+def _query(reader: Fetcher, sql: str, *args: Any) -> Query:
+    return Query(reader.dialect.sql(sql), list(args))
+
+
+async def runs(reader: Fetcher) -> list[RunSummary]:
+    return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
+
+
+async def run_ids(reader: Fetcher, prefix: str, limit: int) -> list[str]:
+    query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
+    found = await reader._fetch(_query(reader, query, *rows.prefix_bounds(prefix), limit))
+    return [row[0] for row in found]
+
+
+async def metric_keys(reader: Fetcher, run_id: str) -> list[str]:
+    return [row[0] for row in await reader._fetch(_query(reader, RUN_KEYS_SQL, run_id))]
+
+
+async def system_keys(reader: Fetcher, run_id: str) -> list[str]:
+    return await metric_keys(reader, rollups.series_run(run_id, "system"))
+
+
+async def metrics(
+    reader: Fetcher, run_id: str, key: str | None = None, label: str | None = None
+) -> list[Point]:
+    return values.by_step(await _values_of(reader, "metrics", run_id, key, label)).points()
+
+
+async def system(
+    reader: Fetcher, run_id: str, key: str | None = None, label: str | None = None
+) -> list[Point]:
+    return values.by_time(await _values_of(reader, "system", run_id, key, label)).points()
+
+
+async def _values_of(
+    reader: Fetcher, table: PointTable, run_id: str, key: str | None, label: str | None
+) -> values.Values:
+    return await reader.values(
+        run_id, table, None if key is None else [key], None if label is None else [label]
+    )
+
+
+async def key_values(
+    reader: Fetcher, run_id: str, key: str, table: PointTable = "metrics"
+) -> list[tuple[str, int, int, int | None, float, float]]:
+    found = await reader.values(run_id, table, [key])
+    return [(p.label, p.epoch, p.seq, p.step, p.ts, p.value) for p in found.points()]
+
+
+async def logs(
+    reader: Fetcher,
+    run_id: str,
+    label: str | None = None,
+    level: str | None = None,
+    grep: str | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> list[LogLine]:
+    found = await reader._fetch(logs_query(reader.dialect, run_id, label, level, grep, limit, offset))
+    return [LogLine(*row) for row in found]
+
+
+async def log_page(
+    reader: Fetcher,
+    run_id: str,
+    label: str,
+    after: tuple[int, int] | None,
+    limit: int,
+    level: str | None = None,
+    grep: str | None = None,
+) -> list[LogLine]:
+    found = await reader._fetch(log_page_query(reader.dialect, run_id, label, after, limit, level, grep))
+    return [LogLine(label, *row) for row in found]
+
+
+async def key_page(
+    reader: Fetcher,
+    run_id: str,
+    prefix: str | None = None,
+    contains: str | None = None,
+    offset: int = 0,
+    limit: int = 100,
+) -> KeyPage:
+    total, keys = await reader._fetch_together(
+        key_page_queries(reader.dialect, run_id, prefix, contains, offset, limit)
+    )
+    return KeyPage(total[0][0], offset, [row[0] for row in keys])
+
+
+async def label_starts(reader: Fetcher, run_id: str) -> dict[str, dict[str, Any]]:
+    """Each label's start data ({} before its start)."""
+    found = await reader._fetch(_query(reader, LABEL_STARTS_SQL, run_id))
+    return {label: orjson.loads(data) if data else {} for label, data in found}

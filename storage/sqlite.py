@@ -19,8 +19,6 @@ from urllib.parse import unquote, urlsplit
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
 from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, values
 from runbus.storage.base import (
-    KeyPage,
-    LogLine,
     Point,
     PointTable,
     RunSummary,
@@ -735,6 +733,8 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
 class SQLiteStore:
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
 
+    dialect = SQLITE
+
     def __init__(self, url: str, create: bool = True) -> None:
         self.url = url
         self.path = _path(url)
@@ -863,6 +863,15 @@ class SQLiteStore:
                 except sqlite3.Error as failed:
                     exc.add_note(f"and the rollback failed: {failed}")
             raise
+
+    async def _fetch(self, query: reads.Query) -> list[sqlite3.Row]:
+        return await self._call(self._rows, query)
+
+    async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[sqlite3.Row]]:
+        return await self._call(lambda: [self._rows(query) for query in queries])
+
+    def _rows(self, query: reads.Query) -> list[sqlite3.Row]:
+        return self._db().execute(query.sql, query.args).fetchall()
 
     def _db(self) -> sqlite3.Connection:
         if self._con is None:
@@ -1024,12 +1033,6 @@ class SQLiteStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def runs(self) -> list[RunSummary]:
-        return await self._call(self._runs)
-
-    def _runs(self) -> list[RunSummary]:
-        return [rows.run_summary(dict(row)) for row in self._db().execute(reads.RUNS_SQL)]
-
     async def run(self, run_id: str) -> RunSummary | None:
         return await self._call(self._run, run_id)
 
@@ -1049,34 +1052,6 @@ class SQLiteStore:
         )
         labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
         return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
-
-    async def run_ids(self, prefix: str, limit: int) -> list[str]:
-        return await self._call(self._run_ids, prefix, limit)
-
-    def _run_ids(self, prefix: str, limit: int) -> list[str]:
-        query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
-        return [row[0] for row in self._db().execute(query, (*rows.prefix_bounds(prefix), limit))]
-
-    async def metric_keys(self, run_id: str) -> list[str]:
-        return await self._call(self._metric_keys, run_id)
-
-    def _metric_keys(self, run_id: str) -> list[str]:
-        return [row[0] for row in self._db().execute(reads.RUN_KEYS_SQL, (run_id,))]
-
-    async def system_keys(self, run_id: str) -> list[str]:
-        return await self._call(self._metric_keys, rollups.series_run(run_id, "system"))
-
-    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._call(self._points, "metrics", run_id, key, label)
-
-    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._call(self._points, "system", run_id, key, label)
-
-    def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        found = self._values(
-            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
-        )
-        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
 
     async def values(
         self,
@@ -1112,29 +1087,6 @@ class SQLiteStore:
             [run_id, *chosen_args, *key_args],
         ).fetchall()
         return values.assemble(chunks, clocks, head)
-
-    async def logs(
-        self,
-        run_id: str,
-        label: str | None = None,
-        level: str | None = None,
-        grep: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[LogLine]:
-        return await self._call(self._logs, run_id, label, level, grep, limit, offset)
-
-    def _logs(
-        self,
-        run_id: str,
-        label: str | None,
-        level: str | None,
-        grep: str | None,
-        limit: int | None,
-        offset: int,
-    ) -> list[LogLine]:
-        query = reads.logs_query(SQLITE, run_id, label, level, grep, limit, offset)
-        return [LogLine(*row) for row in self._db().execute(*query)]
 
     async def point_page(
         self,
@@ -1197,61 +1149,7 @@ class SQLiteStore:
             chunks, clocks, head, limit, after and (rows.storable_text(after[0]), *after[1:])
         ).points()
 
-    async def log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None = None,
-        grep: str | None = None,
-    ) -> list[LogLine]:
-        return await self._call(self._log_page, run_id, label, after, limit, level, grep)
-
-    def _log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None,
-        grep: str | None,
-    ) -> list[LogLine]:
-        query = reads.log_page_query(SQLITE, run_id, label, after, limit, level, grep)
-        return [LogLine(label, *row) for row in self._db().execute(*query)]
-
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
-
-    async def key_page(
-        self,
-        run_id: str,
-        prefix: str | None = None,
-        contains: str | None = None,
-        offset: int = 0,
-        limit: int = 100,
-    ) -> KeyPage:
-        return await self._call(self._key_page, run_id, prefix, contains, offset, limit)
-
-    def _key_page(
-        self, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
-    ) -> KeyPage:
-        total, keys = reads.key_page_queries(SQLITE, run_id, prefix, contains, offset, limit)
-        con = self._db()
-        count = con.execute(*total).fetchone()[0]
-        return KeyPage(count, offset, [row[0] for row in con.execute(*keys)])
-
-    async def key_values(
-        self, run_id: str, key: str, table: PointTable = "metrics"
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        return await self._call(self._key_values, run_id, key, point_table(table))
-
-    def _key_values(
-        self, run_id: str, key: str, table: PointTable
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        return [
-            (p.label, p.epoch, p.seq, p.step, p.ts, p.value)
-            for p in self._values(run_id, table, [key], None).points()
-        ]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         return await self._call(self._key_extent, run_id, key, table)
@@ -1396,11 +1294,18 @@ class SQLiteStore:
             found.append(base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:])))
         return found
 
-    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return await self._call(self._label_starts, run_id)
-
-    def _label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return reads.label_starts(self._db().execute(reads.LABEL_STARTS_SQL, (run_id,)))
+    # The reads written once over this backend's _fetch (storage/reads.py).
+    runs = reads.runs
+    run_ids = reads.run_ids
+    metric_keys = reads.metric_keys
+    system_keys = reads.system_keys
+    metrics = reads.metrics
+    system = reads.system
+    key_values = reads.key_values
+    logs = reads.logs
+    log_page = reads.log_page
+    key_page = reads.key_page
+    label_starts = reads.label_starts
 
     # The chart reads, one implementation over this backend's rollup reads.
     envelope = charts.envelope
