@@ -17,7 +17,6 @@ from runbus.storage import backfill, base, charts, chunking, metadata, reads, ro
 from runbus.storage.base import (
     Point,
     PointTable,
-    RunSummary,
     missing_store,
     point_table,
 )
@@ -666,12 +665,6 @@ async def _compact(
     )
 
 
-_LABEL_COLUMNS = (
-    "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
-    "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
-    "l.last_ts, l.dropped, l.primary_refused_ts"
-)
-
 # (table, columns) that rows are copied into; the columns in the order rollups.fold_metrics and
 # rows.value_rows make them.
 _METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"))
@@ -689,7 +682,7 @@ REJECTED_CLASSES = frozenset({"22", "23", "54"})
 DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 
 
-class PostgresStore:
+class PostgresStore(reads.SharedReads):
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
     dialect = POSTGRES
@@ -850,7 +843,7 @@ class PostgresStore:
                 labels,
             )
             locked = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l "
+                f"SELECT {reads.LABEL_COLUMNS} FROM labels l "
                 "JOIN unnest($1::text[], $2::text[]) AS u(run_id, label) "
                 "ON l.run_id = u.run_id AND l.label = u.label "
                 "ORDER BY l.run_id, l.label FOR UPDATE OF l",
@@ -940,7 +933,7 @@ class PostgresStore:
         primaries: dict[str, str | None] = {row["run_id"]: row["primary_label"] for row in locked}
         labels: dict[tuple[str, str], LabelState] = {}
         for row in await con.fetch(
-            f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
+            f"SELECT {reads.LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
         ):
             labels[row["run_id"], row["label"]] = reads.label_state(row)
         if by_label is not None:
@@ -984,7 +977,7 @@ class PostgresStore:
             # Same lock order as write(): labels by (run_id, label), then runs. A label a writer
             # refreshed meanwhile is re-checked against the WHERE clause once its lock is free.
             silent = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l "
+                f"SELECT {reads.LABEL_COLUMNS} FROM labels l "
                 "WHERE l.state = 'running' AND l.seen_at < $1 "
                 "ORDER BY l.run_id, l.label FOR UPDATE OF l",
                 silent_since,
@@ -1023,27 +1016,6 @@ class PostgresStore:
             return int(await con.fetchval(f"SELECT count(*) {chunking.DUE_SQL}"))
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def run(self, run_id: str) -> RunSummary | None:
-        return await self._call(lambda con: self._run(con, run_id))
-
-    async def _run(self, con: asyncpg.Connection, run_id: str) -> RunSummary | None:
-        async with con.transaction(isolation="repeatable_read", readonly=True):
-            row = await con.fetchrow(POSTGRES.sql(reads.RUN_SQL), run_id)
-            if row is None:
-                return None
-            epochs = await con.fetch(rows.EPOCHS_SQL.format(param="$1"), run_id)
-            counts = await con.fetchrow(rows.KIND_COUNTS_SQL.format(param="$1"), run_id)
-            missing = await con.fetch(
-                rows.MISSING_RANGES_SQL.format(param="$1", limit=rows.MAX_GAPS_SHOWN), run_id
-            )
-            label_rows = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = $1 ORDER BY l.label",
-                run_id,
-            )
-            settings = rows.label_settings((await _run_settings(con, [run_id]))[run_id])
-        labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
-        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
 
     async def values(
         self,
@@ -1263,23 +1235,6 @@ class PostgresStore:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
-
-    # The reads written once over this backend's _fetch (storage/reads.py).
-    runs = reads.runs
-    run_ids = reads.run_ids
-    metric_keys = reads.metric_keys
-    system_keys = reads.system_keys
-    metrics = reads.metrics
-    system = reads.system
-    key_values = reads.key_values
-    logs = reads.logs
-    log_page = reads.log_page
-    key_page = reads.key_page
-    label_starts = reads.label_starts
-
-    # The chart reads, one implementation over this backend's rollup reads.
-    envelope = charts.envelope
-    stragglers = charts.stragglers
 
 
 async def _store_settings(con: asyncpg.Connection, found: list[tuple]) -> None:

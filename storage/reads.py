@@ -39,6 +39,22 @@ RUN_KEYS_SQL = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
 SERIES_ID_SQL = "SELECT id FROM series WHERE run_id = ? AND key = ?"
 LABEL_ID_SQL = "SELECT id FROM labels WHERE run_id = ? AND label = ?"
 LABEL_STARTS_SQL = "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label"
+# A label's columns for label_state, of `labels l`.
+LABEL_COLUMNS = (
+    "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
+    "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
+    "l.last_ts, l.dropped, l.primary_refused_ts"
+)
+# A run's reads, each of the run id alone: its row, its labels' epochs, counts, missing seqs,
+# the labels themselves, and their settings.
+_RUN_READS = (
+    RUN_SQL,
+    rows.EPOCHS_SQL.format(param="?"),
+    rows.KIND_COUNTS_SQL.format(param="?"),
+    rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN),
+    f"SELECT {LABEL_COLUMNS} FROM labels l WHERE l.run_id = ? ORDER BY l.label",
+    rows.RUN_SETTINGS_SQL.format(runs="= ?"),
+)
 
 
 def label_state(row: Row, run: str | None = None) -> LabelState:
@@ -208,6 +224,16 @@ async def runs(reader: Fetcher) -> list[RunSummary]:
     return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
 
 
+async def run(reader: Fetcher, run_id: str) -> RunSummary | None:
+    found = await reader._fetch_together([_query(reader, sql, run_id) for sql in _RUN_READS])
+    row, epochs, counts, missing, label_rows, stored = found
+    if not row:
+        return None
+    settings = rows.label_settings(rows.run_settings(stored, [run_id])[run_id])
+    labels = label_summaries(run_id, label_rows, epochs, missing, settings, row[0]["primary_label"])
+    return rows.run_summary(dict(row[0]), labels=labels, counts=dict(counts[0]))
+
+
 async def run_ids(reader: Fetcher, prefix: str, limit: int) -> list[str]:
     query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
     found = await reader._fetch(_query(reader, query, *rows.prefix_bounds(prefix), limit))
@@ -293,3 +319,24 @@ async def label_starts(reader: Fetcher, run_id: str) -> dict[str, dict[str, Any]
     """Each label's start data ({} before its start)."""
     found = await reader._fetch(_query(reader, LABEL_STARTS_SQL, run_id))
     return {label: orjson.loads(data) if data else {} for label, data in found}
+
+
+class SharedReads:
+    """The reads above and the chart reads (storage/charts.py), as methods of each store: a store
+    that inherits them gives `dialect`, `_fetch`, `_fetch_together` and its own `values` (Fetcher),
+    and the rollup reads (base.RollupReader) the chart reads compose."""
+
+    run = run
+    runs = runs
+    run_ids = run_ids
+    metric_keys = metric_keys
+    system_keys = system_keys
+    metrics = metrics
+    system = system
+    key_values = key_values
+    logs = logs
+    log_page = log_page
+    key_page = key_page
+    label_starts = label_starts
+    envelope = charts.envelope
+    stragglers = charts.stragglers

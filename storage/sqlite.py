@@ -21,7 +21,6 @@ from runbus.storage import backfill, base, charts, chunking, metadata, reads, ro
 from runbus.storage.base import (
     Point,
     PointTable,
-    RunSummary,
     missing_store,
     point_table,
 )
@@ -730,7 +729,7 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
 }
 
 
-class SQLiteStore:
+class SQLiteStore(reads.SharedReads):
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
 
     dialect = SQLITE
@@ -1033,26 +1032,6 @@ class SQLiteStore:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def run(self, run_id: str) -> RunSummary | None:
-        return await self._call(self._run, run_id)
-
-    def _run(self, run_id: str) -> RunSummary | None:
-        con = self._db()
-        row = con.execute(reads.RUN_SQL, (run_id,)).fetchone()
-        if row is None:
-            return None
-        epochs = con.execute(rows.EPOCHS_SQL.format(param="?"), (run_id,)).fetchall()
-        counts = con.execute(rows.KIND_COUNTS_SQL.format(param="?"), (run_id,)).fetchone()
-        missing = con.execute(
-            rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
-        ).fetchall()
-        settings = rows.label_settings(_run_settings(con, [run_id])[run_id])
-        label_rows = con.execute(
-            f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
-        )
-        labels = reads.label_summaries(run_id, label_rows, epochs, missing, settings, row["primary_label"])
-        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
-
     async def values(
         self,
         run_id: str,
@@ -1293,20 +1272,3 @@ class SQLiteStore:
         for row in self._db().execute(query, [*args, width, axis, lo, hi]):
             found.append(base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:])))
         return found
-
-    # The reads written once over this backend's _fetch (storage/reads.py).
-    runs = reads.runs
-    run_ids = reads.run_ids
-    metric_keys = reads.metric_keys
-    system_keys = reads.system_keys
-    metrics = reads.metrics
-    system = reads.system
-    key_values = reads.key_values
-    logs = reads.logs
-    log_page = reads.log_page
-    key_page = reads.key_page
-    label_starts = reads.label_starts
-
-    # The chart reads, one implementation over this backend's rollup reads.
-    envelope = charts.envelope
-    stragglers = charts.stragglers
