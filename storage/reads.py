@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 from runbus.storage import charts, rollups, rows, values
-from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary
+from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary, Store
 from runbus.storage.dialect import Dialect
 from runbus.storage.rules import LabelState
 from runbus.wire import level_number
@@ -193,8 +193,8 @@ def key_page_queries(
     )
 
 
-class Fetcher(Protocol):
-    """What the shared reads below need of a backend."""
+class Fetcher(Store, Protocol):
+    """What the shared reads below need of a store, besides its own `values`."""
 
     dialect: Dialect
 
@@ -206,14 +206,6 @@ class Fetcher(Protocol):
         """The rows of each of `queries`, read in one snapshot where the backend keeps one across
         statements."""
         ...
-
-    async def values(
-        self,
-        run_id: str,
-        table: PointTable = "metrics",
-        keys: Sequence[str] | None = None,
-        labels: Sequence[str] | None = None,
-    ) -> values.Values: ...
 
 
 def _query(reader: Fetcher, sql: str, *args: Any) -> Query:
