@@ -852,7 +852,7 @@ class PostgresStore(reads.SharedReads):
             )
             ids = {(row["run_id"], row["label"]): row["id"] for row in locked}
             for row in locked:
-                beyond = out_of_reach(reads.label_state(row), by_label[row["run_id"], row["label"]])
+                beyond = out_of_reach(rows.label_state(row), by_label[row["run_id"], row["label"]])
                 if beyond is not None:  # the worker isolates the event and dead-letters it
                     raise StoreRejected(f"{row['run_id']}/{row['label']}: {beyond}")
             fresh = await self._take_new(con, ids, by_label)
@@ -861,7 +861,7 @@ class PostgresStore(reads.SharedReads):
             starts: dict[int, tuple[int, int | None]] = {}
             ended = set()
             for row in locked:
-                label = reads.label_state(row)
+                label = rows.label_state(row)
                 folded = apply_events(label, by_label[label.run, label.label])
                 mine = fresh[label.run, label.label]
                 updates.append((*rows.label_columns(folded), seen_at, *rows.kind_counts(mine), row["id"]))
@@ -935,7 +935,7 @@ class PostgresStore(reads.SharedReads):
         for row in await con.fetch(
             f"SELECT {reads.LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
         ):
-            labels[row["run_id"], row["label"]] = reads.label_state(row)
+            labels[row["run_id"], row["label"]] = rows.label_state(row)
         if by_label is not None:
             before = dict(labels)
             primaries = rows.settle_primaries(by_label, labels, primaries, holders or {})
@@ -984,7 +984,7 @@ class PostgresStore(reads.SharedReads):
             )
             if not silent:
                 return []
-            crashed = [(crash(reads.label_state(row)), row["id"]) for row in silent]
+            crashed = [(crash(rows.label_state(row)), row["id"]) for row in silent]
             await con.executemany(
                 "UPDATE labels SET state = $1, state_epoch = $2, state_seq = $3, state_ts = $4 WHERE id = $5",
                 [(label.state, *label.state_pos, label.state_ts, id_) for label, id_ in crashed],

@@ -12,14 +12,7 @@ import orjson
 from runbus.storage import charts, rollups, rows, values
 from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary, Store
 from runbus.storage.dialect import Dialect
-from runbus.storage.rules import LabelState
 from runbus.wire import level_number
-
-
-class Row(Protocol):
-    """A stored row read by column name: sqlite3.Row or asyncpg.Record."""
-
-    def __getitem__(self, key: str, /) -> Any: ...
 
 
 class Query(NamedTuple):
@@ -39,7 +32,7 @@ RUN_KEYS_SQL = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
 SERIES_ID_SQL = "SELECT id FROM series WHERE run_id = ? AND key = ?"
 LABEL_ID_SQL = "SELECT id FROM labels WHERE run_id = ? AND label = ?"
 LABEL_STARTS_SQL = "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label"
-# A label's columns for label_state, of `labels l`.
+# A label's columns for rows.label_state, of `labels l`.
 LABEL_COLUMNS = (
     "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
     "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
@@ -57,33 +50,11 @@ _RUN_READS = (
 )
 
 
-def label_state(row: Row, run: str | None = None) -> LabelState:
-    """A label's rule record from its stored row (the backends' _LABEL_COLUMNS), of `run` or else
-    of the row's run_id."""
-    return LabelState(
-        run=row["run_id"] if run is None else run,
-        label=row["label"],
-        state=row["state"],
-        exit_code=row["exit_code"],
-        state_pos=(row["state_epoch"], row["state_seq"]),
-        state_ts=row["state_ts"],
-        primary=bool(row["is_primary"]),
-        start_pos=(row["start_epoch"], row["start_seq"]),
-        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
-        epoch=row["epoch"],
-        last_seq=row["last_seq"],
-        first_ts=row["first_ts"],
-        last_ts=row["last_ts"],
-        dropped=rows.dropped_from_json(row["dropped"]),
-        primary_refused_ts=row["primary_refused_ts"],
-    )
-
-
 def label_summaries(
     run_id: str,
-    label_rows: Iterable[Row],
-    epochs: Sequence[Row],
-    missing: Sequence[Row],
+    label_rows: Iterable[rows.Row],
+    epochs: Sequence[rows.Row],
+    missing: Sequence[rows.Row],
     settings: Mapping[str, dict[str, Any]],
     primary: str | None,
 ) -> list[LabelSummary]:
@@ -93,7 +64,7 @@ def label_summaries(
     for label_row in label_rows:
         mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
         gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-        label = label_state(label_row, run_id)
+        label = rows.label_state(label_row, run_id)
         labels.append(rows.label_summary(label, mine, gaps, primary, settings.get(label.label)))
     return labels
 

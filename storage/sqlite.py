@@ -917,7 +917,7 @@ class SQLiteStore(reads.SharedReads):
                 chunk,
             )
         }
-        labels = {key: reads.label_state(row, key[0]) for key, row in stored.items()}
+        labels = {key: rows.label_state(row, key[0]) for key, row in stored.items()}
         for key, group in by_label.items():
             beyond = out_of_reach(labels[key], group)
             if beyond is not None:  # the worker isolates the event and dead-letters it
@@ -992,7 +992,7 @@ class SQLiteStore(reads.SharedReads):
         """Derive a run's state from its labels and primary (both read here unless given)."""
         if labels is None:
             labels = [
-                reads.label_state(row, run)
+                rows.label_state(row, run)
                 for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
             ]
             primary = self._primaries(con, [run]).get(run)
@@ -1012,7 +1012,7 @@ class SQLiteStore(reads.SharedReads):
             (silent_since,),
         ).fetchall()
         for row in silent:
-            crashed = crash(reads.label_state(row))
+            crashed = crash(rows.label_state(row))
             con.execute(
                 "UPDATE labels SET state = ?, state_epoch = ?, state_seq = ?, state_ts = ? WHERE id = ?",
                 (crashed.state, *crashed.state_pos, crashed.state_ts, row["id"]),
