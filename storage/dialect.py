@@ -1,4 +1,4 @@
-"""The few ways the backends' SQL differs, for the SQL they share (storage/reads.py, storage/metadata.py).
+"""The few ways the backends' SQL differs, for the SQL they share (reads.py, metadata.py, backfill.py).
 
 Shared SQL is written with `?` placeholders, one per argument in order, and no `?` anywhere else;
 a backend that numbers its parameters (`$1`, `$2`, ...) gets them numbered by `Dialect.sql`.

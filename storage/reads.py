@@ -189,12 +189,12 @@ async def runs(reader: Fetcher) -> list[RunSummary]:
 
 async def run(reader: Fetcher, run_id: str) -> RunSummary | None:
     found = await reader._fetch_together([_query(reader, sql, run_id) for sql in _RUN_READS])
-    row, epochs, counts, missing, label_rows, stored = found
-    if not row:
+    run_rows, epochs, counts, missing, label_rows, stored = found
+    if not run_rows:
         return None
     settings = rows.label_settings(rows.run_settings(stored, [run_id])[run_id])
-    labels = label_summaries(run_id, label_rows, epochs, missing, settings, row[0]["primary_label"])
-    return rows.run_summary(dict(row[0]), labels=labels, counts=dict(counts[0]))
+    labels = label_summaries(run_id, label_rows, epochs, missing, settings, run_rows[0]["primary_label"])
+    return rows.run_summary(dict(run_rows[0]), labels=labels, counts=dict(counts[0]))
 
 
 async def run_ids(reader: Fetcher, prefix: str, limit: int) -> list[str]:
