@@ -10,23 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import asyncpg
-import orjson
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
-from runbus.storage import base, charts, chunking, rollups, rows, safe_url, values
+from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, safe_url, values
 from runbus.storage.base import (
-    KeyPage,
-    LabelSummary,
-    LogLine,
     Point,
     PointTable,
-    RunSummary,
     missing_store,
     point_table,
 )
+from runbus.storage.dialect import POSTGRES
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
-from runbus.wire import Event, level_number
+from runbus.wire import Event
 
 T = TypeVar("T")
 
@@ -259,31 +255,16 @@ async def _roll_up_stored_system(con: asyncpg.Connection) -> None:
 
 async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
     """Every stored value of `table` rolled up, a page of rows at a time."""
-    labels = {
-        row["id"]: (row["run_id"], row["start_epoch"], row["start_data"])
-        for row in await con.fetch("SELECT id, run_id, start_epoch, start_data FROM labels")
-    }
-    step = "step, " if table == "metrics" else ""
+    labels = backfill.stored_labels(await con.fetch(backfill.STORED_LABELS_SQL))
+    query = POSTGRES.sql(backfill.stored_page_sql(table))
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
-        page = await con.fetch(
-            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
-            "WHERE (label_id, key, epoch, seq) > ($1, $2, $3, $4) "
-            "ORDER BY label_id, key, epoch, seq LIMIT $5",
-            *after,
-            MIGRATION_PAGE,
-        )
+        page = await con.fetch(query, *after, MIGRATION_PAGE)
         if not page:
             return
         after = tuple(page[-1][:4])
         fine = rollups.fine_partials_from_rows(page) if table == "metrics" else rollups.fold_system(page)
-        ids = {label_id for label_id, *_ in fine}
-        starts = {
-            i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
-            for i in ids
-        }
-        run_of = {i: rollups.series_run(labels[i][0], table) for i in ids}
-        await _roll_up(con, fine, run_of, starts, Known(), Known())
+        await _roll_up(con, fine, *backfill.page_labels(labels, fine, table), Known(), Known())
 
 
 # label_values rows (rows.setting_rows) replace the stored value of their key only if later in
@@ -684,15 +665,6 @@ async def _compact(
     )
 
 
-_LABEL_COLUMNS = (
-    "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
-    "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
-    "l.last_ts, l.dropped, l.primary_refused_ts"
-)
-_RUN_WITH_LABEL_COUNT = (
-    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
-)
-
 # (table, columns) that rows are copied into; the columns in the order rollups.fold_metrics and
 # rows.value_rows make them.
 _METRICS = ("metrics", ("label_id", "key", "epoch", "seq", "step", "ts", "value"))
@@ -710,38 +682,10 @@ REJECTED_CLASSES = frozenset({"22", "23", "54"})
 DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 
 
-def _label_state(row: asyncpg.Record) -> LabelState:
-    return LabelState(
-        run=row["run_id"],
-        label=row["label"],
-        state=row["state"],
-        exit_code=row["exit_code"],
-        state_pos=(row["state_epoch"], row["state_seq"]),
-        state_ts=row["state_ts"],
-        primary=row["is_primary"],
-        start_pos=(row["start_epoch"], row["start_seq"]),
-        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
-        epoch=row["epoch"],
-        last_seq=row["last_seq"],
-        first_ts=row["first_ts"],
-        last_ts=row["last_ts"],
-        dropped=rows.dropped_from_json(row["dropped"]),
-        primary_refused_ts=row["primary_refused_ts"],
-    )
-
-
-def _log_filters(where: list[str], args: list[Any], level: str | None, grep: str | None) -> None:
-    """Add the log reads' level and text filters to `where`, their values to `args` ($n)."""
-    if level is not None:
-        args.append(level_number(level))
-        where.append(f"g.levelno >= ${len(args)}")
-    if grep is not None:
-        args.append(rows.storable_text(grep))
-        where.append(f"strpos(g.text, ${len(args)}) > 0")
-
-
-class PostgresStore:
+class PostgresStore(reads.SharedReads):
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
+
+    dialect = POSTGRES
 
     def __init__(self, url: str, create: bool = True, min_size: int = 1, max_size: int = 10) -> None:
         self.url = url
@@ -778,6 +722,16 @@ class PostgresStore:
                 return await fn(con)
         except _ERRORS as exc:
             raise self._error(exc) from exc
+
+    async def _fetch(self, query: reads.Query) -> list[asyncpg.Record]:
+        return await self._call(lambda con: con.fetch(query.sql, *query.args))
+
+    async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[asyncpg.Record]]:
+        async def read(con: asyncpg.Connection) -> list[list[asyncpg.Record]]:
+            async with con.transaction(isolation="repeatable_read", readonly=True):
+                return [await con.fetch(query.sql, *query.args) for query in queries]
+
+        return await self._call(read)
 
     def _db(self) -> asyncpg.Pool:
         if self._pool is None:
@@ -889,7 +843,7 @@ class PostgresStore:
                 labels,
             )
             locked = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l "
+                f"SELECT {reads.LABEL_COLUMNS} FROM labels l "
                 "JOIN unnest($1::text[], $2::text[]) AS u(run_id, label) "
                 "ON l.run_id = u.run_id AND l.label = u.label "
                 "ORDER BY l.run_id, l.label FOR UPDATE OF l",
@@ -898,7 +852,7 @@ class PostgresStore:
             )
             ids = {(row["run_id"], row["label"]): row["id"] for row in locked}
             for row in locked:
-                beyond = out_of_reach(_label_state(row), by_label[row["run_id"], row["label"]])
+                beyond = out_of_reach(rows.label_state(row), by_label[row["run_id"], row["label"]])
                 if beyond is not None:  # the worker isolates the event and dead-letters it
                     raise StoreRejected(f"{row['run_id']}/{row['label']}: {beyond}")
             fresh = await self._take_new(con, ids, by_label)
@@ -907,7 +861,7 @@ class PostgresStore:
             starts: dict[int, tuple[int, int | None]] = {}
             ended = set()
             for row in locked:
-                label = _label_state(row)
+                label = rows.label_state(row)
                 folded = apply_events(label, by_label[label.run, label.label])
                 mine = fresh[label.run, label.label]
                 updates.append((*rows.label_columns(folded), seen_at, *rows.kind_counts(mine), row["id"]))
@@ -979,9 +933,9 @@ class PostgresStore:
         primaries: dict[str, str | None] = {row["run_id"]: row["primary_label"] for row in locked}
         labels: dict[tuple[str, str], LabelState] = {}
         for row in await con.fetch(
-            f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
+            f"SELECT {reads.LABEL_COLUMNS} FROM labels l WHERE l.run_id = ANY($1::text[])", runs
         ):
-            labels[row["run_id"], row["label"]] = _label_state(row)
+            labels[row["run_id"], row["label"]] = rows.label_state(row)
         if by_label is not None:
             before = dict(labels)
             primaries = rows.settle_primaries(by_label, labels, primaries, holders or {})
@@ -1023,14 +977,14 @@ class PostgresStore:
             # Same lock order as write(): labels by (run_id, label), then runs. A label a writer
             # refreshed meanwhile is re-checked against the WHERE clause once its lock is free.
             silent = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l "
+                f"SELECT {reads.LABEL_COLUMNS} FROM labels l "
                 "WHERE l.state = 'running' AND l.seen_at < $1 "
                 "ORDER BY l.run_id, l.label FOR UPDATE OF l",
                 silent_since,
             )
             if not silent:
                 return []
-            crashed = [(crash(_label_state(row)), row["id"]) for row in silent]
+            crashed = [(crash(rows.label_state(row)), row["id"]) for row in silent]
             await con.executemany(
                 "UPDATE labels SET state = $1, state_epoch = $2, state_seq = $3, state_ts = $4 WHERE id = $5",
                 [(label.state, *label.state_pos, label.state_ts, id_) for label, id_ in crashed],
@@ -1062,65 +1016,6 @@ class PostgresStore:
             return int(await con.fetchval(f"SELECT count(*) {chunking.DUE_SQL}"))
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def runs(self) -> list[RunSummary]:
-        query = f"{_RUN_WITH_LABEL_COUNT} ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
-        found = await self._call(lambda con: con.fetch(query))
-        return [rows.run_summary(dict(row)) for row in found]
-
-    async def run(self, run_id: str) -> RunSummary | None:
-        return await self._call(lambda con: self._run(con, run_id))
-
-    async def _run(self, con: asyncpg.Connection, run_id: str) -> RunSummary | None:
-        async with con.transaction(isolation="repeatable_read", readonly=True):
-            row = await con.fetchrow(f"{_RUN_WITH_LABEL_COUNT} WHERE r.run_id = $1", run_id)
-            if row is None:
-                return None
-            epochs = await con.fetch(rows.EPOCHS_SQL.format(param="$1"), run_id)
-            counts = await con.fetchrow(rows.KIND_COUNTS_SQL.format(param="$1"), run_id)
-            missing = await con.fetch(
-                rows.MISSING_RANGES_SQL.format(param="$1", limit=rows.MAX_GAPS_SHOWN), run_id
-            )
-            label_rows = await con.fetch(
-                f"SELECT {_LABEL_COLUMNS} FROM labels l WHERE l.run_id = $1 ORDER BY l.label",
-                run_id,
-            )
-            settings = rows.label_settings((await _run_settings(con, [run_id]))[run_id])
-        labels: list[LabelSummary] = []
-        for label_row in label_rows:
-            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
-            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            values = settings.get(label_row["label"])
-            labels.append(
-                rows.label_summary(_label_state(label_row), mine, gaps, row["primary_label"], values)
-            )
-        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
-
-    async def run_ids(self, prefix: str, limit: int) -> list[str]:
-        query = rows.RUN_IDS_SQL.format(lo="$1", hi="$2", limit="$3")
-        found = await self._call(lambda con: con.fetch(query, *rows.prefix_bounds(prefix), limit))
-        return [row[0] for row in found]
-
-    async def metric_keys(self, run_id: str) -> list[str]:
-        # The rollups' list of the run's keys (its index), not a scan of every value.
-        query = "SELECT key FROM series WHERE run_id = $1 ORDER BY key"
-        found = await self._call(lambda con: con.fetch(query, run_id))
-        return [row[0] for row in found]
-
-    async def system_keys(self, run_id: str) -> list[str]:
-        return await self.metric_keys(rollups.series_run(run_id, "system"))
-
-    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._points("metrics", run_id, key, label)
-
-    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._points("system", run_id, key, label)
-
-    async def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        found = await self.values(
-            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
-        )
-        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
 
     async def values(
         self,
@@ -1162,27 +1057,6 @@ class PostgresStore:
 
         return await self._call(read)
 
-    async def logs(
-        self,
-        run_id: str,
-        label: str | None = None,
-        level: str | None = None,
-        grep: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[LogLine]:
-        where, args = _filters(["l.run_id = $1"], [run_id], ("l.label", label))
-        _log_filters(where, args, level, grep)
-        # As in SQLite: a negative limit means none, a negative offset counts as 0.
-        args += [None if limit is None or limit < 0 else limit, max(offset, 0)]
-        query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            f"ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ${len(args) - 1} OFFSET ${len(args)}"
-        )
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [LogLine(*row) for row in found]
-
     async def point_page(
         self,
         table: PointTable,
@@ -1209,9 +1083,7 @@ class PostgresStore:
         # One snapshot (a compaction that commits meanwhile moves no point past the read), which
         # a cursor needs anyway.
         async with con.transaction(isolation="repeatable_read", readonly=True):
-            label_id = await con.fetchval(
-                "SELECT id FROM labels WHERE run_id = $1 AND label = $2", run_id, label
-            )
+            label_id = await con.fetchval(POSTGRES.sql(reads.LABEL_ID_SQL), run_id, label)
             if label_id is None:
                 return []
             stored = None if key is None else rows.storable_text(key)
@@ -1248,77 +1120,13 @@ class PostgresStore:
                     return found.points()
             return pager.end().points()
 
-    async def log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None = None,
-        grep: str | None = None,
-    ) -> list[LogLine]:
-        where = [_ONE_LABEL.format(column="g.label_id")]
-        args: list[Any] = [run_id, label]
-        if after is not None:
-            args += [after[0], after[1]]
-            where.append(f"(g.epoch, g.seq) > (${len(args) - 1}, ${len(args)})")
-        _log_filters(where, args, level, grep)
-        args.append(limit)
-        query = (
-            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ${len(args)}"
-        )
-        found = await self._call(lambda con: con.fetch(query, *args))
-        return [LogLine(label, *row) for row in found]
-
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
-
-    async def key_page(
-        self,
-        run_id: str,
-        prefix: str | None = None,
-        contains: str | None = None,
-        offset: int = 0,
-        limit: int = 100,
-    ) -> KeyPage:
-        where, args = ["run_id = $1"], [run_id]
-        if prefix:
-            args.append(rows.storable_text(prefix))
-            where.append(f"key >= ${len(args)}")
-            end = charts.prefix_end(rows.storable_text(prefix))
-            if end is not None:
-                args.append(end)
-                where.append(f"key < ${len(args)}")
-        if contains:
-            args.append(rows.storable_text(contains))
-            where.append(f"strpos(lower(key), lower(${len(args)})) > 0")
-        condition = " AND ".join(where)
-
-        async def read(con: asyncpg.Connection) -> KeyPage:
-            async with con.transaction(isolation="repeatable_read", readonly=True):
-                total = await con.fetchval(f"SELECT count(*) FROM series WHERE {condition}", *args)
-                found = await con.fetch(
-                    f"SELECT key FROM series WHERE {condition} ORDER BY key "
-                    f"LIMIT ${len(args) + 1} OFFSET ${len(args) + 2}",
-                    *args,
-                    limit,
-                    max(offset, 0),
-                )
-            return KeyPage(total, offset, [row[0] for row in found])
-
-        return await self._call(read)
-
-    async def key_values(
-        self, run_id: str, key: str, table: PointTable = "metrics"
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        found = await self.values(run_id, table, [key])
-        return [(p.label, p.epoch, p.seq, p.step, p.ts, p.value) for p in found.points()]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         async def read(con: asyncpg.Connection) -> base.KeyExtent | None:
             async with con.transaction(isolation="repeatable_read", readonly=True):
                 found = await con.fetchval(
-                    "SELECT id FROM series WHERE run_id = $1 AND key = $2",
+                    POSTGRES.sql(reads.SERIES_ID_SQL),
                     rollups.series_run(run_id, table),
                     rows.storable_text(key),
                 )
@@ -1428,18 +1236,6 @@ class PostgresStore:
         found = await self._call(lambda con: con.fetch(query, *args))
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
 
-    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        found = await self._call(
-            lambda con: con.fetch(
-                "SELECT label, start_data FROM labels WHERE run_id = $1 ORDER BY label", run_id
-            )
-        )
-        return {row[0]: orjson.loads(row[1]) if row[1] else {} for row in found}
-
-    # The chart reads, one implementation over this backend's rollup reads.
-    envelope = charts.envelope
-    stragglers = charts.stragglers
-
 
 async def _store_settings(con: asyncpg.Connection, found: list[tuple]) -> None:
     """Upsert label_values rows (rows.setting_rows): a stored value gives way only to a later one."""
@@ -1459,39 +1255,16 @@ async def _derive_metadata(con: asyncpg.Connection, primaries: Mapping[str, str 
     if not primaries:
         return
     settings = await _run_settings(con, sorted(primaries))
-    await con.executemany(
-        "UPDATE runs SET config = $1, summary = $2, name = $3, tags = $4, set_by = $5 WHERE run_id = $6",
-        [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()],
-    )
+    query = POSTGRES.sql(metadata.UPDATE_METADATA_SQL)
+    await con.executemany(query, metadata.metadata_rows(settings, primaries))
 
 
 async def _start_configs_to_settings(con: asyncpg.Connection) -> None:
     """Migration 5's data: the stored starts' configs become their labels' settings, and every
     run's metadata is derived from them (its config as before, its primary's, plus the keys
     only other labels set)."""
-    found: list[tuple] = []
-    # The columns as of version 5, whatever later versions add.
-    for row in await con.fetch(
-        "SELECT id, run_id, label, start_epoch, start_seq, start_data, first_ts FROM labels "
-        "WHERE start_data IS NOT NULL"
-    ):
-        label = LabelState(
-            row["run_id"],
-            row["label"],
-            start_pos=(row["start_epoch"], row["start_seq"]),
-            start_data=orjson.loads(row["start_data"]),
-        )
-        found += rows.setting_rows([(row["id"], rows.start_event(row["run_id"], label, row["first_ts"]))])
-    await _store_settings(con, found)
-    await _derive_metadata(con, {row[0]: row[1] for row in await con.fetch(_STARTED_RUNS)})
-
-
-# The runs whose metadata migration 5 derives: those a label has started (config stays None
-# for the others, as it is until a label starts or sets any).
-_STARTED_RUNS = (
-    "SELECT run_id, primary_label FROM runs "
-    "WHERE run_id IN (SELECT run_id FROM labels WHERE start_data IS NOT NULL)"
-)
+    await _store_settings(con, metadata.start_setting_rows(await con.fetch(metadata.START_CONFIGS_SQL)))
+    await _derive_metadata(con, {row[0]: row[1] for row in await con.fetch(metadata.STARTED_RUNS_SQL)})
 
 
 # Data migrations, run after the schema migration of the same number, in its transaction.
@@ -1500,11 +1273,6 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
 }
-
-
-# A page read's label, as a value the planner knows before it plans (not a join): the table's
-# primary key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
-_ONE_LABEL = "{column} = (SELECT id FROM labels WHERE run_id = $1 AND label = $2)"
 
 
 def _any_of(args: list[Any], *chosen: tuple[str, Sequence[str] | None]) -> str:
@@ -1526,14 +1294,3 @@ def _past(args: list[Any], columns: str, key: str | None, past: tuple[str, int, 
         args += past
         where += f" AND ({columns}) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})"
     return where
-
-
-def _filters(
-    where: list[str], args: list[Any], *optional: tuple[str, str | None]
-) -> tuple[list[str], list[Any]]:
-    """`where` and `args` extended with `column = $n` for each (column, value) given a value."""
-    for column, value in optional:
-        if value is not None:
-            args.append(value)
-            where.append(f"{column} = ${len(args)}")
-    return where, args

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -360,6 +360,34 @@ def log_columns(event: Event, redacted: Callable[[str], str] = redact_line) -> t
     level = str(event.data.get("level", "INFO"))
     text = storable_text(redacted(event.data["text"]))
     return event.data["stream"], storable_text(level), level_number(level), text
+
+
+class Row(Protocol):
+    """A stored row read by column name: sqlite3.Row or asyncpg.Record."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+def label_state(row: Row, run: str | None = None) -> LabelState:
+    """A label's rule record from its stored row (reads.LABEL_COLUMNS), of `run` or else of the
+    row's run_id."""
+    return LabelState(
+        run=row["run_id"] if run is None else run,
+        label=row["label"],
+        state=row["state"],
+        exit_code=row["exit_code"],
+        state_pos=(row["state_epoch"], row["state_seq"]),
+        state_ts=row["state_ts"],
+        primary=bool(row["is_primary"]),
+        start_pos=(row["start_epoch"], row["start_seq"]),
+        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
+        epoch=row["epoch"],
+        last_seq=row["last_seq"],
+        first_ts=row["first_ts"],
+        last_ts=row["last_ts"],
+        dropped=dropped_from_json(row["dropped"]),
+        primary_refused_ts=row["primary_refused_ts"],
+    )
 
 
 def label_summary(

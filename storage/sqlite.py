@@ -16,23 +16,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-import orjson
-
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import base, charts, chunking, rollups, rows, values
+from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, values
 from runbus.storage.base import (
-    KeyPage,
-    LabelSummary,
-    LogLine,
     Point,
     PointTable,
-    RunSummary,
     missing_store,
     point_table,
 )
+from runbus.storage.dialect import SQLITE
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
 from runbus.storage.values import Values
-from runbus.wire import Event, level_number
+from runbus.wire import Event
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
@@ -385,18 +380,11 @@ def _roll_up_stored_system(con: sqlite3.Connection) -> None:
 
 def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
     """Every stored value of `table` rolled up, a page of rows at a time."""
-    labels = {
-        row[0]: (row[1], row[2], row[3])
-        for row in con.execute("SELECT id, run_id, start_epoch, start_data FROM labels")
-    }
-    step = "step, " if table == "metrics" else ""
+    labels = backfill.stored_labels(con.execute(backfill.STORED_LABELS_SQL))
+    query = backfill.stored_page_sql(table)
     after: tuple[int, str, int, int] = (-1, "", 0, 0)
     while True:
-        page = con.execute(
-            f"SELECT label_id, key, epoch, seq, {step}ts, value FROM {point_table(table)} "
-            "WHERE (label_id, key, epoch, seq) > (?, ?, ?, ?) ORDER BY label_id, key, epoch, seq LIMIT ?",
-            (*after, MIGRATION_PAGE),
-        ).fetchall()
+        page = con.execute(query, (*after, MIGRATION_PAGE)).fetchall()
         if not page:
             return
         after = tuple(page[-1][:4])
@@ -404,12 +392,7 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
             fine = rollups.fine_partials_from_rows((*r[:6], _unreal(r[6])) for r in page)
         else:
             fine = rollups.fold_system((*r[:5], _unreal(r[5])) for r in page)
-        ids = {label_id for label_id, *_ in fine}
-        starts = {
-            i: (labels[i][1], rollups.restart_count(orjson.loads(labels[i][2]) if labels[i][2] else None))
-            for i in ids
-        }
-        _roll_up(con, fine, {i: rollups.series_run(labels[i][0], table) for i in ids}, starts)
+        _roll_up(con, fine, *backfill.page_labels(labels, fine, table))
 
 
 def _roll_up(
@@ -695,26 +678,6 @@ def _chosen(column: str, names: Sequence[str] | None) -> tuple[str, list[str]]:
     return f" AND {column} IN ({_rows_sql(1, len(names))})", list(names)
 
 
-def _label_state(run: str, row: sqlite3.Row) -> LabelState:
-    return LabelState(
-        run=run,
-        label=row["label"],
-        state=row["state"],
-        exit_code=row["exit_code"],
-        state_pos=(row["state_epoch"], row["state_seq"]),
-        state_ts=row["state_ts"],
-        primary=bool(row["is_primary"]),
-        start_pos=(row["start_epoch"], row["start_seq"]),
-        start_data=orjson.loads(row["start_data"]) if row["start_data"] else None,
-        epoch=row["epoch"],
-        last_seq=row["last_seq"],
-        first_ts=row["first_ts"],
-        last_ts=row["last_ts"],
-        dropped=rows.dropped_from_json(row["dropped"]),
-        primary_refused_ts=row["primary_refused_ts"],
-    )
-
-
 def _latest_start(label: LabelState) -> tuple[int, int | None]:
     """(epoch, restart count) of a label's latest start, for the generation of its epochs."""
     return label.start_pos[0], rollups.restart_count(label.start_data)
@@ -723,16 +686,6 @@ def _latest_start(label: LabelState) -> tuple[int, int | None]:
 def _unreal(value: float | None) -> float:
     # SQLite cannot keep NaN (it stores NULL); values are never NULL otherwise, so NULL is NaN.
     return math.nan if value is None else float(value)
-
-
-def _log_filters(where: list[str], args: list[str | int], level: str | None, grep: str | None) -> None:
-    """Add the log reads' level and text filters to `where`, their values to `args`."""
-    if level is not None:
-        where.append("g.levelno >= ?")
-        args.append(level_number(level))
-    if grep is not None:
-        where.append("instr(g.text, ?) > 0")
-        args.append(rows.storable_text(grep))
 
 
 _KIND = operator.attrgetter("kind")
@@ -756,34 +709,16 @@ def _derive_metadata(con: sqlite3.Connection, primaries: Mapping[str, str | None
     if not primaries:
         return
     settings = _run_settings(con, sorted(primaries))
-    con.executemany(
-        "UPDATE runs SET config = ?, summary = ?, name = ?, tags = ?, set_by = ? WHERE run_id = ?",
-        [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()],
-    )
+    con.executemany(metadata.UPDATE_METADATA_SQL, metadata.metadata_rows(settings, primaries))
 
 
 def _start_configs_to_settings(con: sqlite3.Connection) -> None:
     """Migration 5's data: the stored starts' configs become their labels' settings, and every
     run's metadata is derived from them (its config as before, its primary's, plus the keys
     only other labels set)."""
-    found: list[tuple] = []
-    # The columns as of version 5, whatever later versions add.
-    for label_id, run, name, epoch, seq, start, first_ts in con.execute(
-        "SELECT id, run_id, label, start_epoch, start_seq, start_data, first_ts FROM labels "
-        "WHERE start_data IS NOT NULL"
-    ):
-        label = LabelState(run, name, start_pos=(epoch, seq), start_data=orjson.loads(start))
-        found += rows.setting_rows([(label_id, rows.start_event(run, label, first_ts))])
+    found = metadata.start_setting_rows(con.execute(metadata.START_CONFIGS_SQL))
     _insert(con, _SETTINGS_TABLE, 7, found, verb="INSERT", tail=_LATER_SETTING)
-    _derive_metadata(con, {row[0]: row[1] for row in con.execute(_STARTED_RUNS)})
-
-
-# The runs whose metadata migration 5 derives: those a label has started (config stays None
-# for the others, as it is until a label starts or sets any).
-_STARTED_RUNS = (
-    "SELECT run_id, primary_label FROM runs "
-    "WHERE run_id IN (SELECT run_id FROM labels WHERE start_data IS NOT NULL)"
-)
+    _derive_metadata(con, {row[0]: row[1] for row in con.execute(metadata.STARTED_RUNS_SQL)})
 
 
 # Data migrations, run after the schema migration of the same number, in its transaction.
@@ -794,8 +729,10 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
 }
 
 
-class SQLiteStore:
+class SQLiteStore(reads.SharedReads):
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
+
+    dialect = SQLITE
 
     def __init__(self, url: str, create: bool = True) -> None:
         self.url = url
@@ -926,6 +863,15 @@ class SQLiteStore:
                     exc.add_note(f"and the rollback failed: {failed}")
             raise
 
+    async def _fetch(self, query: reads.Query) -> list[sqlite3.Row]:
+        return await self._call(self._rows, query)
+
+    async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[sqlite3.Row]]:
+        return await self._call(lambda: [self._rows(query) for query in queries])
+
+    def _rows(self, query: reads.Query) -> list[sqlite3.Row]:
+        return self._db().execute(query.sql, query.args).fetchall()
+
     def _db(self) -> sqlite3.Connection:
         if self._con is None:
             raise StoreUnavailable(f"sqlite {self.path}: store is not connected: call connect() first")
@@ -971,7 +917,7 @@ class SQLiteStore:
                 chunk,
             )
         }
-        labels = {key: _label_state(key[0], row) for key, row in stored.items()}
+        labels = {key: rows.label_state(row, key[0]) for key, row in stored.items()}
         for key, group in by_label.items():
             beyond = out_of_reach(labels[key], group)
             if beyond is not None:  # the worker isolates the event and dead-letters it
@@ -1046,7 +992,7 @@ class SQLiteStore:
         """Derive a run's state from its labels and primary (both read here unless given)."""
         if labels is None:
             labels = [
-                _label_state(run, row)
+                rows.label_state(row, run)
                 for row in con.execute(f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ?", (run,))
             ]
             primary = self._primaries(con, [run]).get(run)
@@ -1066,7 +1012,7 @@ class SQLiteStore:
             (silent_since,),
         ).fetchall()
         for row in silent:
-            crashed = crash(_label_state(row["run_id"], row))
+            crashed = crash(rows.label_state(row))
             con.execute(
                 "UPDATE labels SET state = ?, state_epoch = ?, state_seq = ?, state_ts = ? WHERE id = ?",
                 (crashed.state, *crashed.state_pos, crashed.state_ts, row["id"]),
@@ -1085,75 +1031,6 @@ class SQLiteStore:
         return con.execute(f"SELECT count(*) {due}").fetchone()[0]
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def runs(self) -> list[RunSummary]:
-        return await self._call(self._runs)
-
-    def _runs(self) -> list[RunSummary]:
-        query = (
-            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
-            "FROM runs r ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
-        )
-        return [rows.run_summary(dict(row)) for row in self._db().execute(query)]
-
-    async def run(self, run_id: str) -> RunSummary | None:
-        return await self._call(self._run, run_id)
-
-    def _run(self, run_id: str) -> RunSummary | None:
-        con = self._db()
-        row = con.execute(
-            "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count "
-            "FROM runs r WHERE r.run_id = ?",
-            (run_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        epochs = con.execute(rows.EPOCHS_SQL.format(param="?"), (run_id,)).fetchall()
-        counts = con.execute(rows.KIND_COUNTS_SQL.format(param="?"), (run_id,)).fetchone()
-        missing = con.execute(
-            rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN), (run_id,)
-        ).fetchall()
-        settings = rows.label_settings(_run_settings(con, [run_id])[run_id])
-        labels: list[LabelSummary] = []
-        for label_row in con.execute(
-            f"SELECT {_LABEL_COLUMNS} FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
-        ):
-            mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
-            gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
-            label = _label_state(run_id, label_row)
-            values = settings.get(label.label)
-            labels.append(rows.label_summary(label, mine, gaps, row["primary_label"], values))
-        return rows.run_summary(dict(row), labels=labels, counts=dict(counts))
-
-    async def run_ids(self, prefix: str, limit: int) -> list[str]:
-        return await self._call(self._run_ids, prefix, limit)
-
-    def _run_ids(self, prefix: str, limit: int) -> list[str]:
-        query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
-        return [row[0] for row in self._db().execute(query, (*rows.prefix_bounds(prefix), limit))]
-
-    async def metric_keys(self, run_id: str) -> list[str]:
-        return await self._call(self._metric_keys, run_id)
-
-    def _metric_keys(self, run_id: str) -> list[str]:
-        # The rollups' list of the run's keys (its index), not a scan of every value.
-        query = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
-        return [row[0] for row in self._db().execute(query, (run_id,))]
-
-    async def system_keys(self, run_id: str) -> list[str]:
-        return await self._call(self._metric_keys, rollups.series_run(run_id, "system"))
-
-    async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._call(self._points, "metrics", run_id, key, label)
-
-    async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
-        return await self._call(self._points, "system", run_id, key, label)
-
-    def _points(self, table: str, run_id: str, key: str | None, label: str | None) -> list[Point]:
-        found = self._values(
-            run_id, point_table(table), None if key is None else [key], None if label is None else [label]
-        )
-        return (values.by_step(found) if table == "metrics" else values.by_time(found)).points()
 
     async def values(
         self,
@@ -1190,40 +1067,6 @@ class SQLiteStore:
         ).fetchall()
         return values.assemble(chunks, clocks, head)
 
-    async def logs(
-        self,
-        run_id: str,
-        label: str | None = None,
-        level: str | None = None,
-        grep: str | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[LogLine]:
-        return await self._call(self._logs, run_id, label, level, grep, limit, offset)
-
-    def _logs(
-        self,
-        run_id: str,
-        label: str | None,
-        level: str | None,
-        grep: str | None,
-        limit: int | None,
-        offset: int,
-    ) -> list[LogLine]:
-        where: list[str] = ["l.run_id = ?"]
-        args: list[str | int] = [run_id]
-        if label is not None:
-            where.append("l.label = ?")
-            args.append(label)
-        _log_filters(where, args, level, grep)
-        query = (
-            "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
-            "ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ? OFFSET ?"
-        )
-        args += [-1 if limit is None else limit, offset]
-        return [LogLine(*row) for row in self._db().execute(query, args)]
-
     async def point_page(
         self,
         table: PointTable,
@@ -1245,9 +1088,7 @@ class SQLiteStore:
         key: str | None,
     ) -> list[Point]:
         con = self._db()
-        found = con.execute(
-            "SELECT id FROM labels WHERE run_id = ? AND label = ?", (run_id, label)
-        ).fetchone()
+        found = con.execute(reads.LABEL_ID_SQL, (run_id, label)).fetchone()
         if found is None:
             return []
         label_id = found[0]
@@ -1287,88 +1128,7 @@ class SQLiteStore:
             chunks, clocks, head, limit, after and (rows.storable_text(after[0]), *after[1:])
         ).points()
 
-    async def log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None = None,
-        grep: str | None = None,
-    ) -> list[LogLine]:
-        return await self._call(self._log_page, run_id, label, after, limit, level, grep)
-
-    def _log_page(
-        self,
-        run_id: str,
-        label: str,
-        after: tuple[int, int] | None,
-        limit: int,
-        level: str | None,
-        grep: str | None,
-    ) -> list[LogLine]:
-        where: list[str] = ["g.label_id = (SELECT id FROM labels WHERE run_id = ? AND label = ?)"]
-        args: list[str | int] = [run_id, label]
-        if after is not None:
-            where.append("(g.epoch, g.seq) > (?, ?)")
-            args += [after[0], after[1]]
-        _log_filters(where, args, level, grep)
-        query = (
-            "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
-            f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
-        )
-        return [LogLine(label, *row) for row in self._db().execute(query, [*args, limit])]
-
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
-
-    async def key_page(
-        self,
-        run_id: str,
-        prefix: str | None = None,
-        contains: str | None = None,
-        offset: int = 0,
-        limit: int = 100,
-    ) -> KeyPage:
-        return await self._call(self._key_page, run_id, prefix, contains, offset, limit)
-
-    def _key_page(
-        self, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
-    ) -> KeyPage:
-        where, args = ["run_id = ?"], [run_id]
-        if prefix:
-            where.append("key >= ?")
-            args.append(rows.storable_text(prefix))
-            end = charts.prefix_end(rows.storable_text(prefix))
-            if end is not None:
-                where.append("key < ?")
-                args.append(end)
-        if contains:
-            where.append("instr(lower(key), lower(?)) > 0")
-            args.append(rows.storable_text(contains))
-        con = self._db()
-        condition = " AND ".join(where)
-        total = con.execute(f"SELECT count(*) FROM series WHERE {condition}", args).fetchone()[0]
-        keys = [
-            row[0]
-            for row in con.execute(
-                f"SELECT key FROM series WHERE {condition} ORDER BY key LIMIT ? OFFSET ?",
-                [*args, limit, offset],
-            )
-        ]
-        return KeyPage(total, offset, keys)
-
-    async def key_values(
-        self, run_id: str, key: str, table: PointTable = "metrics"
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        return await self._call(self._key_values, run_id, key, point_table(table))
-
-    def _key_values(
-        self, run_id: str, key: str, table: PointTable
-    ) -> list[tuple[str, int, int, int | None, float, float]]:
-        return [
-            (p.label, p.epoch, p.seq, p.step, p.ts, p.value)
-            for p in self._values(run_id, table, [key], None).points()
-        ]
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> base.KeyExtent | None:
         return await self._call(self._key_extent, run_id, key, table)
@@ -1376,8 +1136,7 @@ class SQLiteStore:
     def _key_extent(self, run_id: str, key: str, table: PointTable) -> base.KeyExtent | None:
         con = self._db()
         found = con.execute(
-            "SELECT id FROM series WHERE run_id = ? AND key = ?",
-            (rollups.series_run(run_id, table), rows.storable_text(key)),
+            reads.SERIES_ID_SQL, (rollups.series_run(run_id, table), rows.storable_text(key))
         ).fetchone()
         if found is None:
             return None
@@ -1513,18 +1272,3 @@ class SQLiteStore:
         for row in self._db().execute(query, [*args, width, axis, lo, hi]):
             found.append(base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:])))
         return found
-
-    async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return await self._call(self._label_starts, run_id)
-
-    def _label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
-        return {
-            label: orjson.loads(data) if data else {}
-            for label, data in self._db().execute(
-                "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label", (run_id,)
-            )
-        }
-
-    # The chart reads, one implementation over this backend's rollup reads.
-    envelope = charts.envelope
-    stragglers = charts.stragglers

@@ -1,0 +1,305 @@
+"""The reads both backends write alike but for their dialect: each read's SQL and arguments built
+from its filters (storage/dialect.py), the stored rows turned into records, and the reads that need
+no more of a backend than its rows for a statement (Fetcher), each a method of both stores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import orjson
+
+from runbus.storage import charts, rollups, rows, values
+from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary, Store
+from runbus.storage.dialect import Dialect
+from runbus.wire import level_number
+
+
+class Query(NamedTuple):
+    """A statement in its backend's placeholder style, and its arguments."""
+
+    sql: str
+    args: list[Any]
+
+
+RUN_WITH_LABEL_COUNT = (
+    "SELECT r.*, (SELECT count(*) FROM labels l WHERE l.run_id = r.run_id) AS label_count FROM runs r"
+)
+RUNS_SQL = f"{RUN_WITH_LABEL_COUNT} ORDER BY r.started_ts DESC NULLS LAST, r.run_id"
+RUN_SQL = f"{RUN_WITH_LABEL_COUNT} WHERE r.run_id = ?"
+# The rollups' list of the run's keys (its index), not a scan of every value.
+RUN_KEYS_SQL = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
+SERIES_ID_SQL = "SELECT id FROM series WHERE run_id = ? AND key = ?"
+LABEL_ID_SQL = "SELECT id FROM labels WHERE run_id = ? AND label = ?"
+LABEL_STARTS_SQL = "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label"
+# A label's columns for rows.label_state, of `labels l`.
+LABEL_COLUMNS = (
+    "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
+    "l.is_primary, l.start_epoch, l.start_seq, l.start_data, l.epoch, l.last_seq, l.first_ts, "
+    "l.last_ts, l.dropped, l.primary_refused_ts"
+)
+# A run's reads, each of the run id alone: its row, its labels' epochs, counts, missing seqs,
+# the labels themselves, and their settings.
+_RUN_READS = (
+    RUN_SQL,
+    rows.EPOCHS_SQL.format(param="?"),
+    rows.KIND_COUNTS_SQL.format(param="?"),
+    rows.MISSING_RANGES_SQL.format(param="?", limit=rows.MAX_GAPS_SHOWN),
+    f"SELECT {LABEL_COLUMNS} FROM labels l WHERE l.run_id = ? ORDER BY l.label",
+    rows.RUN_SETTINGS_SQL.format(runs="= ?"),
+)
+
+
+def label_summaries(
+    run_id: str,
+    label_rows: Iterable[rows.Row],
+    epochs: Sequence[rows.Row],
+    missing: Sequence[rows.Row],
+    settings: Mapping[str, dict[str, Any]],
+    primary: str | None,
+) -> list[LabelSummary]:
+    """A run's label summaries from its label rows, the rows of rows.EPOCHS_SQL and
+    rows.MISSING_RANGES_SQL, its labels' settings (rows.label_settings) and its primary."""
+    labels: list[LabelSummary] = []
+    for label_row in label_rows:
+        mine = [(e["epoch"], e["top"], e["seen"]) for e in epochs if e["label_id"] == label_row["id"]]
+        gaps = [(m["epoch"], m["first"], m["last"]) for m in missing if m["label_id"] == label_row["id"]]
+        label = rows.label_state(label_row, run_id)
+        labels.append(rows.label_summary(label, mine, gaps, primary, settings.get(label.label)))
+    return labels
+
+
+def log_filters(
+    dialect: Dialect, where: list[str], args: list[Any], level: str | None, grep: str | None
+) -> None:
+    """Add the log reads' level and text filters to `where`, their values to `args`."""
+    if level is not None:
+        where.append("g.levelno >= ?")
+        args.append(level_number(level))
+    if grep is not None:
+        where.append(dialect.contains("g.text"))
+        args.append(rows.storable_text(grep))
+
+
+def logs_query(
+    dialect: Dialect,
+    run_id: str,
+    label: str | None,
+    level: str | None,
+    grep: str | None,
+    limit: int | None,
+    offset: int,
+) -> Query:
+    """A run's log lines by time, `label`, `level` and `grep` filtering them when given."""
+    where: list[str] = ["l.run_id = ?"]
+    args: list[Any] = [run_id]
+    if label is not None:
+        where.append("l.label = ?")
+        args.append(label)
+    log_filters(dialect, where, args, level, grep)
+    query = (
+        "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+        f"JOIN labels l ON l.id = g.label_id WHERE {' AND '.join(where)} "
+        "ORDER BY g.ts, l.label, g.epoch, g.seq LIMIT ? OFFSET ?"
+    )
+    # A negative offset counts as 0, as SQLite reads one.
+    return Query(dialect.sql(query), [*args, dialect.limit(limit), max(offset, 0)])
+
+
+def log_page_query(
+    dialect: Dialect,
+    run_id: str,
+    label: str,
+    after: tuple[int, int] | None,
+    limit: int,
+    level: str | None,
+    grep: str | None,
+) -> Query:
+    """A page of a label's log lines in (epoch, seq) order, those past `after`."""
+    # The label as a value the planner knows before it plans (not a join): the table's primary
+    # key (label_id, ...) then gives the rows in order and the LIMIT stops the scan.
+    where = [f"g.label_id = ({LABEL_ID_SQL})"]
+    args: list[Any] = [run_id, label]
+    if after is not None:
+        where.append("(g.epoch, g.seq) > (?, ?)")
+        args += [after[0], after[1]]
+    log_filters(dialect, where, args, level, grep)
+    query = (
+        "SELECT g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
+        f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
+    )
+    return Query(dialect.sql(query), [*args, limit])
+
+
+class KeyPageQueries(NamedTuple):
+    """A key page's two statements: the count of the keys that match, and the page of them."""
+
+    total: Query
+    keys: Query
+
+
+def key_page_queries(
+    dialect: Dialect, run_id: str, prefix: str | None, contains: str | None, offset: int, limit: int
+) -> KeyPageQueries:
+    """The reads of a page of a run's keys in order, those starting with `prefix` and containing
+    `contains` (whatever its case) when given."""
+    where, args = ["run_id = ?"], [run_id]
+    if prefix:
+        where.append("key >= ?")
+        args.append(rows.storable_text(prefix))
+        end = charts.prefix_end(rows.storable_text(prefix))
+        if end is not None:
+            where.append("key < ?")
+            args.append(end)
+    if contains:
+        where.append(dialect.contains("lower(key)", "lower(?)"))
+        args.append(rows.storable_text(contains))
+    condition = " AND ".join(where)
+    return KeyPageQueries(
+        Query(dialect.sql(f"SELECT count(*) FROM series WHERE {condition}"), args),
+        Query(
+            dialect.sql(f"SELECT key FROM series WHERE {condition} ORDER BY key LIMIT ? OFFSET ?"),
+            [*args, limit, max(offset, 0)],
+        ),
+    )
+
+
+class Fetcher(Store, Protocol):
+    """What the shared reads below need of a store, besides its own `values`."""
+
+    dialect: Dialect
+
+    async def _fetch(self, query: Query) -> list[Any]:
+        """The rows of `query`."""
+        ...
+
+    async def _fetch_together(self, queries: Sequence[Query]) -> list[list[Any]]:
+        """The rows of each of `queries`, read in one snapshot where the backend keeps one across
+        statements."""
+        ...
+
+
+def _query(reader: Fetcher, sql: str, *args: Any) -> Query:
+    return Query(reader.dialect.sql(sql), list(args))
+
+
+async def runs(reader: Fetcher) -> list[RunSummary]:
+    return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
+
+
+async def run(reader: Fetcher, run_id: str) -> RunSummary | None:
+    found = await reader._fetch_together([_query(reader, sql, run_id) for sql in _RUN_READS])
+    run_rows, epochs, counts, missing, label_rows, stored = found
+    if not run_rows:
+        return None
+    settings = rows.label_settings(rows.run_settings(stored, [run_id])[run_id])
+    labels = label_summaries(run_id, label_rows, epochs, missing, settings, run_rows[0]["primary_label"])
+    return rows.run_summary(dict(run_rows[0]), labels=labels, counts=dict(counts[0]))
+
+
+async def run_ids(reader: Fetcher, prefix: str, limit: int) -> list[str]:
+    query = rows.RUN_IDS_SQL.format(lo="?", hi="?", limit="?")
+    found = await reader._fetch(_query(reader, query, *rows.prefix_bounds(prefix), limit))
+    return [row[0] for row in found]
+
+
+async def metric_keys(reader: Fetcher, run_id: str) -> list[str]:
+    return [row[0] for row in await reader._fetch(_query(reader, RUN_KEYS_SQL, run_id))]
+
+
+async def system_keys(reader: Fetcher, run_id: str) -> list[str]:
+    return await metric_keys(reader, rollups.series_run(run_id, "system"))
+
+
+async def metrics(
+    reader: Fetcher, run_id: str, key: str | None = None, label: str | None = None
+) -> list[Point]:
+    return values.by_step(await _values_of(reader, "metrics", run_id, key, label)).points()
+
+
+async def system(
+    reader: Fetcher, run_id: str, key: str | None = None, label: str | None = None
+) -> list[Point]:
+    return values.by_time(await _values_of(reader, "system", run_id, key, label)).points()
+
+
+async def _values_of(
+    reader: Fetcher, table: PointTable, run_id: str, key: str | None, label: str | None
+) -> values.Values:
+    return await reader.values(
+        run_id, table, None if key is None else [key], None if label is None else [label]
+    )
+
+
+async def key_values(
+    reader: Fetcher, run_id: str, key: str, table: PointTable = "metrics"
+) -> list[tuple[str, int, int, int | None, float, float]]:
+    found = await reader.values(run_id, table, [key])
+    return [(p.label, p.epoch, p.seq, p.step, p.ts, p.value) for p in found.points()]
+
+
+async def logs(
+    reader: Fetcher,
+    run_id: str,
+    label: str | None = None,
+    level: str | None = None,
+    grep: str | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> list[LogLine]:
+    found = await reader._fetch(logs_query(reader.dialect, run_id, label, level, grep, limit, offset))
+    return [LogLine(*row) for row in found]
+
+
+async def log_page(
+    reader: Fetcher,
+    run_id: str,
+    label: str,
+    after: tuple[int, int] | None,
+    limit: int,
+    level: str | None = None,
+    grep: str | None = None,
+) -> list[LogLine]:
+    found = await reader._fetch(log_page_query(reader.dialect, run_id, label, after, limit, level, grep))
+    return [LogLine(label, *row) for row in found]
+
+
+async def key_page(
+    reader: Fetcher,
+    run_id: str,
+    prefix: str | None = None,
+    contains: str | None = None,
+    offset: int = 0,
+    limit: int = 100,
+) -> KeyPage:
+    total, keys = await reader._fetch_together(
+        key_page_queries(reader.dialect, run_id, prefix, contains, offset, limit)
+    )
+    return KeyPage(total[0][0], offset, [row[0] for row in keys])
+
+
+async def label_starts(reader: Fetcher, run_id: str) -> dict[str, dict[str, Any]]:
+    """Each label's start data ({} before its start)."""
+    found = await reader._fetch(_query(reader, LABEL_STARTS_SQL, run_id))
+    return {label: orjson.loads(data) if data else {} for label, data in found}
+
+
+class SharedReads:
+    """The reads above and the chart reads (storage/charts.py), as methods of each store: a store
+    that inherits them gives `dialect`, `_fetch`, `_fetch_together` and its own `values` (Fetcher),
+    and the rollup reads (base.RollupReader) the chart reads compose."""
+
+    run = run
+    runs = runs
+    run_ids = run_ids
+    metric_keys = metric_keys
+    system_keys = system_keys
+    metrics = metrics
+    system = system
+    key_values = key_values
+    logs = logs
+    log_page = log_page
+    key_page = key_page
+    label_starts = label_starts
+    envelope = charts.envelope
+    stragglers = charts.stragglers
