@@ -106,12 +106,14 @@ def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Ite
     key_code = {name: code for code, name in enumerate(keys)}
     parts = [_from_chunks(chunks, list(clocks), label_code, key_code), _from_head(head, label_code, key_code)]
     parts = [part for part in parts if len(part)] or parts[:1]
-    joined = Values(
-        labels,
-        keys,
-        *(np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(2, 10)),
-    )
+    # One part (a run whose values are all in chunks, or all in its head) is taken as it is.
+    joined = parts[0]._replace(labels=labels, keys=keys) if len(parts) == 1 else _joined(labels, keys, parts)
     return joined if _in_order(joined) else joined.take(_order(joined))
+
+
+def _joined(labels: list[str], keys: list[str], parts: list[Values]) -> Values:
+    columns = [np.concatenate([part[i] for part in parts]) for i in range(2, len(Values._fields))]
+    return Values._make([labels, keys, *columns])
 
 
 def _from_chunks(
