@@ -11,7 +11,8 @@ order and the types the tables are built from, never a Python object per value.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,9 +34,11 @@ HeadRow = tuple[str, str, int, int, int | None, float, float | bytes | None]
 Codes = npt.NDArray[np.int32]
 
 
-class Values(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Values:
     """Stored points as columns: `label` and `key` index `labels` and `keys`; `step` is 0 where
-    `no_step` is True."""
+    `no_step` is True. len() is the number of points (a dataclass, not a NamedTuple: a tuple's
+    length is its fields')."""
 
     labels: list[str]
     keys: list[str]
@@ -50,6 +53,10 @@ class Values(NamedTuple):
 
     def __len__(self) -> int:
         return len(self.seq)
+
+    def columns(self) -> tuple[Codes, Codes, Ints, Ints, Ints, Mask, Floats, Floats]:
+        """The columns, one value per point each, in the fields' order."""
+        return (self.label, self.key, self.epoch, self.seq, self.step, self.no_step, self.ts, self.value)
 
     def points(self) -> list[Point]:
         """The points as Point tuples, in the columns' order: for the few reads that want them."""
@@ -71,11 +78,7 @@ class Values(NamedTuple):
 
     def take(self, index: Any) -> Values:
         """The points at `index` (a slice, a mask or positions)."""
-        return Values(
-            self.labels,
-            self.keys,
-            *(column[index] for column in self[2:]),
-        )
+        return Values(self.labels, self.keys, *(column[index] for column in self.columns()))
 
 
 def empty(labels: Sequence[str] = (), keys: Sequence[str] = ()) -> Values:
@@ -107,13 +110,16 @@ def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Ite
     parts = [_from_chunks(chunks, list(clocks), label_code, key_code), _from_head(head, label_code, key_code)]
     parts = [part for part in parts if len(part)] or parts[:1]
     # One part (a run whose values are all in chunks, or all in its head) is taken as it is.
-    joined = parts[0]._replace(labels=labels, keys=keys) if len(parts) == 1 else _joined(labels, keys, parts)
+    joined = replace(parts[0], labels=labels, keys=keys) if len(parts) == 1 else _joined(labels, keys, parts)
     return joined if _in_order(joined) else joined.take(_order(joined))
 
 
 def _joined(labels: list[str], keys: list[str], parts: list[Values]) -> Values:
-    columns = [np.concatenate([part[i] for part in parts]) for i in range(2, len(Values._fields))]
-    return Values._make([labels, keys, *columns])
+    return Values(
+        labels,
+        keys,
+        *(np.concatenate(columns) for columns in zip(*(p.columns() for p in parts), strict=True)),
+    )
 
 
 def _from_chunks(
