@@ -845,6 +845,20 @@ class SQLiteStore(reads.SharedReads):
                 DATA_MIGRATIONS[number](con)
             con.execute(f"PRAGMA user_version = {int(number)}")
 
+    def _in_snapshot(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` in one read transaction, so that its statements see one state of the
+        store: a read of chunks and then of head rows must not see a compaction (of another
+        process, committed between them) move values from one to the other."""
+        con = self._db()
+        if con.in_transaction:  # within this store's own write: its state already
+            return work(*args)
+        con.execute("BEGIN")
+        try:
+            return work(*args)
+        finally:
+            if con.in_transaction:
+                con.execute("COMMIT")
+
     def _in_transaction(self, work: Callable[..., T], *args: Any) -> T:
         """Run `work(connection, *args)` in one write transaction."""
         con = self._db()
@@ -1039,7 +1053,7 @@ class SQLiteStore(reads.SharedReads):
         keys: Sequence[str] | None = None,
         labels: Sequence[str] | None = None,
     ) -> Values:
-        return await self._call(self._values, run_id, point_table(table), keys, labels)
+        return await self._call(self._in_snapshot, self._values, run_id, point_table(table), keys, labels)
 
     def _values(
         self, run_id: str, table: PointTable, keys: Sequence[str] | None, labels: Sequence[str] | None
@@ -1076,7 +1090,9 @@ class SQLiteStore(reads.SharedReads):
         limit: int,
         key: str | None = None,
     ) -> list[Point]:
-        return await self._call(self._point_page, point_table(table), run_id, label, after, limit, key)
+        return await self._call(
+            self._in_snapshot, self._point_page, point_table(table), run_id, label, after, limit, key
+        )
 
     def _point_page(
         self,

@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 import redis
 
-from runbus.storage import Store
+from runbus.storage import Store, open_store
 from runbus.storage.chunking import COMPACT_EVENTS
 from tests import old_stores
 from tests.helpers import T0, OpenStore, ingest, read_store, wait_for, xadd_event
@@ -392,3 +392,70 @@ async def test_compaction_while_batches_are_written_loses_and_doubles_nothing(
     found = sorted((p.label, p.seq, p.value) for p in await store.metrics(RUN))
     assert found == sorted((label, s, float(s)) for label in labels for s in range(2, 3000))
     assert await store.compact_due() == 0
+
+
+async def test_reads_during_compactions_see_each_value_once(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A reader of its own (another process's store, as the dashboard's) while a writer's batches
+    move head rows into chunks: every read holds each value once, and never fewer than before."""
+    writer, reader = await open_stores(), await open_stores()
+    labels = [f"rank{n}" for n in range(8)]
+    await writer.write([start(1, primary=n == 0, label=label) for n, label in enumerate(labels)])
+
+    async def write() -> None:
+        for label in labels:
+            for low in range(2, 402, 40):  # small batches: head rows
+                await writer.write(
+                    [metric(s, {"a": 1.0, "b": 2.0}, step=s, label=label) for s in range(low, low + 40)]
+                )
+            await writer.write([finish(402, label=label)])  # compacted: rows become chunks
+
+    async def read(done: asyncio.Event) -> int:
+        reads, held = 0, 0
+        while not done.is_set() or reads < 3:
+            found = await reader.values(RUN)
+            points = {
+                (lab, key, seq)
+                for lab, key, seq in zip(
+                    found.label.tolist(), found.key.tolist(), found.seq.tolist(), strict=True
+                )
+            }
+            assert len(points) == len(found) >= held  # none twice, none lost since the last read
+            held, reads = len(found), reads + 1
+        return reads
+
+    done = asyncio.Event()
+    reading = asyncio.create_task(read(done))
+    await write()
+    done.set()
+    assert await reading >= 3
+    assert len(await reader.values(RUN)) == len(labels) * 400 * 2
+
+
+async def test_a_compaction_between_a_reads_statements_changes_nothing_it_sees(store_url: str) -> None:
+    """SQLite: another process's compaction commits after a read has fetched its chunks and
+    before it fetches the head rows (made to, from the reader's trace callback): the read
+    still sees every value once, as the store stood when it began."""
+    writer, reader = open_store(store_url), open_store(store_url, create=False)
+    await writer.connect()
+    await reader.connect()
+    try:
+        await writer.write([start(1, primary=True)])
+        await writer.write([metric(s, {"a": float(s)}, step=s) for s in range(2, 102)])  # head rows
+
+        def compact_now(statement: str) -> None:
+            if "FROM labels l CROSS JOIN metrics" in statement and not compacted:
+                compacted.append(statement)
+                writer._in_transaction(writer._write_in_transaction, [finish(102)], {})
+
+        compacted: list[str] = []
+        reader._db().set_trace_callback(compact_now)
+        found = await reader.values(RUN)
+        reader._db().set_trace_callback(None)
+        assert compacted, "the read's head statement never ran"
+        assert found.seq.tolist() == list(range(2, 102))
+        assert (await reader.values(RUN)).seq.tolist() == list(range(2, 102))  # now from chunks
+    finally:
+        await writer.close()
+        await reader.close()
