@@ -24,13 +24,14 @@ async def arrow_table(
     table: PointTable = "metrics",
     keys: str | Iterable[str] | None = None,
     labels: str | Iterable[str] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
 ) -> pa.Table:
-    """Every value of a run's `table` (of `keys`, of `labels`) as a pyarrow Table."""
+    """Every value of a run's `table` (of `keys`, of `labels`, at `steps`) as a pyarrow Table."""
     require_pyarrow("Api().run(ID).arrow()")
     import numpy as np
     import pyarrow as pa
 
-    read = await frames.read_values(store, run_id, table, keys, labels)
+    read = await frames.read_values(store, run_id, table, keys, labels, steps)
     found = read.found
     ts = frames.micros(found.ts)
     columns = {

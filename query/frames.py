@@ -40,6 +40,7 @@ from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, PointTable, RunSummary, Store
 from runbus.storage.rules import natural_key
+from runbus.storage.values import step_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -116,11 +117,13 @@ async def history_table(
     labels: str | Iterable[str] | None = None,
     wide: bool = False,
     page_rows: int | None = None,
+    steps: tuple[int | None, int | None] | None = None,
 ) -> pd.DataFrame:
-    """Every metric value of a run (of `labels`, of `keys`), long or wide (see the module)."""
+    """Every metric value of a run (of `labels`, of `keys`, at `steps`), long or wide (see the
+    module)."""
     require_pandas()
     page_size(page_rows)
-    history = _point_table(await read_values(store, run_id, "metrics", keys, labels), "metrics")
+    history = _point_table(await read_values(store, run_id, "metrics", keys, labels, steps), "metrics")
     return wide_history(history) if wide else history
 
 
@@ -245,16 +248,18 @@ async def read_values(
     table: PointTable,
     keys: str | Iterable[str] | None,
     labels: str | Iterable[str] | None,
+    steps: tuple[int | None, int | None] | None = None,
 ) -> RunValues:
     """A run's values of `table` (of `labels`, of `keys`: unknown ones are a CommandError that
-    names those there are), as arrays (Store.values)."""
+    names those there are; at `steps`, values.step_range's), as arrays (Store.values)."""
+    in_range = step_range(steps, table)
     run = await known_run(store, run_id)
     chosen_keys = names(keys, "keys")
     if chosen_keys is not None:
         await _check_keys(store, run, chosen_keys, table)
     chosen = None if labels is None else _labels(run, labels)
     all_keys = await (store.metric_keys(run.run_id) if table == "metrics" else store.system_keys(run.run_id))
-    found = await store.values(run.run_id, table, chosen_keys, chosen)
+    found = await store.values(run.run_id, table, chosen_keys, chosen, in_range)
     return RunValues(
         found,
         sorted((lab.label for lab in run.labels), key=natural_key),

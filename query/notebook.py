@@ -230,14 +230,19 @@ class StoredRun:
         keys: str | Iterable[str] | None = None,
         labels: str | Iterable[str] | None = None,
         wide: bool = False,
+        steps: tuple[int | None, int | None] | None = None,
     ) -> pd.DataFrame:
-        """Every metric value (of `keys`, of `labels`): label, key, step, lease_epoch, life, seq, ts,
-        value in (label, key, lease_epoch, seq) order; with `wide`, a row per logged event and a column
-        per key. `lease_epoch` is the label's raw lease generation, `life` 1, 2, … per restart."""
+        """Every metric value (of `keys`, of `labels`, at `steps`: (first, last), both included,
+        either None for no bound): label, key, step, lease_epoch, life, seq, ts, value in (label,
+        key, lease_epoch, seq) order; with `wide`, a row per logged event and a column per key.
+        `lease_epoch` is the label's raw lease generation, `life` 1, 2, … per restart. Only the
+        chunks that hold the chosen labels, keys and steps are read."""
         from runbus.query import frames
 
         return self.api.read(
-            lambda store: frames.history_table(store, self.run_id, keys, labels, wide, self.api.page_rows)
+            lambda store: frames.history_table(
+                store, self.run_id, keys, labels, wide, self.api.page_rows, steps
+            )
         )
 
     def arrow(
@@ -245,14 +250,16 @@ class StoredRun:
         keys: str | Iterable[str] | None = None,
         labels: str | Iterable[str] | None = None,
         table: str = "metrics",
+        steps: tuple[int | None, int | None] | None = None,
     ) -> pa.Table:
-        """Every value of `table` ("metrics" or "system"; of `keys`, of `labels`) as a pyarrow
-        Table, built without pandas: the long history's columns, label and key as dictionaries."""
+        """Every value of `table` ("metrics" or "system"; of `keys`, of `labels`, at `steps` as
+        history() takes them) as a pyarrow Table, built without pandas: the long history's
+        columns, label and key as dictionaries."""
         from runbus.query import arrow
         from runbus.storage.base import point_table
 
         chosen = point_table(table)
-        return self.api.read(lambda store: arrow.arrow_table(store, self.run_id, chosen, keys, labels))
+        return self.api.read(lambda store: arrow.arrow_table(store, self.run_id, chosen, keys, labels, steps))
 
     def system(
         self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None

@@ -425,9 +425,12 @@ class Store(RollupReader, Protocol):
         table: PointTable = "metrics",
         keys: Sequence[str] | None = None,
         labels: Sequence[str] | None = None,
+        steps: tuple[int, int] | None = None,
     ) -> Values:
-        """A run's values of `table` (of `keys`, of `labels`: None is all) as arrays, by label
-        (natural order), key, epoch, seq: read from the chunks and head rows that hold them."""
+        """A run's values of `table` (of `keys`, of `labels`: None is all; metrics of the steps
+        `steps`, first to last included, values.step_range's) as arrays, by label (natural
+        order), key, epoch, seq: read from the chunks and head rows that hold them, and of the
+        chunks only those that hold such values."""
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """Metric values ordered by label, key, step (then epoch, seq)."""

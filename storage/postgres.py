@@ -1025,8 +1025,10 @@ class PostgresStore(reads.SharedReads):
         table: PointTable = "metrics",
         keys: Sequence[str] | None = None,
         labels: Sequence[str] | None = None,
+        steps: tuple[int, int] | None = None,
     ) -> values.Values:
         table = point_table(table)
+        in_range = values.step_range(steps, table)
         stored = None if keys is None else [rows.storable_text(k) for k in keys]
         chunk_args: list[Any] = [run_id, rollups.series_run(run_id, table)]
         chunk_where = _any_of(chunk_args, ("l.label", labels), ("s.key", stored))
@@ -1034,6 +1036,11 @@ class PostgresStore(reads.SharedReads):
         clock_where = _any_of(clock_args, ("l.label", labels))
         head_args: list[Any] = [run_id]
         head_where = _any_of(head_args, ("l.label", labels), ("m.key", stored))
+        if in_range is not None:  # chunks that hold a step of the range, head rows at one
+            chunk_args += in_range
+            chunk_where += f" AND c.max_step >= ${len(chunk_args) - 1} AND c.min_step <= ${len(chunk_args)}"
+            head_args += in_range
+            head_where += f" AND m.step BETWEEN ${len(head_args) - 1} AND ${len(head_args)}"
         step = "m.step" if table == "metrics" else "NULL::int8"
 
         async def read(con: asyncpg.Connection) -> values.Values:
@@ -1055,7 +1062,7 @@ class PostgresStore(reads.SharedReads):
                     f"JOIN {table} m ON m.label_id = l.id WHERE l.run_id = $1{head_where}",
                     *head_args,
                 )
-            return values.assemble(chunks, clocks, head)
+            return values.in_steps(values.assemble(chunks, clocks, head), in_range)
 
         return await self._call(read)
 

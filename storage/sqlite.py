@@ -1052,20 +1052,31 @@ class SQLiteStore(reads.SharedReads):
         table: PointTable = "metrics",
         keys: Sequence[str] | None = None,
         labels: Sequence[str] | None = None,
+        steps: tuple[int, int] | None = None,
     ) -> Values:
-        return await self._call(self._in_snapshot, self._values, run_id, point_table(table), keys, labels)
+        table = point_table(table)
+        chosen = values.step_range(steps, table)
+        return await self._call(self._in_snapshot, self._values, run_id, table, keys, labels, chosen)
 
     def _values(
-        self, run_id: str, table: PointTable, keys: Sequence[str] | None, labels: Sequence[str] | None
+        self,
+        run_id: str,
+        table: PointTable,
+        keys: Sequence[str] | None,
+        labels: Sequence[str] | None,
+        steps: tuple[int, int] | None = None,
     ) -> Values:
         con = self._db()
         chosen, chosen_args = _chosen("l.label", labels)
         with_key, key_args = _chosen("s.key", None if keys is None else [rows.storable_text(k) for k in keys])
+        in_steps, step_args = (
+            ("", []) if steps is None else (" AND c.max_step >= ? AND c.min_step <= ?", list(steps))
+        )
         chunks = con.execute(
             "SELECT l.label, s.key, c.epoch, c.first_seq, c.data FROM labels l CROSS JOIN series s "
             f"CROSS JOIN chunks c WHERE l.run_id = ?{chosen} AND s.run_id = ?{with_key} "
-            "AND c.label_id = l.id AND c.series_id = s.id",
-            [run_id, *chosen_args, rollups.series_run(run_id, table), *key_args],
+            f"AND c.label_id = l.id AND c.series_id = s.id{in_steps}",
+            [run_id, *chosen_args, rollups.series_run(run_id, table), *key_args, *step_args],
         ).fetchall()
         clocks = con.execute(
             f"SELECT l.label, c.epoch, c.data FROM labels l CROSS JOIN chunks c WHERE l.run_id = ?{chosen} "
@@ -1076,10 +1087,11 @@ class SQLiteStore(reads.SharedReads):
         head = con.execute(
             f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value "
             f"FROM labels l CROSS JOIN {table} m WHERE l.run_id = ?{chosen}"
-            f"{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id",
-            [run_id, *chosen_args, *key_args],
+            f"{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id"
+            + ("" if steps is None else " AND m.step BETWEEN ? AND ?"),
+            [run_id, *chosen_args, *key_args, *step_args],
         ).fetchall()
-        return values.assemble(chunks, clocks, head)
+        return values.in_steps(values.assemble(chunks, clocks, head), steps)
 
     async def point_page(
         self,

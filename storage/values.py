@@ -356,3 +356,32 @@ def _before(v: Values, key: str, epoch: int, seq: int) -> Values:
     code = v.keys.index(key) if key in v.keys else int(np.searchsorted(np.array(v.keys, dtype=object), key))
     earlier = (v.key < code) | ((v.key == code) & ((v.epoch < epoch) | ((v.epoch == epoch) & (v.seq < seq))))
     return v.take(earlier)
+
+
+STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
+
+
+def step_range(steps: Any, table: str = "metrics") -> tuple[int, int] | None:
+    """`steps` checked: None (every value), or (first, last) steps, both included, either None
+    for no bound; a ValueError says what is wrong. System samples have no steps."""
+    if steps is None:
+        return None
+    if table != "metrics":
+        raise ValueError("system samples have no steps: choose them by labels and keys")
+    if not isinstance(steps, tuple | list) or len(steps) != 2:
+        raise ValueError(f"steps must be (first, last), either None for no bound, not {steps!r}")
+    first = STEP_MIN if steps[0] is None else steps[0]
+    last = STEP_MAX if steps[1] is None else steps[1]
+    for bound in (first, last):
+        if isinstance(bound, bool) or not isinstance(bound, int) or not STEP_MIN <= bound <= STEP_MAX:
+            raise ValueError(f"steps must be whole numbers (64-bit) or None, not {steps!r}")
+    if first > last:
+        raise ValueError(f"steps {steps!r}: the first is past the last")
+    return first, last
+
+
+def in_steps(found: Values, steps: tuple[int, int] | None) -> Values:
+    """The points of `found` at steps first to last (none without a step), or all if None."""
+    if steps is None:
+        return found
+    return found.take(~found.no_step & (found.step >= steps[0]) & (found.step <= steps[1]))

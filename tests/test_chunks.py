@@ -459,3 +459,19 @@ async def test_a_compaction_between_a_reads_statements_changes_nothing_it_sees(s
     finally:
         await writer.close()
         await reader.close()
+
+
+async def test_a_step_range_reads_the_values_at_those_steps_and_only_their_chunks(store: Store) -> None:
+    await store.write([start(1, primary=True)])
+    await store.write([metric(s, {"loss": float(s)}, step=s * 10 if s % 9 else None) for s in range(2, 3000)])
+    await store.write([metric(s, {"loss": float(s)}, step=s * 10) for s in range(3000, 3100)])  # head rows
+    found = await store.values(RUN, steps=(5000, 30500))
+    want = [s for s in range(500, 3051) if s % 9 or s >= 3000]
+    assert found.seq.tolist() == want and found.step.tolist() == [s * 10 for s in want]
+    assert len(await store.values(RUN, steps=(None, 25))) == 1  # seq 2 at step 20
+    assert len(await store.values(RUN, steps=(10**9, None))) == 0
+    for bad in ((5, 1), (1.5, 2), "1-2", (1, 2, 3), (True, 2)):
+        with pytest.raises(ValueError, match="steps"):
+            await store.values(RUN, steps=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="system samples have no steps"):
+        await store.values(RUN, "system", steps=(1, 2))

@@ -212,6 +212,20 @@ def test_every_page_size_reads_the_same_tables(seeded):
             pd.testing.assert_frame_equal(table, paged_table)
 
 
+def test_a_step_range_chooses_rows_in_the_table_and_the_arrow_table(api):
+    run = api.run(RUN)
+    history = run.history()
+    chosen = run.history(steps=(100, 300))
+    expected = history[history.step.notna() & (history.step >= 100) & (history.step <= 300)]
+    pd.testing.assert_frame_equal(chosen, expected.reset_index(drop=True))
+    assert len(chosen) and len(run.history(steps=(None, 300))) > len(chosen)
+    table = run.arrow(keys="loss", steps=(100, 300))
+    assert table.num_rows == len(chosen[chosen.key == "loss"])
+    assert table.column("step").null_count == 0
+    with pytest.raises(ValueError, match="first is past the last"):
+        run.history(steps=(300, 100))
+
+
 def test_keys_and_labels_choose_rows_and_unknown_ones_are_named(api):
     run = api.run(RUN)
     history = run.history()
