@@ -542,6 +542,35 @@ def _stored_run_rows(
     return found
 
 
+def _stored_labels(
+    con: sqlite3.Connection, runs: list[str], batch: list[tuple[str, str]]
+) -> dict[tuple[str, str], sqlite3.Row]:
+    """Every label of the batch's runs, the batch's own (`batch`) added where new: the batch's
+    to fold its events into, all of them to derive each run's state."""
+    _insert(con, "runs (run_id)", 1, [(run,) for run in runs])
+    _insert(con, "labels (run_id, label)", 2, batch)
+    return {
+        (row["run_id"], row["label"]): row
+        for chunk in _chunks(runs, MAX_LABELS_PER_STATEMENT)
+        for row in con.execute(
+            f"SELECT run_id, {_LABEL_COLUMNS} FROM labels "
+            f"WHERE run_id IN (VALUES {_rows_sql(1, len(chunk))})",
+            chunk,
+        )
+    }
+
+
+def _update_labels(con: sqlite3.Connection, changed: list[tuple[int, LabelState, list[Event]]]) -> None:
+    """Store each (label id, its state, its new events): the state, the time it was seen, its counts."""
+    seen_at = time.time()
+    updates = [
+        (label_id, *rows.label_columns(label), seen_at, *rows.kind_counts(new))
+        for label_id, label, new in changed
+    ]
+    for chunk in _chunks(updates, MAX_LABELS_PER_STATEMENT):
+        con.execute(_update_labels_sql(len(chunk)), list(chain.from_iterable(chunk)))
+
+
 def _store_values(
     con: sqlite3.Connection, fresh: Mapping[int, tuple[str, list[Event], LabelState]], ended: set[int]
 ) -> None:
@@ -918,36 +947,17 @@ class SQLiteStore(reads.SharedReads):
         # statement takes the GIL back once per row it returns (see _insert).
         by_label = rows.group_by_label(events)
         runs = sorted({run for run, _ in by_label})
-        _insert(con, "runs (run_id)", 1, [(run,) for run in runs])
-        _insert(con, "labels (run_id, label)", 2, list(by_label))
-        # Every label of the batch's runs: the batch's own to fold its events into, all of them
-        # to derive each run's state.
-        stored = {
-            (row["run_id"], row["label"]): row
-            for chunk in _chunks(runs, MAX_LABELS_PER_STATEMENT)
-            for row in con.execute(
-                f"SELECT run_id, {_LABEL_COLUMNS} FROM labels "
-                f"WHERE run_id IN (VALUES {_rows_sql(1, len(chunk))})",
-                chunk,
-            )
-        }
+        stored = _stored_labels(con, runs, list(by_label))
         labels = {key: rows.label_state(row, key[0]) for key, row in stored.items()}
         for key, group in by_label.items():
             beyond = out_of_reach(labels[key], group)
             if beyond is not None:  # the worker isolates the event and dead-letters it
                 raise StoreRejected(f"{key[0]}/{key[1]}: {beyond}")
         fresh = self._take_new(con, rows.spans(by_label, {key: stored[key]["id"] for key in by_label}))
-        seen_at = time.time()
         for key, group in by_label.items():
             labels[key] = apply_events(labels[key], group)
         primaries = rows.settle_primaries(by_label, labels, self._primaries(con, runs), holders)
-        updates = []
-        for key in by_label:
-            updates.append(
-                (stored[key]["id"], *rows.label_columns(labels[key]), seen_at, *rows.kind_counts(fresh[key]))
-            )
-        for chunk in _chunks(updates, MAX_LABELS_PER_STATEMENT):
-            con.execute(_update_labels_sql(len(chunk)), list(chain.from_iterable(chunk)))
+        _update_labels(con, [(stored[key]["id"], labels[key], fresh[key]) for key in by_label])
         ids = {stored[key]["id"]: key for key, new in fresh.items() if new}
         ended = {stored[key]["id"] for key in by_label if labels[key].state != RUNNING}
         _store_values(
