@@ -60,7 +60,6 @@ class Outbox:
         "_unnumbered_drops",
         "demand",
         "drops",
-        "finish_seq",
         "max_events",
         "may_wait",
         "room",
@@ -85,7 +84,6 @@ class Outbox:
         self.may_wait: Callable[[], bool] = _never
         self.room = threading.Event()  # set by `take`: a waiting put looks again
         self.demand = threading.Event()  # set when a put finds the box full: wakes the shipper
-        self.finish_seq: int | None = None
         self.waits = 0  # puts that had to wait for room
         # When a put now waiting for room began to wait (None: none waits): past a bound, the
         # shipper moves events into its backlog rather than leave log() waiting for Redis.
@@ -171,7 +169,6 @@ class Outbox:
             seq += 1
             taken.append((kind, seq, ts, step, data))
             if kind == "finish":
-                self.finish_seq = seq
                 self._finish_taken = True
                 events.clear()
                 break

@@ -25,8 +25,6 @@ from runbus.errors import InvalidEntry, InvalidName
 
 VERSION = "1"
 PREFIX = "runbus"
-# The consumer group every store's ingesters shared before each store had its own (store_group).
-LEGACY_GROUP = "runbus"
 DEAD_LETTER_KEY = f"{PREFIX}:dead"
 # Every stream a producer creates is announced here (a set of stream keys), so ingesters find
 # it within a poll instead of a keyspace scan.

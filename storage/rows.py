@@ -291,10 +291,6 @@ def setting_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> list[tuple]:
     return found
 
 
-def _json_text(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
 def run_settings(found: Iterable[Sequence[Any]], runs: Iterable[str]) -> dict[str, list[Setting]]:
     """Each of `runs`' settings that stand (rules.standing_settings), from RUN_SETTINGS_SQL rows."""
     by_run: dict[str, list[Setting]] = {run: [] for run in runs}

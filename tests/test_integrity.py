@@ -34,6 +34,9 @@ from tests.helpers import (
     xadd_event,
 )
 
+# The consumer group every store's ingesters shared before each store had its own (wire.store_group).
+LEGACY_GROUP = "runbus"
+
 
 @pytest.fixture
 def client(redis_url):
@@ -468,16 +471,16 @@ def test_group_overrides_and_the_old_shared_group_on_upgrade(client, redis_url, 
     key = wire.stream_key("upgrade", "rank0")
     total = write_runs(client, ["upgrade"], 20)
     # An older ingester left the shared `runbus` group with entries read but not acknowledged.
-    client.xgroup_create(key, wire.LEGACY_GROUP, id="0")
-    client.xreadgroup(wire.LEGACY_GROUP, "old-worker", {key: ">"}, count=5)
+    client.xgroup_create(key, LEGACY_GROUP, id="0")
+    client.xreadgroup(LEGACY_GROUP, "old-worker", {key: ">"}, count=5)
     stats = ingest(redis_url, store_url)
     # The store's own group starts at the stream's first entry: it reads them all, those included.
     assert stats.entries == total and stats.stored == total
     assert read_store(store_url, "run", "upgrade").state == "finished"
-    assert client.xpending(key, wire.LEGACY_GROUP)["pending"] == 5  # left as it was
+    assert client.xpending(key, LEGACY_GROUP)["pending"] == 5  # left as it was
     run_cli("--store", store_url, "ingest", "--redis", redis_url, "--burst", "--group", "pinned")
     groups = {g["name"].decode(): g["pending"] for g in client.xinfo_groups(key)}
-    assert groups == {wire.LEGACY_GROUP: 5, store_group(store_url): 0, "pinned": 0}
+    assert groups == {LEGACY_GROUP: 5, store_group(store_url): 0, "pinned": 0}
 
 
 def test_the_demo_beside_a_real_ingester_leaves_the_real_run_whole(client, redis_url, tmp_path, monkeypatch):
