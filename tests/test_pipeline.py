@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
 
-from tests.helpers import ingest, ingest_command, read_store, run_cli
+from runbus.storage import sqlite as sqlite_backend
+from tests.helpers import ingest, ingest_command, read_store, run_cli, wait_for
 
 RANK = textwrap.dedent(
     """
@@ -25,6 +27,22 @@ RANK = textwrap.dedent(
     assert run.finish(exit_code=exit_code), "finish did not ship everything"
     """
 )
+
+
+def store_opened(store_url: str) -> bool:
+    """Whether a worker has created and migrated the SQLite store at `store_url` (read behind
+    its back, never creating it)."""
+    path = store_url.removeprefix("sqlite:///")
+    if not os.path.exists(path):
+        return False
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return con.execute("PRAGMA user_version").fetchone()[0] >= len(sqlite_backend.MIGRATIONS)
+        finally:
+            con.close()
+    except sqlite3.Error:  # being created: not yet
+        return False
 
 
 def start_ranks(
@@ -91,6 +109,9 @@ def test_ranks_log_while_an_ingester_runs(redis_url, store_url):
         text=True,
     )
     try:
+        # Its SIGTERM handler is in place once it has opened the store: a stop sent while the
+        # interpreter still imports would end it as the default action does, with -15.
+        wait_for("the worker to open its store", lambda: store_opened(store_url) or worker.poll() is not None)
         ranks = start_ranks(redis_url, "e2e-live", world, steps)
         assert [p.wait(60) for p in ranks] == [0] * world
     finally:
