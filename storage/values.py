@@ -10,6 +10,7 @@ order and the types the tables are built from, never a Python object per value.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,6 +20,7 @@ import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
+from runbus.storage.columns import bounds
 from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
 from runbus.storage.rules import natural_key
 
@@ -174,16 +176,15 @@ def _clocks_in_order(
 
 
 def _seq_bounds(blob: bytes) -> tuple[int, int]:
-    """A chunk's first and last seq, from its header (docs/columns.md)."""
-    return int.from_bytes(blob[6:14], "little", signed=True), int.from_bytes(
-        blob[14:22], "little", signed=True
-    )
+    """A chunk's first and last seq, from its header."""
+    found = bounds(blob)
+    return found.first_seq, found.last_seq
 
 
 def _counts(blobs: list[bytes]) -> Ints:
-    """Each chunk's point count, from its header (docs/columns.md): decode_many leaves out the
-    empty chunks, whose count is 0 here too."""
-    return np.array([int.from_bytes(blob[2:6], "little") for blob in blobs], np.int64)
+    """Each chunk's point count, from its header: decode_many leaves out the empty chunks,
+    whose count is 0 here too."""
+    return np.array([bounds(blob).points for blob in blobs], np.int64)
 
 
 def _times(
@@ -287,13 +288,8 @@ def by_time(v: Values) -> Values:
 
 def after(v: Values, key: str, epoch: int, seq: int) -> Values:
     """The points past (key, epoch, seq), of a single label's points in (key, epoch, seq) order."""
-    code = int(np.searchsorted(np.array(v.keys, dtype=object), key, side="left")) if v.keys else 0
-    same = code < len(v.keys) and v.keys[code] == key
-    later = v.key > code if same else v.key >= code
-    if same:
-        mine = v.key == code
-        later |= mine & ((v.epoch > epoch) | ((v.epoch == epoch) & (v.seq > seq)))
-    return v.take(later)
+    code = bisect_left(v.keys, key)
+    return v.take(~_up_to(v, code, epoch, seq, v.keys[code : code + 1] == [key], inclusive=True))
 
 
 def page(
@@ -353,9 +349,18 @@ class Pager:
 
 
 def _before(v: Values, key: str, epoch: int, seq: int) -> Values:
-    code = v.keys.index(key) if key in v.keys else int(np.searchsorted(np.array(v.keys, dtype=object), key))
-    earlier = (v.key < code) | ((v.key == code) & ((v.epoch < epoch) | ((v.epoch == epoch) & (v.seq < seq))))
-    return v.take(earlier)
+    """The points before (key, epoch, seq), of points in (key, epoch, seq) order."""
+    code = bisect_left(v.keys, key)
+    return v.take(_up_to(v, code, epoch, seq, v.keys[code : code + 1] == [key], inclusive=False))
+
+
+def _up_to(v: Values, code: int, epoch: int, seq: int, known: bool, inclusive: bool) -> Mask:
+    """Which points come before (key, epoch, seq), or at it with `inclusive`: `code` is the
+    key's place in v.keys (sorted), where it is if `known`, else where it would go."""
+    if not known:
+        return v.key < code
+    at = (v.epoch < epoch) | ((v.epoch == epoch) & ((v.seq <= seq) if inclusive else (v.seq < seq)))
+    return (v.key < code) | ((v.key == code) & at)
 
 
 STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1
