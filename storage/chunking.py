@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from runbus.storage.base import PointTable
+from runbus.storage.columns import bounds
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, encode_arrays
 from runbus.storage.rollups import KeyColumns, column_rows, series_run
 from runbus.storage.rules import RUNNING
@@ -257,56 +258,50 @@ def _cuts(count: int) -> Iterator[tuple[int, int]]:
 def _key_chunks(label_id: int, series_id: int, epoch: int, c: _Columns) -> Iterator[ChunkRow]:
     for start, end in _cuts(len(c.seq)):
         part = slice(start, end)
-        nulls, seqs, ts = c.nulls[part], c.seq[part], c.ts[part]
-        given = c.step[part][~nulls]
+        nulls = c.nulls[part]
         data = encode_arrays(
             Arrays(
-                seqs,
+                c.seq[part],
                 c.step[part],
                 nulls if nulls.any() else None,
                 np.zeros(end - start, np.int64),
                 c.value[part],
             )
         )
-        yield ChunkRow(
-            label_id,
-            series_id,
-            epoch,
-            int(seqs[0]),
-            int(seqs[-1]),
-            end - start,
-            int(given.min()) if len(given) else None,
-            int(given.max()) if len(given) else None,
-            float(ts.min()),
-            float(ts.max()),
-            data,
-        )
+        yield _row(label_id, series_id, epoch, data, c.ts[part])
 
 
 def _clock_chunks(label_id: int, epoch: int, c: _Columns) -> Iterator[ChunkRow]:
     """A label epoch's events once each: their seqs, and their ts as the float64's bits."""
     for start, end in _cuts(len(c.seq)):
         count = end - start
-        seqs, ts = c.seq[start:end], c.ts[start:end]
+        ts = c.ts[start:end]
         data = encode_arrays(
             Arrays(
-                seqs,
+                c.seq[start:end],
                 np.zeros(count, np.int64),
                 np.ones(count, np.bool_),
                 np.ascontiguousarray(ts).view(np.int64),
                 np.zeros(count, np.int64),
             )
         )
-        yield ChunkRow(
-            label_id,
-            CLOCK,
-            epoch,
-            int(seqs[0]),
-            int(seqs[-1]),
-            count,
-            None,
-            None,
-            float(ts.min()),
-            float(ts.max()),
-            data,
-        )
+        yield _row(label_id, CLOCK, epoch, data, ts)
+
+
+def _row(label_id: int, series_id: int, epoch: int, data: bytes, ts: Floats) -> ChunkRow:
+    """A chunk's row: its bounds as its header gives them (steps None where it has none), and
+    its points' times (`ts`, which a series chunk's bytes leave out)."""
+    found = bounds(data)
+    return ChunkRow(
+        label_id,
+        series_id,
+        epoch,
+        found.first_seq,
+        found.last_seq,
+        found.points,
+        found.min_step if found.has_steps else None,
+        found.max_step if found.has_steps else None,
+        float(ts.min()),
+        float(ts.max()),
+        data,
+    )
