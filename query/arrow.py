@@ -33,7 +33,7 @@ async def arrow_table(
 
     read = await frames.read_values(store, run_id, table, keys, labels, steps)
     found = read.found
-    ts = frames.micros(found.ts)
+    ts = frames.micros(found.ts, reuse=True)  # the read's own array: its seconds are not read again
     columns = {
         "label": _dictionary(frames.category_codes(found.label, found.labels, read.labels), read.labels),
         "key": _dictionary(frames.category_codes(found.key, found.keys, read.keys), read.keys),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from runbus import wire
 from runbus.errors import CommandError, MissingDependency
@@ -54,6 +54,7 @@ WIDE_RENAMED = "metric:"  # what a key named like one of WIDE_COLUMNS gets in fr
 LISTED_NAMES = 20  # labels or keys an unknown one's error names
 # Within the span of datetime64[us] (2**63 microseconds): a ts beyond it is NaT.
 MAX_MICROSECONDS = 9.2e18
+CAST_SLICE = 1 << 16  # values cast from float64 to int64 in place at a time
 
 
 def require_pandas() -> None:
@@ -286,26 +287,35 @@ def _point_table(read: RunValues, table: PointTable) -> pd.DataFrame:
         "lease_epoch": pd.Series(found.epoch, copy=False),
         "life": pd.Series(read.life, copy=False),
         "seq": pd.Series(found.seq, copy=False),
-        "ts": _times(found.ts),
+        "ts": _times(found.ts, reuse=True),  # the read's own array: its seconds are not read again
         "value": pd.Series(found.value, copy=False),
     }
     return pd.DataFrame(columns, copy=False)
 
 
-def category_codes(codes: np.ndarray, names: list[str], categories: list[str]) -> np.ndarray:
-    """Codes into `names` as codes into `categories` (which hold every one of `names`)."""
+def category_codes(
+    codes: np.ndarray, names: list[str], categories: list[str], dtype: type[np.integer] | None = None
+) -> np.ndarray:
+    """Codes into `names` as codes into `categories` (which hold every one of `names`), int32
+    or `dtype`."""
     import numpy as np
 
     place = {name: at for at, name in enumerate(categories)}
-    remap = np.array([place[name] for name in names], np.int32)
-    return remap[codes] if len(codes) else np.zeros(0, np.int32)
+    remap = np.array([place[name] for name in names], dtype or np.int32)
+    return remap[codes] if len(codes) else np.zeros(0, remap.dtype)
 
 
 def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Series:
+    import numpy as np
     import pandas as pd
 
+    # Codes as small as pandas keeps them: made so at once, not made int32 and then copied.
+    small = np.int8 if len(categories) < 2**7 else np.int16 if len(categories) < 2**15 else np.int32
     return pd.Series(
-        pd.Categorical.from_codes(category_codes(codes, names, categories), categories=pd.Index(categories))
+        pd.Categorical.from_codes(
+            category_codes(codes, names, categories, small), categories=pd.Index(categories)
+        ),
+        copy=False,
     )
 
 
@@ -401,24 +411,40 @@ def _seconds(ts: float | None) -> float:
     return float("nan") if ts is None else ts
 
 
-def _times(seconds: Sequence[float] | np.ndarray) -> pd.Series:
+def _times(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> pd.Series:
     """Seconds since the epoch as UTC timestamps to the microsecond; NaN (and any value beyond
-    what a timestamp can hold) as NaT."""
+    what a timestamp can hold) as NaT. With `reuse`, `seconds` (a float64 array the caller gives
+    up) holds them: a table's timestamps cost no copy."""
     import pandas as pd
 
-    return pd.Series(micros(seconds).view("datetime64[us]"), copy=False).dt.tz_localize("UTC")
+    whole = micros(seconds, reuse).view("datetime64[us]")
+    try:
+        # pandas' own constructor of an array it has checked: tz_localize("UTC") would copy the
+        # column (8 bytes a value) to change nothing but its type.
+        utc = cast(Any, pd.arrays.DatetimeArray)._simple_new(whole, dtype=pd.DatetimeTZDtype("us", "UTC"))
+    except (AttributeError, TypeError):  # a pandas without it: the public way
+        return pd.Series(whole, copy=False).dt.tz_localize("UTC")
+    return pd.Series(utc, copy=False)
 
 
-def micros(seconds: Sequence[float] | np.ndarray) -> np.ndarray:
+def micros(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> np.ndarray:
     """Seconds since the epoch as whole microseconds (int64), NaT's value (int64's least) where
-    NaN or beyond what a timestamp can hold."""
+    NaN or beyond what a timestamp can hold; with `reuse`, in the buffer of `seconds` (a float64
+    array the caller gives up)."""
     import numpy as np
 
-    whole = np.multiply(np.asarray(seconds, dtype=np.float64), 1e6)
+    if reuse and isinstance(seconds, np.ndarray) and seconds.dtype == np.float64 and seconds.flags.writeable:
+        whole = np.multiply(seconds, 1e6, out=seconds)
+    else:
+        whole = np.multiply(np.asarray(seconds, dtype=np.float64), 1e6)
     np.rint(whole, out=whole)
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(whole) < MAX_MICROSECONDS)  # NaN compares False: bad too
     whole[bad] = 0
-    out = whole.astype(np.int64)
+    out = whole.view(np.int64)
+    # Converted in place a slice at a time: numpy copies an overlapping source first, so the
+    # slice bounds what that costs.
+    for at in range(0, len(out), CAST_SLICE):
+        out[at : at + CAST_SLICE] = whole[at : at + CAST_SLICE]
     out[bad] = np.iinfo(np.int64).min
     return out

@@ -10,9 +10,13 @@ order and the types the tables are built from, never a Python object per value.
 
 from __future__ import annotations
 
+import os
+import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -20,7 +24,7 @@ import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
-from runbus.storage.columns import bounds
+from runbus.storage.columns import Bounds, bounds
 from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
 from runbus.storage.rules import natural_key
 
@@ -31,6 +35,9 @@ ClockPart = tuple[str, int, bytes]
 # A head row: (label, key, epoch, seq, step or None, ts, value or None).
 HeadRow = tuple[str, str, int, int, int | None, float, float | bytes | None]
 
+
+SLICE_POINTS = 1 << 17  # points decoded together: a read's workings beyond its columns
+DECODE_THREADS = 4  # at most, and no more than the machine's cores
 
 # Label and key codes: places in Values.labels and Values.keys.
 Codes = npt.NDArray[np.int32]
@@ -127,118 +134,168 @@ def _joined(labels: list[str], keys: list[str], parts: list[Values]) -> Values:
 def _from_chunks(
     chunks: list[ChunkPart], clocks: list[ClockPart], label_code: dict[str, int], key_code: dict[str, int]
 ) -> Values:
+    """The points of `chunks`, decoded a slice at a time into columns made once (slices side by
+    side on threads): a read holds its columns and a slice's workings, never every chunk's."""
+    chunks.sort(key=lambda c: (label_code[c[0]], key_code[c[1]], c[2], c[3]))
+    heads = [bounds(chunk[4]) for chunk in chunks]
+    if not all(head.points for head in heads):  # decode_many leaves empty chunks out: so do we
+        kept = [(chunk, head) for chunk, head in zip(chunks, heads, strict=True) if head.points]
+        chunks, heads = [chunk for chunk, _ in kept], [head for _, head in kept]
     if not chunks:
         return empty()
-    chunks.sort(key=lambda c: (label_code[c[0]], key_code[c[1]], c[2], c[3]))
-    counts = _counts([c[4] for c in chunks])
-    if not counts.all():  # decode_many leaves empty chunks out: so do the columns beside them
-        chunks = [chunk for chunk, count in zip(chunks, counts.tolist(), strict=True) if count]
-        counts = counts[counts > 0]
-    arrays = decode_many([c[4] for c in chunks])
+    counts = np.array([head.points for head in heads], np.int64)
     # Each label epoch a group: a point's timestamp is its group's clock's at its seq.
     groups: dict[tuple[str, int], int] = {}
     chunk_group = np.array([groups.setdefault((c[0], c[2]), len(groups)) for c in chunks], np.int64)
-    nulls = arrays.step_nulls if arrays.step_nulls is not None else np.zeros(len(arrays.seqs), np.bool_)
-    return Values(
+    clock = _Clock.of(clocks, groups, chunks, heads)
+    total = int(counts.sum())
+    found = Values(
         [],
         [],
         np.repeat(np.array([label_code[c[0]] for c in chunks], np.int32), counts),
         np.repeat(np.array([key_code[c[1]] for c in chunks], np.int32), counts),
         np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
-        arrays.seqs,
-        arrays.steps,
-        nulls,
-        _times(chunk_group, counts, arrays.seqs, _clocks_in_order(clocks, groups, chunks), groups),
-        arrays.values.astype(np.float64, copy=False),
+        np.empty(total, np.int64),
+        np.empty(total, np.int64),
+        np.empty(total, np.bool_),
+        np.empty(total, np.float64),
+        np.empty(total, np.float64),
     )
+    offsets = np.cumsum(counts) - counts
+
+    def fill(first: int, end: int) -> None:
+        arrays = decode_many([chunk[4] for chunk in chunks[first:end]])
+        at = slice(int(offsets[first]), int(offsets[first]) + len(arrays.seqs))
+        found.seq[at], found.step[at], found.value[at] = arrays.seqs, arrays.steps, arrays.values
+        found.no_step[at] = False if arrays.step_nulls is None else arrays.step_nulls
+        found.ts[at] = clock.times(chunk_group[first:end], counts[first:end], arrays.seqs)
+
+    _side_by_side(fill, _slices(counts))
+    return found
 
 
-def _clocks_in_order(
-    clocks: list[ClockPart], groups: dict[tuple[str, int], int], chunks: list[ChunkPart]
-) -> list[ClockPart]:
-    """The clock chunks that hold the seqs of `chunks`' label epochs (`groups`), by group and
-    then first seq (the seqs of one clock chunk rise)."""
-    spans: dict[int, tuple[int, int]] = {}
-    for chunk in chunks:
-        group = groups[chunk[0], chunk[2]]
-        first, last = _seq_bounds(chunk[4])
-        low, high = spans.get(group, (first, last))
-        spans[group] = (min(low, first), max(high, last))
-    mine = []
-    for clock in clocks:
-        of = groups.get((clock[0], clock[1]))
-        if of is not None:
-            first, last = _seq_bounds(clock[2])
-            if last >= spans[of][0] and first <= spans[of][1]:
-                mine.append((of, first, clock))
-    mine.sort(key=lambda found: found[:2])
-    return [clock for _, _, clock in mine]
+def _slices(counts: Ints) -> list[tuple[int, int]]:
+    """(first, end) chunk indexes of slices of about SLICE_POINTS points (a chunk is not cut)."""
+    ends = np.flatnonzero(np.diff(np.cumsum(counts) // SLICE_POINTS)) + 1
+    edges = [0, *ends.tolist(), len(counts)]
+    return [(first, end) for first, end in pairwise(edges) if end > first]
 
 
-def _seq_bounds(blob: bytes) -> tuple[int, int]:
-    """A chunk's first and last seq, from its header."""
-    found = bounds(blob)
-    return found.first_seq, found.last_seq
+def _side_by_side(work: Callable[[int, int], None], slices: list[tuple[int, int]]) -> None:
+    """work(first, end) for every slice: on the decoding threads where there are several."""
+    if len(slices) == 1:
+        work(*slices[0])
+        return
+    for done in [_threads().submit(work, first, end) for first, end in slices]:
+        done.result()
 
 
-def _counts(blobs: list[bytes]) -> Ints:
-    """Each chunk's point count, from its header: decode_many leaves out the empty chunks,
-    whose count is 0 here too."""
-    return np.array([bounds(blob).points for blob in blobs], np.int64)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
-def _times(
-    chunk_group: Ints, counts: Ints, seq: Ints, clocks: list[ClockPart], groups: dict[tuple[str, int], int]
-) -> Floats:
-    """Each point's timestamp, from its label epoch's clock (chunks laid end to end: each one's
-    group and point count); NaN where the clock lacks its seq (a store damaged by hand: every
-    compaction writes the clock with the values)."""
-    if not clocks or not len(seq):
-        return np.full(len(seq), np.nan)
-    arrays = decode_many([c[2] for c in clocks])
-    clock_group = np.repeat(
-        np.array([groups[c[0], c[1]] for c in clocks], np.int64), _counts([c[2] for c in clocks])
-    )
-    clock_seq, clock_ts = arrays.seqs, arrays.ts.view(np.float64)
-    group = np.repeat(chunk_group, counts)
-    low = min(int(seq.min()), int(clock_seq.min(initial=0)))
-    span = max(int(seq.max()), int(clock_seq.max(initial=0))) - low + 1
-    if len(groups) * span >= 2**62:  # seqs this far apart: a label epoch at a time
-        return _times_by_group(group, seq, clock_group, clock_seq, clock_ts)
-    # (group, seq) as one rank, in which the clock is sorted and each point is looked up.
-    ranks = clock_group * span + (clock_seq - low)
-    if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():  # a late compaction's clock
-        order = np.argsort(ranks, kind="stable")
-        ranks, clock_seq, clock_ts = ranks[order], clock_seq[order], clock_ts[order]
-    # Where a chunk's seqs are the clock's between its first and last (a key logged at every
-    # event: the common case), its points' places in the clock follow from its first's alone.
-    starts = np.cumsum(counts) - counts
-    first = np.searchsorted(ranks, chunk_group * span + (seq[starts] - low))
-    at = np.arange(len(seq)) + np.repeat(first - starts, counts)
-    np.minimum(at, len(ranks) - 1, out=at)
-    found = (clock_seq[at] == seq) & (clock_group[at] == group)
-    if not found.all():  # the others looked up one by one
-        lost = np.flatnonzero(~found)
-        wanted = group[lost] * span + (seq[lost] - low)
-        at[lost] = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
-        found[lost] = ranks[at[lost]] == wanted
-    ts = clock_ts[at]
-    ts[~found] = np.nan
-    return ts
+def _threads() -> ThreadPoolExecutor:
+    """The threads that decode slices of a read side by side: zlib and numpy let go of the GIL
+    while they work, so a read uses the machine's cores (up to DECODE_THREADS)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                min(DECODE_THREADS, os.cpu_count() or 1), thread_name_prefix="runbus-decode"
+            )
+        return _pool
 
 
-def _times_by_group(group: Ints, seq: Ints, clock_group: Ints, clock_seq: Ints, clock_ts: Floats) -> Floats:
-    ts = np.full(len(seq), np.nan)
-    for g in np.unique(group).tolist():
-        mine, clock = group == g, clock_group == g
-        order = np.argsort(clock_seq[clock], kind="stable")
-        seqs, times = clock_seq[clock][order], clock_ts[clock][order]
-        if not len(seqs):
-            continue
-        at = np.minimum(np.searchsorted(seqs, seq[mine]), len(seqs) - 1)
-        found = seqs[at] == seq[mine]
-        ts[np.flatnonzero(mine)[found]] = times[at[found]]
-    return ts
+def _forget_threads() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
+class _Clock:
+    """The timestamps of a read's label epochs (groups), looked up by (group, seq): the clock
+    chunks that hold the read chunks' seqs, decoded once for every slice of the read."""
+
+    def __init__(self, group: Ints, seq: Ints, ts: Floats, low: int, span: int) -> None:
+        self.group, self.seq, self.ts, self.low, self.span = group, seq, ts, low, span
+        # (group, seq) as one rank, in which the clock is sorted and each point is looked up; a
+        # label epoch at a time where seqs lie too far apart for one.
+        self.ranks: Ints | None = None
+        if len(seq) and (int(group.max()) + 1) * span < 2**62:
+            ranks = group * span + (seq - low)
+            if len(ranks) > 1 and not (ranks[1:] > ranks[:-1]).all():  # a late compaction's clock
+                order = np.argsort(ranks, kind="stable")
+                ranks, self.group, self.seq, self.ts = ranks[order], group[order], seq[order], ts[order]
+            self.ranks = ranks
+
+    @classmethod
+    def of(
+        cls,
+        clocks: list[ClockPart],
+        groups: dict[tuple[str, int], int],
+        chunks: list[ChunkPart],
+        heads: list[Bounds],
+    ) -> _Clock:
+        spans: dict[int, tuple[int, int]] = {}
+        for chunk, head in zip(chunks, heads, strict=True):
+            of_chunk = groups[chunk[0], chunk[2]]
+            low, high = spans.get(of_chunk, (head.first_seq, head.last_seq))
+            spans[of_chunk] = (min(low, head.first_seq), max(high, head.last_seq))
+        mine = []
+        for clock in clocks:
+            of = groups.get((clock[0], clock[1]))
+            head = bounds(clock[2])
+            if of is None or not head.points:
+                continue
+            if head.last_seq >= spans[of][0] and head.first_seq <= spans[of][1]:
+                mine.append((of, head.first_seq, head.points, clock[2]))
+        mine.sort(key=lambda found: found[:2])
+        arrays = decode_many([blob for _, _, _, blob in mine])
+        group = np.repeat(np.array([of for of, _, _, _ in mine], np.int64), [n for _, _, n, _ in mine])
+        low = min([head.first_seq for head in heads] + ([int(arrays.seqs.min())] if mine else []))
+        high = max([head.last_seq for head in heads] + ([int(arrays.seqs.max())] if mine else []))
+        return cls(group, arrays.seqs, arrays.ts.view(np.float64), low, high - low + 1)
+
+    def times(self, chunk_group: Ints, counts: Ints, seq: Ints) -> Floats:
+        """Each point's timestamp (chunks laid end to end: each one's group and point count);
+        NaN where the clock lacks its seq (a store damaged by hand: every compaction writes the
+        clock with the values)."""
+        if not len(self.seq) or not len(seq):
+            return np.full(len(seq), np.nan)
+        group = np.repeat(chunk_group, counts)
+        if self.ranks is None:
+            return self._by_group(group, seq)
+        ranks, span, low = self.ranks, self.span, self.low
+        # Where a chunk's seqs are the clock's between its first and last (a key logged at every
+        # event: the common case), its points' places in the clock follow from its first's alone.
+        starts = np.cumsum(counts) - counts
+        first = np.searchsorted(ranks, chunk_group * span + (seq[starts] - low))
+        at = np.arange(len(seq)) + np.repeat(first - starts, counts)
+        np.minimum(at, len(ranks) - 1, out=at)
+        found = (self.seq[at] == seq) & (self.group[at] == group)
+        if not found.all():  # the others looked up one by one
+            lost = np.flatnonzero(~found)
+            wanted = group[lost] * span + (seq[lost] - low)
+            at[lost] = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
+            found[lost] = ranks[at[lost]] == wanted
+        ts = self.ts[at]
+        ts[~found] = np.nan
+        return ts
+
+    def _by_group(self, group: Ints, seq: Ints) -> Floats:
+        ts = np.full(len(seq), np.nan)
+        for g in np.unique(group).tolist():
+            mine, clock = group == g, self.group == g
+            order = np.argsort(self.seq[clock], kind="stable")
+            seqs, times = self.seq[clock][order], self.ts[clock][order]
+            if not len(seqs):
+                continue
+            at = np.minimum(np.searchsorted(seqs, seq[mine]), len(seqs) - 1)
+            hit = seqs[at] == seq[mine]
+            ts[np.flatnonzero(mine)[hit]] = times[at[hit]]
+        return ts
 
 
 def _from_head(head: list[HeadRow], label_code: dict[str, int], key_code: dict[str, int]) -> Values:
