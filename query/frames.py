@@ -300,6 +300,8 @@ def category_codes(
     or `dtype`."""
     import numpy as np
 
+    if names == categories:  # every label (or key) of the run read: the codes are already theirs
+        return codes.astype(dtype or np.int32, copy=False)
     place = {name: at for at, name in enumerate(categories)}
     remap = np.array([place[name] for name in names], dtype or np.int32)
     return remap[codes] if len(codes) else np.zeros(0, remap.dtype)

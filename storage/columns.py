@@ -170,6 +170,11 @@ def deflate(data: bytes, level: int) -> bytes:
     return packer.compress(data) + packer.flush()
 
 
+# zlib of nothing (a column whose kept planes are all stored, or none kept: a column of zeros),
+# made once rather than for every such column.
+_NOTHING_DEFLATED = deflate(b"", ZLIB_LEVEL)
+
+
 # The bytes of a plane that incompressible() looks at: its first, as many as a typical chunk's.
 SAMPLE = 512
 # Distinct byte values that make a sample of n bytes noise (columns_numpy counts them too): 80% of
@@ -203,7 +208,7 @@ def pack_planes(planes: Sequence[bytes], count: int, noise: Sequence[bool] | Non
         [
             bytes([sum(1 << index for index in kept), sum(1 << index for index in stored)]),
             *(planes[index] for index in stored),
-            deflate(b"".join(planes[index] for index in packed), ZLIB_LEVEL),
+            deflate(b"".join(planes[index] for index in packed), ZLIB_LEVEL) if packed else _NOTHING_DEFLATED,
         ]
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import operator
 import ssl
 import time
@@ -1062,7 +1063,9 @@ class PostgresStore(reads.SharedReads):
                     f"JOIN {table} m ON m.label_id = l.id WHERE l.run_id = $1{head_where}",
                     *head_args,
                 )
-            return values.in_steps(values.assemble(chunks, clocks, head), in_range)
+            # Decoded off the event loop: a dashboard serving others goes on meanwhile.
+            found = await asyncio.to_thread(values.assemble, chunks, clocks, head)
+            return values.in_steps(found, in_range)
 
         return await self._call(read)
 

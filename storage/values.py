@@ -116,10 +116,16 @@ def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Ite
         return empty()
     label_code = {name: code for code, name in enumerate(labels)}
     key_code = {name: code for code, name in enumerate(keys)}
-    parts = [_from_chunks(chunks, list(clocks), label_code, key_code), _from_head(head, label_code, key_code)]
-    parts = [part for part in parts if len(part)] or parts[:1]
-    # One part (a run whose values are all in chunks, or all in its head) is taken as it is.
-    joined = replace(parts[0], labels=labels, keys=keys) if len(parts) == 1 else _joined(labels, keys, parts)
+    chunked, ordered = _from_chunks(chunks, list(clocks), label_code, key_code)
+    rows = _from_head(head, label_code, key_code)
+    if not len(rows):  # a run's values all in chunks: in order unless chunks overlap
+        joined = replace(chunked, labels=labels, keys=keys)
+        return joined if ordered else joined.take(_order(joined))
+    joined = (
+        replace(rows, labels=labels, keys=keys)
+        if not len(chunked)
+        else _joined(labels, keys, [chunked, rows])
+    )
     return joined if _in_order(joined) else joined.take(_order(joined))
 
 
@@ -133,16 +139,18 @@ def _joined(labels: list[str], keys: list[str], parts: list[Values]) -> Values:
 
 def _from_chunks(
     chunks: list[ChunkPart], clocks: list[ClockPart], label_code: dict[str, int], key_code: dict[str, int]
-) -> Values:
+) -> tuple[Values, bool]:
     """The points of `chunks`, decoded a slice at a time into columns made once (slices side by
-    side on threads): a read holds its columns and a slice's workings, never every chunk's."""
+    side on threads): a read holds its columns and a slice's workings, never every chunk's.
+    And whether they are in (label, key, epoch, seq) order: unless a late compaction's chunk
+    overlaps another's seqs, as its header says."""
     chunks.sort(key=lambda c: (label_code[c[0]], key_code[c[1]], c[2], c[3]))
     heads = [bounds(chunk[4]) for chunk in chunks]
     if not all(head.points for head in heads):  # decode_many leaves empty chunks out: so do we
         kept = [(chunk, head) for chunk, head in zip(chunks, heads, strict=True) if head.points]
         chunks, heads = [chunk for chunk, _ in kept], [head for _, head in kept]
     if not chunks:
-        return empty()
+        return empty(), True
     counts = np.array([head.points for head in heads], np.int64)
     # Each label epoch a group: a point's timestamp is its group's clock's at its seq.
     groups: dict[tuple[str, int], int] = {}
@@ -171,7 +179,20 @@ def _from_chunks(
         found.ts[at] = clock.times(chunk_group[first:end], counts[first:end], arrays.seqs)
 
     _side_by_side(fill, _slices(counts))
-    return found
+    return found, not _overlapping(chunks, heads)
+
+
+def _overlapping(chunks: list[ChunkPart], heads: list[Bounds]) -> bool:
+    """Whether a chunk's seqs reach into the next one's of the same label, key and epoch (the
+    chunks in that order, then by first seq)."""
+    return any(
+        ahead.last_seq >= behind.first_seq and _series_of(before) == _series_of(after)
+        for before, after, ahead, behind in zip(chunks, chunks[1:], heads, heads[1:], strict=False)
+    )
+
+
+def _series_of(chunk: ChunkPart) -> tuple[str, str, int]:
+    return chunk[0], chunk[1], chunk[2]  # label, key, epoch (a database's row, sliced, may not be a tuple)
 
 
 def _slices(counts: Ints) -> list[tuple[int, int]]:

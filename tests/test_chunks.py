@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
+import numpy as np
 import pytest
 import redis
 
-from runbus.storage import Store, open_store
+from runbus.storage import Store, open_store, values
 from runbus.storage.chunking import COMPACT_EVENTS
 from tests import old_stores
 from tests.helpers import T0, OpenStore, ingest, read_store, wait_for, xadd_event
@@ -122,6 +123,34 @@ async def test_a_late_event_inside_a_compacted_range_is_read_in_its_place(store:
         after = (got[-1].key, got[-1].epoch, got[-1].seq)
     assert [p.seq for p in page] == list(range(2, 600))
     assert [p.value for p in page] == [float(s) for s in range(2, 600)]
+
+
+async def test_a_read_in_many_slices_on_threads_keeps_every_point_in_order(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slices of 50 points: a chunk of several hundred is never cut, chunks of three labels
+    # overlap where late events were compacted after them, and slices decode side by side.
+    monkeypatch.setattr(values, "SLICE_POINTS", 50)
+    late = {300, 301, 450}
+    for label in ("rank0", "rank1", "rank2"):
+        await store.write([start(1, primary=label == "rank0", label=label)])
+        await store.write(
+            [
+                metric(s, {"loss": noisy(s), "lr": float(s)}, step=s, label=label)
+                for s in range(2, 600)
+                if s not in late
+            ]
+        )
+        await store.write([finish(600, label=label)])
+        await store.write(
+            [metric(s, {"loss": noisy(s), "lr": float(s)}, step=s, label=label) for s in sorted(late)]
+        )
+    found = await store.values(RUN)
+    assert found.labels == ["rank0", "rank1", "rank2"] and found.keys == ["loss", "lr"]
+    expected = [(lab, key, s) for lab in range(3) for key in range(2) for s in range(2, 600)]
+    assert list(zip(found.label.tolist(), found.key.tolist(), found.seq.tolist(), strict=True)) == expected
+    assert found.value[found.key == 1].tolist() == [float(s) for s in range(2, 600)] * 3
+    assert not np.isnan(found.ts).any()
 
 
 async def test_pages_of_chunks_and_head_read_every_point_once_in_order(store: Store) -> None:
