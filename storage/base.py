@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
 from runbus.storage.rules import Gap, lives_of
+from runbus.storage.runlist import RunQuery
 from runbus.wire import Event
 
 if TYPE_CHECKING:
@@ -99,6 +100,16 @@ class RunSummary:
     tags: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     set_by: SetBy = field(default_factory=SetBy)
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    """A page of the runs a RunQuery matches, and how many match in all."""
+
+    runs: list[RunSummary]
+    total: int
+    offset: int
+    limit: int | None
 
 
 # The two tables of numbers a run keeps: its metrics and its system samples.
@@ -405,6 +416,10 @@ class Store(RollupReader, Protocol):
 
     async def runs(self) -> list[RunSummary]:
         """Every run, newest first (labels not filled in)."""
+
+    async def run_page(self, query: RunQuery) -> RunPage:
+        """The runs `query` matches, in its order, the page it asks for (labels not filled in),
+        with how many match in all, read in one snapshot."""
 
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""

@@ -30,6 +30,19 @@ class Dialect:
     find: str
     # The LIMIT argument that means no limit (SQLite refuses NULL; PostgreSQL refuses -1).
     no_limit: int | None
+    # A text's ASCII letters in lower case and no other character changed (PostgreSQL's lower()
+    # under its "C" collation; SQLite's lower() does no more), as a format of the text.
+    fold: str
+    # The collation that orders texts by code point.
+    bytewise: str
+    # The string elements of a JSON array `{doc}` as rows of one column, `value` (none if `{doc}`
+    # is NULL or not an array).
+    strings: str
+    # The JSON text of the member of a JSON object `{doc}` named by the next argument, as
+    # member_name gives it (NULL if absent).
+    member: str
+    # The member's name as SQLite's JSON path (`$."key"`) rather than the key itself.
+    json_path: bool
 
     def sql(self, query: str) -> str:
         """`query`, written with `?` placeholders, in this backend's style."""
@@ -44,5 +57,34 @@ class Dialect:
         return self.no_limit if limit is None or limit < 0 else limit
 
 
-SQLITE = Dialect(numbered=False, find="instr", no_limit=-1)
-POSTGRES = Dialect(numbered=True, find="strpos", no_limit=None)
+    def member_name(self, key: str) -> str:
+        """The argument naming `key` (without `"` or `\\`) for `member`."""
+        return f'$."{key}"' if self.json_path else key
+
+
+SQLITE = Dialect(
+    numbered=False,
+    find="instr",
+    no_limit=-1,
+    fold="lower({})",
+    bytewise="BINARY",
+    strings=(
+        "SELECT t.value AS value FROM json_each(CASE WHEN json_type({doc}) = 'array' THEN {doc} END) t "
+        "WHERE t.type = 'text'"
+    ),
+    member="({doc} -> ?)",
+    json_path=True,
+)
+POSTGRES = Dialect(
+    numbered=True,
+    find="strpos",
+    no_limit=None,
+    fold='lower(({}) COLLATE "C")',
+    bytewise='"C"',
+    strings=(
+        "SELECT t.e #>> '{{}}' AS value FROM json_array_elements(CASE WHEN json_typeof({doc}) = 'array' "
+        "THEN {doc} END) AS t(e) WHERE json_typeof(t.e) = 'string'"
+    ),
+    member="CAST({doc} -> CAST(? AS TEXT) AS TEXT)",
+    json_path=False,
+)

@@ -10,8 +10,18 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 from runbus.storage import charts, rollups, rows, values
-from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary, Store
+from runbus.storage.base import (
+    KeyPage,
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunPage,
+    RunSummary,
+    Store,
+)
 from runbus.storage.dialect import Dialect
+from runbus.storage.runlist import RunQuery, config_texts
 from runbus.wire import level_number
 
 
@@ -95,7 +105,7 @@ def logs_query(
     args: list[Any] = [run_id]
     if label is not None:
         where.append("l.label = ?")
-        args.append(label)
+        args.append(rows.storable_text(label))
     log_filters(dialect, where, args, level, grep)
     query = (
         "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
@@ -129,6 +139,91 @@ def log_page_query(
         f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
     )
     return Query(dialect.sql(query), [*args, limit])
+
+
+# What each of runlist.SORTS orders by, `{text}` the collation of the texts.
+_RUN_SORTS = {
+    "started": "r.started_ts",
+    "ended": "r.ended_ts",
+    "last": "r.last_ts",
+    "labels": "label_count",
+    "id": "r.run_id",
+    "name": "r.name COLLATE {text}",
+    "state": "r.state COLLATE {text}",
+}
+
+
+class PageQueries(NamedTuple):
+    """A page's two statements: the count of the rows that match, and the page of them."""
+
+    total: Query
+    rows: Query
+
+
+def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
+    """The reads of the runs `query` matches: how many, and its page of them, sorted."""
+    where: list[str] = []
+    args: list[Any] = []
+    _run_search(dialect, where, args, query.search)
+    _run_filters(dialect, where, args, query)
+    condition = f" WHERE {' AND '.join(where)}" if where else ""
+    way = "DESC" if query.descending else "ASC"
+    sort = _RUN_SORTS[query.sort].format(text=dialect.bytewise)
+    listed = (
+        f"{RUN_WITH_LABEL_COUNT}{condition} ORDER BY {sort} {way} NULLS LAST, r.run_id {way} "
+        "LIMIT ? OFFSET ?"
+    )
+    return PageQueries(
+        Query(dialect.sql(f"SELECT count(*) FROM runs r{condition}"), args),
+        Query(dialect.sql(listed), [*args, dialect.limit(query.limit), query.offset]),
+    )
+
+
+def _run_search(dialect: Dialect, where: list[str], args: list[Any], search: str | None) -> None:
+    """A run whose id, name, a tag or a label holds `search` (ASCII letters in any case)."""
+    if not search:
+        return
+
+    def holds(text: str) -> str:
+        return dialect.contains(dialect.fold.format(text))
+
+    tags = dialect.strings.format(doc="r.tags")
+    where.append(
+        f"({holds('r.run_id')} OR {holds('r.name')} "
+        f"OR EXISTS (SELECT 1 FROM ({tags}) s WHERE {holds('s.value')}) "
+        f"OR EXISTS (SELECT 1 FROM labels l WHERE l.run_id = r.run_id AND {holds('l.label')}))"
+    )
+    args.extend([_ascii_lower(rows.storable_text(search))] * 4)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _ascii_lower(text: str) -> str:
+    """`text` with its ASCII letters in lower case, as Dialect.fold writes a column's."""
+    return text.translate(_ASCII_LOWER)
+
+
+def _run_filters(dialect: Dialect, where: list[str], args: list[Any], query: RunQuery) -> None:
+    """The conditions of `query`'s states, start bounds, tags, labels and config values."""
+    if query.states:
+        where.append(f"r.state IN ({', '.join('?' * len(query.states))})")
+        args.extend(query.states)
+    for bound, test in ((query.since, "r.started_ts >= ?"), (query.until, "r.started_ts < ?")):
+        if bound is not None:
+            where.append(test)
+            args.append(bound)
+    tags = dialect.strings.format(doc="r.tags")
+    for tag in query.tags:
+        where.append(f"EXISTS (SELECT 1 FROM ({tags}) s WHERE s.value = ?)")
+        args.append(rows.storable_text(tag))
+    for label in query.labels:
+        where.append("EXISTS (SELECT 1 FROM labels l WHERE l.run_id = r.run_id AND l.label = ?)")
+        args.append(rows.storable_text(label))
+    for key, value in query.config:
+        texts = config_texts(value)
+        where.append(f"{dialect.member.format(doc='r.config')} IN ({', '.join('?' * len(texts))})")
+        args += [dialect.member_name(rows.storable_text(key)), *texts]
 
 
 class KeyPageQueries(NamedTuple):
@@ -185,6 +280,11 @@ def _query(reader: Fetcher, sql: str, *args: Any) -> Query:
 
 async def runs(reader: Fetcher) -> list[RunSummary]:
     return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
+
+
+async def run_page(reader: Fetcher, query: RunQuery) -> RunPage:
+    total, listed = await reader._fetch_together(run_page_queries(reader.dialect, query))
+    return RunPage([rows.run_summary(dict(row)) for row in listed], total[0][0], query.offset, query.limit)
 
 
 async def run(reader: Fetcher, run_id: str) -> RunSummary | None:
@@ -291,6 +391,7 @@ class SharedReads:
 
     run = run
     runs = runs
+    run_page = run_page
     run_ids = run_ids
     metric_keys = metric_keys
     system_keys = system_keys
