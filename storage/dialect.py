@@ -56,7 +56,6 @@ class Dialect:
         """A LIMIT argument: None or a negative limit means none, as SQLite reads a negative one."""
         return self.no_limit if limit is None or limit < 0 else limit
 
-
     def member_name(self, key: str) -> str:
         """The argument naming `key` (without `"` or `\\`) for `member`."""
         return f'$."{key}"' if self.json_path else key

@@ -170,8 +170,7 @@ def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
     way = "DESC" if query.descending else "ASC"
     sort = _RUN_SORTS[query.sort].format(text=dialect.bytewise)
     listed = (
-        f"{RUN_WITH_LABEL_COUNT}{condition} ORDER BY {sort} {way} NULLS LAST, r.run_id {way} "
-        "LIMIT ? OFFSET ?"
+        f"{RUN_WITH_LABEL_COUNT}{condition} ORDER BY {sort} {way} NULLS LAST, r.run_id {way} LIMIT ? OFFSET ?"
     )
     return PageQueries(
         Query(dialect.sql(f"SELECT count(*) FROM runs r{condition}"), args),

@@ -5,6 +5,7 @@ API's text read into one (moment, config_pair)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -98,7 +99,7 @@ def _check_filters(query: RunQuery) -> None:
 
 def _check_config_key(key: str) -> None:
     if not key:
-        raise BadQuery("a config filter needs a key: KEY=VALUE")
+        raise BadQuery("a config filter needs a key before its '=' (lr=0.1)")
     # SQLite's JSON paths have no escapes (dialect.member_name).
     if '"' in key or "\\" in key:
         raise BadQuery(f"a config key to filter on cannot hold a quote or a backslash: {key!r}")
@@ -108,7 +109,7 @@ def config_pair(text: str) -> tuple[str, str]:
     """`KEY=VALUE` as (key, value text); the first `=` splits them."""
     key, equals, value = text.partition("=")
     if not equals or not key:
-        raise BadQuery(f"a config filter is KEY=VALUE, got {text!r}")
+        raise BadQuery(f"a config filter is a key, '=' and a value (lr=0.1), got {text!r}")
     _check_config_key(key)
     return key, value
 
@@ -156,3 +157,40 @@ def _iso_moment(text: str, end: bool) -> float:
             f"not a time: {text[:40]!r} (give seconds since the epoch, or a date as 2026-11-27 "
             "or 2026-11-27T14:30)"
         ) from None
+
+
+def states_of(given: Iterable[str]) -> tuple[str, ...]:
+    """The states named by `given`, each a state or several with commas (`failed,crashed`)."""
+    return tuple(dict.fromkeys(s.strip() for text in given for s in text.split(",") if s.strip()))
+
+
+def run_query(
+    *,
+    search: str | None = None,
+    states: Iterable[str] = (),
+    since: str | None = None,
+    until: str | None = None,
+    tags: Iterable[str] = (),
+    labels: Iterable[str] = (),
+    config: Iterable[str] = (),
+    sort: str | None = None,
+    order: str | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> RunQuery:
+    """A RunQuery from text as people type it (a command line, a page's address): states as
+    states_of reads them, times as `moment` does, config pairs as KEY=VALUE; empty texts are
+    not given. A bad one is BadQuery, saying what it takes."""
+    return RunQuery(
+        search=search or None,
+        states=states_of(states),
+        since=moment(since) if since else None,
+        until=moment(until, end=True) if until else None,
+        tags=tuple(tag for tag in tags if tag),
+        labels=tuple(label for label in labels if label),
+        config=tuple(config_pair(pair) for pair in config if pair),
+        sort=sort or "started",
+        order=order or None,
+        limit=limit,
+        offset=offset,
+    )

@@ -33,8 +33,12 @@ def run_events(i: int, labels: int = 1) -> Iterator[Event]:
     config = {"model": MODELS[i % 3], "lr": [0.1, 0.01, 0.001][i % 3], "seed": i, "amp": i % 2 == 0}
     for rank in range(labels):
         label = f"rank{rank}"
-        yield Event(run, label, "start", 1, 1, ts, {"primary": rank == 0, "config": config if rank == 0 else {}})
-        yield Event(run, label, "meta", 1, 2, ts + 1, {"name": name_of(i), "tags": tags_of(i)} if rank == 0 else {})
+        yield Event(
+            run, label, "start", 1, 1, ts, {"primary": rank == 0, "config": config if rank == 0 else {}}
+        )
+        yield Event(
+            run, label, "meta", 1, 2, ts + 1, {"name": name_of(i), "tags": tags_of(i)} if rank == 0 else {}
+        )
         state = STATES[i % 3]
         if state != "running":
             yield Event(run, label, "finish", 1, 3, ts + 60, {"exit_code": 0 if state == "finished" else 1})
@@ -61,12 +65,12 @@ async def seed_runs(store: Store, count: int, labels: int = 1, batch: int = 3000
         await store.write(events)
 
 
-async def seed_url(url: str, count: int, extra: Sequence[Event] = ()) -> None:
+async def seed_url(url: str, count: int, extra: Sequence[Event] = (), labels: int = 1) -> None:
     """seed_runs into the store at `url` (created if need be), and `extra` events."""
     store = open_store(url)
     await store.connect()
     try:
-        await seed_runs(store, count)
+        await seed_runs(store, count, labels)
         if extra:
             await store.write(list(extra))
     finally:
