@@ -3,7 +3,9 @@ the store, the CLI, runbus.Api and the page, find and page through them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from runbus.storage import Store, open_store
 from runbus.wire import Event
@@ -75,3 +77,10 @@ async def seed_url(url: str, count: int, extra: Sequence[Event] = (), labels: in
             await store.write(list(extra))
     finally:
         await store.close()
+
+
+def seed_url_now(url: str, count: int, extra: Sequence[Event] = (), labels: int = 1) -> None:
+    """seed_url on an event loop of its own thread: from any caller, Playwright's loop running
+    in this thread or not."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, seed_url(url, count, extra, labels)).result()

@@ -80,7 +80,7 @@ async def test_search_any_case_in_id_name_tag_and_label_with_wildcards_literal(s
     assert len(await ids(store)) == COUNT + 1
 
 
-async def test_filters_states_dates_tags_labels_and_config(store):
+async def test_filters_states_dates_tags_and_labels(store):
     await seeded(store)
     failed = await ids(store, states=("failed",), sort="id", order="asc")
     assert failed == [seeds.run_id(i) for i in range(COUNT) if i % 3 == 1]
@@ -95,6 +95,10 @@ async def test_filters_states_dates_tags_labels_and_config(store):
     assert await ids(store, tags=("q",)) == []  # a tag is matched whole
     assert len(await ids(store, labels=("rank1",))) == COUNT
     assert await ids(store, labels=("rank",)) == []
+
+
+async def test_config_values_as_json_or_strings(store):
+    await seeded(store)
     vit = await ids(store, config=(("model", "vit"),))
     assert vit == [seeds.run_id(i) for i in reversed(range(COUNT)) if i % 3 == 1]
     assert await ids(store, config=(("model", '"vit"'),)) == vit  # JSON text of the same string
