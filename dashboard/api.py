@@ -232,14 +232,13 @@ def _run_query(request: web.Request) -> runlist.RunQuery:
 
 async def runs(request: web.Request) -> web.Response:
     query = _run_query(request)
-    store = request.app[STORE]
-    page = await store.run_page(query)
+    page = await request.app[STORE].run_page(query, labels=True)
     listed = []
-    for summary in page.runs:
-        run = await store.run(summary.run_id) or summary
+    for run in page.runs:
         document = documents.run_head(run)
+        labels = sorted(page.labels.get(run.run_id, []), key=lambda lab: natural_key(lab.label))
         document["labels"] = [
-            {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in run.labels
+            {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in labels
         ]
         listed.append(document)
     offset = page.offset

@@ -90,7 +90,7 @@ async def runs_table(store: Store, query: RunQuery | None = None) -> pd.DataFram
     import pandas as pd
 
     page = await store.run_page(query or RunQuery())
-    runs = [await store.run(r.run_id) or r for r in page.runs]
+    runs = page.runs
     table = pd.DataFrame(
         {
             "run_id": _text([r.run_id for r in runs]),

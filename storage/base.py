@@ -103,13 +103,24 @@ class RunSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class LabelBrief:
+    """A label as the runs list shows it."""
+
+    label: str
+    state: str
+    primary: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RunPage:
-    """A page of the runs a RunQuery matches, and how many match in all."""
+    """A page of the runs a RunQuery matches (their event counts filled in, not their labels),
+    how many match in all, and, when asked for, each listed run's labels (by run id)."""
 
     runs: list[RunSummary]
     total: int
     offset: int
     limit: int | None
+    labels: dict[str, list[LabelBrief]] = field(default_factory=dict)
 
 
 # The two tables of numbers a run keeps: its metrics and its system samples.
@@ -417,9 +428,10 @@ class Store(RollupReader, Protocol):
     async def runs(self) -> list[RunSummary]:
         """Every run, newest first (labels not filled in)."""
 
-    async def run_page(self, query: RunQuery) -> RunPage:
-        """The runs `query` matches, in its order, the page it asks for (labels not filled in),
-        with how many match in all, read in one snapshot."""
+    async def run_page(self, query: RunQuery, labels: bool = False) -> RunPage:
+        """The runs `query` matches, in its order, the page it asks for (with their event counts;
+        with `labels`, their labels' names, states and primary), with how many match in all, read
+        in one snapshot."""
 
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""

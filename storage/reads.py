@@ -12,6 +12,7 @@ import orjson
 from runbus.storage import charts, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
+    LabelBrief,
     LabelSummary,
     LogLine,
     Point,
@@ -141,40 +142,62 @@ def log_page_query(
     return Query(dialect.sql(query), [*args, limit])
 
 
+# A run's label count, of `runs r`.
+_LABEL_COUNT = "(SELECT count(*) FROM labels l WHERE l.run_id = r.run_id)"
 # What each of runlist.SORTS orders by, `{text}` the collation of the texts.
 _RUN_SORTS = {
     "started": "r.started_ts",
     "ended": "r.ended_ts",
     "last": "r.last_ts",
-    "labels": "label_count",
+    "labels": _LABEL_COUNT,
     "id": "r.run_id",
     "name": "r.name COLLATE {text}",
     "state": "r.state COLLATE {text}",
 }
+# A page's runs with their label count and events by kind, read for the page's rows alone (not
+# for every run the page skips: a late page costs what the first does).
+_PAGE_COLUMNS = ", ".join(
+    [
+        f"r.*, {_LABEL_COUNT} AS label_count",
+        *(
+            f"(SELECT CAST(coalesce(sum(l.{kind}_events), 0) AS BIGINT) FROM labels l "
+            f"WHERE l.run_id = r.run_id) AS {kind}_count"
+            for kind in rows.KINDS_COUNTED
+        ),
+    ]
+)
 
 
 class PageQueries(NamedTuple):
-    """A page's two statements: the count of the rows that match, and the page of them."""
+    """A page's statements: the count of the runs that match, the page of them, and their labels."""
 
     total: Query
     rows: Query
+    labels: Query
 
 
 def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
-    """The reads of the runs `query` matches: how many, and its page of them, sorted."""
+    """The reads of the runs `query` matches: how many, its page of them sorted, and the page's
+    labels (run id, label, state, is_primary)."""
     where: list[str] = []
     args: list[Any] = []
     _run_search(dialect, where, args, query.search)
     _run_filters(dialect, where, args, query)
     condition = f" WHERE {' AND '.join(where)}" if where else ""
     way = "DESC" if query.descending else "ASC"
-    sort = _RUN_SORTS[query.sort].format(text=dialect.bytewise)
-    listed = (
-        f"{RUN_WITH_LABEL_COUNT}{condition} ORDER BY {sort} {way} NULLS LAST, r.run_id {way} LIMIT ? OFFSET ?"
-    )
+    order = f"{_RUN_SORTS[query.sort].format(text=dialect.bytewise)} {way} NULLS LAST, r.run_id {way}"
+    page = f"FROM runs r{condition} ORDER BY {order} LIMIT ? OFFSET ?"
+    page_args = [*args, dialect.limit(query.limit), query.offset]
     return PageQueries(
         Query(dialect.sql(f"SELECT count(*) FROM runs r{condition}"), args),
-        Query(dialect.sql(listed), [*args, dialect.limit(query.limit), query.offset]),
+        Query(dialect.sql(f"SELECT {_PAGE_COLUMNS} FROM (SELECT r.* {page}) r ORDER BY {order}"), page_args),
+        Query(
+            dialect.sql(
+                "SELECT l.run_id, l.label, l.state, l.is_primary FROM labels l "
+                f"WHERE l.run_id IN (SELECT r.run_id {page})"
+            ),
+            page_args,
+        ),
     )
 
 
@@ -281,9 +304,18 @@ async def runs(reader: Fetcher) -> list[RunSummary]:
     return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
 
 
-async def run_page(reader: Fetcher, query: RunQuery) -> RunPage:
-    total, listed = await reader._fetch_together(run_page_queries(reader.dialect, query))
-    return RunPage([rows.run_summary(dict(row)) for row in listed], total[0][0], query.offset, query.limit)
+async def run_page(reader: Fetcher, query: RunQuery, labels: bool = False) -> RunPage:
+    queries = run_page_queries(reader.dialect, query)
+    found = await reader._fetch_together(queries if labels else queries[:2])
+    runs = [rows.run_summary(dict(row), counts=_kind_counts(row)) for row in found[1]]
+    briefs: dict[str, list[LabelBrief]] = {run.run_id: [] for run in runs} if labels else {}
+    for run_id, label, state, primary in found[2] if labels else ():
+        briefs[run_id].append(LabelBrief(label, state, bool(primary)))
+    return RunPage(runs, found[0][0][0], query.offset, query.limit, briefs)
+
+
+def _kind_counts(row: rows.Row) -> dict[str, int]:
+    return {kind: row[f"{kind}_count"] for kind in rows.KINDS_COUNTED}
 
 
 async def run(reader: Fetcher, run_id: str) -> RunSummary | None:

@@ -14,6 +14,7 @@ import runbus
 from runbus.dashboard.api import create_app
 from runbus.errors import BadQuery
 from runbus.storage import Store
+from runbus.storage.base import LabelBrief
 from runbus.storage.runlist import RunQuery, moment, run_query
 from runbus.wire import Event
 from tests import run_seeds as seeds
@@ -57,6 +58,29 @@ async def test_pages_reach_every_run_once_with_the_total(store):
     assert (past.runs, past.total) == ([], COUNT + 1)
     nothing = await store.run_page(RunQuery(limit=0))
     assert (nothing.runs, nothing.total) == ([], COUNT + 1)
+
+
+async def test_a_page_holds_its_runs_counts_and_asked_for_their_labels(store):
+    await seeded(store)
+    run = seeds.run_id(3)
+    await store.write(
+        [Event(run, "rank1", "metric", 1, 4, seeds.T0, {"loss": 1.0}, 1)]
+        + [
+            Event(run, "rank0", "log", 1, 4 + i, seeds.T0, {"stream": "stdout", "text": "hi"})
+            for i in range(3)
+        ]
+    )
+    page = await store.run_page(RunQuery(search=run, limit=10), labels=True)
+    [listed] = page.runs
+    assert listed.counts == {"metric": 1, "log": 3, "system": 0} == (await store.run(run)).counts
+    assert listed.label_count == 2 and listed.labels == []
+    assert page.labels == {
+        run: [LabelBrief("rank0", "finished", True), LabelBrief("rank1", "finished", False)]
+    }
+    late = await store.run_page(RunQuery(sort="labels", order="asc", limit=2, offset=COUNT - 1), labels=True)
+    assert [r.run_id for r in late.runs] == [seeds.run_id(COUNT - 2), seeds.run_id(COUNT - 1)]
+    assert {run_id: len(labels) for run_id, labels in late.labels.items()} == {r.run_id: 2 for r in late.runs}
+    assert (await store.run_page(RunQuery(limit=5))).labels == {}
 
 
 async def test_search_any_case_in_id_name_tag_and_label_with_wildcards_literal(store):
