@@ -430,8 +430,8 @@ class Store(RollupReader, Protocol):
 
     async def run_page(self, query: RunQuery, labels: bool = False) -> RunPage:
         """The runs `query` matches, in its order, the page it asks for (with their event counts;
-        with `labels`, their labels' names, states and primary), with how many match in all, read
-        in one snapshot."""
+        with `labels`, their labels' names, states and primary, read just after), with how many
+        match in all, read in one snapshot."""
 
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""

@@ -169,16 +169,14 @@ _PAGE_COLUMNS = ", ".join(
 
 
 class PageQueries(NamedTuple):
-    """A page's statements: the count of the runs that match, the page of them, and their labels."""
+    """A page's two statements: the count of the runs that match, and the page of them."""
 
     total: Query
     rows: Query
-    labels: Query
 
 
 def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
-    """The reads of the runs `query` matches: how many, its page of them sorted, and the page's
-    labels (run id, label, state, is_primary)."""
+    """The reads of the runs `query` matches: how many, and its page of them, sorted."""
     where: list[str] = []
     args: list[Any] = []
     _run_search(dialect, where, args, query.search)
@@ -186,19 +184,21 @@ def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
     condition = f" WHERE {' AND '.join(where)}" if where else ""
     way = "DESC" if query.descending else "ASC"
     order = f"{_RUN_SORTS[query.sort].format(text=dialect.bytewise)} {way} NULLS LAST, r.run_id {way}"
-    page = f"FROM runs r{condition} ORDER BY {order} LIMIT ? OFFSET ?"
-    page_args = [*args, dialect.limit(query.limit), query.offset]
+    page = f"SELECT r.* FROM runs r{condition} ORDER BY {order} LIMIT ? OFFSET ?"
     return PageQueries(
         Query(dialect.sql(f"SELECT count(*) FROM runs r{condition}"), args),
-        Query(dialect.sql(f"SELECT {_PAGE_COLUMNS} FROM (SELECT r.* {page}) r ORDER BY {order}"), page_args),
         Query(
-            dialect.sql(
-                "SELECT l.run_id, l.label, l.state, l.is_primary FROM labels l "
-                f"WHERE l.run_id IN (SELECT r.run_id {page})"
-            ),
-            page_args,
+            dialect.sql(f"SELECT {_PAGE_COLUMNS} FROM ({page}) r ORDER BY {order}"),
+            [*args, dialect.limit(query.limit), query.offset],
         ),
     )
+
+
+def labels_of_runs_query(dialect: Dialect, run_ids: Sequence[str]) -> Query:
+    """The labels (run id, label, state, is_primary) of `run_ids` (not empty)."""
+    listed = ", ".join("?" * len(run_ids))
+    query = f"SELECT run_id, label, state, is_primary FROM labels WHERE run_id IN ({listed})"
+    return Query(dialect.sql(query), list(run_ids))
 
 
 def _run_search(dialect: Dialect, where: list[str], args: list[Any], search: str | None) -> None:
@@ -305,13 +305,14 @@ async def runs(reader: Fetcher) -> list[RunSummary]:
 
 
 async def run_page(reader: Fetcher, query: RunQuery, labels: bool = False) -> RunPage:
-    queries = run_page_queries(reader.dialect, query)
-    found = await reader._fetch_together(queries if labels else queries[:2])
-    runs = [rows.run_summary(dict(row), counts=_kind_counts(row)) for row in found[1]]
+    total, listed = await reader._fetch_together(run_page_queries(reader.dialect, query))
+    runs = [rows.run_summary(dict(row), counts=_kind_counts(row)) for row in listed]
     briefs: dict[str, list[LabelBrief]] = {run.run_id: [] for run in runs} if labels else {}
-    for run_id, label, state, primary in found[2] if labels else ():
+    # Read after the page, by id: the page's filters are not applied twice.
+    found = await reader._fetch(labels_of_runs_query(reader.dialect, list(briefs))) if briefs else []
+    for run_id, label, state, primary in found:
         briefs[run_id].append(LabelBrief(label, state, bool(primary)))
-    return RunPage(runs, found[0][0][0], query.offset, query.limit, briefs)
+    return RunPage(runs, total[0][0], query.offset, query.limit, briefs)
 
 
 def _kind_counts(row: rows.Row) -> dict[str, int]:
