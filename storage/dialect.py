@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+import sqlite3
 from dataclasses import dataclass
 
 _PLACEHOLDER = re.compile(r"\?")
@@ -39,7 +40,7 @@ class Dialect:
     # is NULL or not an array).
     strings: str
     # The JSON text of the member of a JSON object `{doc}` named by the next argument, as
-    # member_name gives it (NULL if absent).
+    # member_name gives it (NULL if absent); "" where the backend cannot say (member_missing says why).
     member: str
     # The member's name as SQLite's JSON path (`$."key"`) rather than the key itself.
     json_path: bool
@@ -71,8 +72,13 @@ SQLITE = Dialect(
         "SELECT t.value AS value FROM json_each(CASE WHEN json_type({doc}) = 'array' THEN {doc} END) t "
         "WHERE t.type = 'text'"
     ),
-    member="({doc} -> ?)",
+    # SQLite's `->` (JSON text, numbers as written) is 3.38's; the SQLite under Python may be older.
+    member="({doc} -> ?)" if sqlite3.sqlite_version_info >= (3, 38) else "",
     json_path=True,
+)
+# Why a SQLite store cannot filter by config values, where it cannot.
+SQLITE_MEMBER_MISSING = (
+    f"filtering runs by config values needs SQLite 3.38 or later; this Python's is {sqlite3.sqlite_version}"
 )
 POSTGRES = Dialect(
     numbered=True,

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Protocol
 
 import orjson
 
+from runbus.errors import BadQuery
 from runbus.storage import charts, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
@@ -21,7 +22,7 @@ from runbus.storage.base import (
     RunSummary,
     Store,
 )
-from runbus.storage.dialect import Dialect
+from runbus.storage.dialect import SQLITE_MEMBER_MISSING, Dialect
 from runbus.storage.runlist import RunQuery, config_texts
 from runbus.wire import level_number
 
@@ -242,6 +243,8 @@ def _run_filters(dialect: Dialect, where: list[str], args: list[Any], query: Run
     for label in query.labels:
         where.append("EXISTS (SELECT 1 FROM labels l WHERE l.run_id = r.run_id AND l.label = ?)")
         args.append(rows.storable_text(label))
+    if query.config and not dialect.member:
+        raise BadQuery(SQLITE_MEMBER_MISSING)
     for key, value in query.config:
         texts = config_texts(value)
         where.append(f"{dialect.member.format(doc='r.config')} IN ({', '.join('?' * len(texts))})")

@@ -4,6 +4,7 @@ store (on both backends), `/api/runs`, `runbus runs` and runbus.Api, every run r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import datetime
 
 import orjson
@@ -15,6 +16,8 @@ from runbus.dashboard.api import create_app
 from runbus.errors import BadQuery
 from runbus.storage import Store
 from runbus.storage.base import LabelBrief
+from runbus.storage.dialect import SQLITE
+from runbus.storage.reads import run_page_queries
 from runbus.storage.runlist import RunQuery, moment, run_query
 from runbus.wire import Event
 from tests import run_seeds as seeds
@@ -184,6 +187,13 @@ async def test_every_sort_in_both_orders(store):
 def test_bad_queries_say_what_they_take(query, says):
     with pytest.raises(BadQuery, match=says):
         RunQuery(**query)
+
+
+def test_a_sqlite_without_json_arrows_says_so_for_config_filters():
+    old = dataclasses.replace(SQLITE, member="")
+    assert run_page_queries(old, RunQuery(search="x", tags=("t",)))  # the other filters need no `->`
+    with pytest.raises(BadQuery, match=r"needs SQLite 3\.38 or later"):
+        run_page_queries(old, RunQuery(config=(("lr", "0.1"),)))
 
 
 def test_texts_are_read_as_people_type_them():
