@@ -150,14 +150,14 @@ async def known_run(store: Store, run_id: str, redis_url: str | None = None) -> 
             f"{where}: its events wait in Redis at {safe_url(redis_url or '')} ({waiting} stream(s)); "
             "`runbus ingest --burst` stores them (or keep `runbus ingest` running)"
         )
-    runs = await store.runs()
-    if not runs:
+    page = await store.run_page(runlist.RunQuery(limit=RECENT_RUNS))
+    if not page.total:
         raise RunNotFound(f"{where}: it has no runs yet")
-    recent = ", ".join(r.run_id for r in runs[:RECENT_RUNS])
-    if len(runs) <= RECENT_RUNS:
+    recent = ", ".join(r.run_id for r in page.runs)
+    if page.total <= RECENT_RUNS:
         raise RunNotFound(f"{where}; its runs: {recent}")
     raise RunNotFound(
-        f"{where}; the {RECENT_RUNS} most recent of its {len(runs)} runs: {recent} (`runbus runs` lists all)"
+        f"{where}; the {RECENT_RUNS} most recent of its {page.total} runs: {recent} (`runbus runs` lists all)"
     )
 
 
