@@ -133,6 +133,10 @@ def test_filters_and_sorting_from_the_page_and_the_address(page, many_site):  # 
     page.goto(many_site + "#/?q=trial%2042&state=finished&sort=started&order=asc")
     wait_text(page, "#runs-total", "7 runs match")
     assert shown(page) == [seeds.run_id(i) for i in (42, 342, 642, 942, 1242, 1542, 1842)]
+    # What an address written by hand holds that the API would refuse is left out, not a 400.
+    page.goto(many_site + "#/?q=run-0000&sort=color&order=up&limit=7&offset=-1&state=paused")
+    wait_text(page, "#runs-total", "10 runs match")
+    assert shown(page) == [seeds.run_id(i) for i in range(9, -1, -1)]
 
 
 def test_every_run_is_reached_page_by_page(page, many_site):  # noqa: F811
@@ -147,3 +151,17 @@ def test_every_run_is_reached_page_by_page(page, many_site):  # noqa: F811
             page.click("#runs-next")
     assert page.is_disabled("#runs-next")
     assert len(reached) == RUNS and set(reached) == {*map(seeds.run_id, range(SEEDED)), HOSTILE}
+
+
+def test_a_question_the_api_refuses_says_why(context, many_site):
+    tab = context.new_page()  # not the `page` fixture: this page's one 400 is what it tests
+    tab.set_default_timeout(TIMEOUT_MS)
+    tab.goto(many_site + "#/?since=whenever")
+    tab.wait_for_selector("#runs-empty:not([hidden])")
+    assert (
+        tab.locator("#runs-empty").text_content().startswith("Cannot list these runs: not a time: 'whenever'")
+    )
+    assert shown(tab) == []
+    tab.fill("#runs-since", "2026-01-02")  # a date from the page replaces it
+    wait_text(tab, "#runs-total", f"{SEEDED - 24 + 1:,} runs match")  # runs 24 on, and the hostile one
+    assert tab.locator("#runs-empty").is_hidden() and shown(tab)[0] == seeds.run_id(SEEDED - 1)

@@ -3,7 +3,7 @@
 // question lives in the address (#/?q=…&state=…&sort=…&offset=…), so going back to the list finds
 // it as it was left, and a link to it finds the same runs.
 
-import { api, poll } from './api.js';
+import { ApiError, api, poll } from './api.js';
 import { STATES, ago, count, dateTime, duration, el, setCrumbs, stateBadge } from './dom.js';
 import { byName } from './series.js';
 
@@ -29,15 +29,27 @@ export function tagChips(tags, setBy) {
 }
 
 // The list's question from the address: only what is there (a missing one is the API's default).
+// What the page's controls cannot show (a sort, order, state, page size or offset written by hand
+// that the API would refuse) is left out.
 export function listQuery(hash) {
   const at = hash.indexOf('?');
   const params = new URLSearchParams(at < 0 ? '' : hash.slice(at + 1));
   const query = {};
   for (const name of PARAMS) {
     const value = params.get(name);
-    if (value) query[name] = value;
+    if (value && fits(name, value)) query[name] = value;
   }
+  if (query.order && !query.sort) delete query.order;
   return query;
+}
+
+function fits(name, value) {
+  if (name === 'sort') return Object.hasOwn(FIRST_ORDER, value);
+  if (name === 'order') return value === 'asc' || value === 'desc';
+  if (name === 'state') return STATES.has(value);
+  if (name === 'limit') return PAGE_SIZES.includes(Number(value));
+  if (name === 'offset') return /^\d{1,12}$/.test(value);
+  return true;
 }
 
 function listHash(query) {
@@ -153,7 +165,18 @@ export function runsView({ picked, maxCompared, compareHref }) {
   const polling = poll(async () => {
     const mine = ++asked;
     const limit = Number(query.limit || PAGE_SIZE);
-    const doc = await api('/api/runs', { ...query, limit });
+    let doc;
+    try {
+      doc = await api('/api/runs', { ...query, limit });
+    } catch (error) {
+      // A refused question (a date written by hand in the address): say why, list nothing.
+      if (mine === asked && error instanceof ApiError && error.status === 400) {
+        rows.replaceChildren();
+        empty.hidden = false;
+        empty.textContent = 'Cannot list these runs: ' + error.message;
+      }
+      throw error;
+    }
     if (mine !== asked) return;
     if (doc.runs.length === 0 && doc.total > 0 && doc.offset > 0) {
       // The page is past the end (runs matched fewer since): show the last one.
