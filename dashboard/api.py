@@ -5,7 +5,11 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 404 naming a few runs). Non-finite numbers are written as the CLI writes them: "NaN",
 "Infinity", "-Infinity".
 
-- `/api/runs?limit=100&offset=0`: runs, newest first, with labels (state, primary) and counts
+- `/api/runs?q=TEXT&state=S&since=T&until=T&tag=T&label=L&config=KEY=VALUE&sort=started&order=desc`
+  `&limit=100&offset=0`: a page of the runs that match (storage/runlist.py: `q` found in a run's
+  id, name, tags or labels; `state`, `tag`, `label`, `config` each given as often as wanted;
+  `since` and `until` bound its start, seconds since the epoch or ISO 8601), with labels (state,
+  primary) and counts, and `total`: how many match
 - `/api/compare/config?run=RUN&run=RUN...` (up to 16): the config keys (flattened, dotted) whose
   redacted values differ between the runs, with each run's value and the runs that lack the key
 - `/api/runs/RUN`: one run: labels with their life (`life`: 1, then 2 after a restart, …; the raw
@@ -41,9 +45,9 @@ from aiohttp import web
 from runbus import storage, wire
 from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
-from runbus.errors import AccessDenied, AmbiguousRun, InvalidName, StoreRejected
+from runbus.errors import AccessDenied, AmbiguousRun, BadQuery, InvalidName, StoreRejected
 from runbus.query import documents
-from runbus.storage import base, lookup, system_charts
+from runbus.storage import base, lookup, runlist, system_charts
 from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
@@ -205,20 +209,51 @@ def _step(point: storage.Point) -> int:
 # -- routes ------------------------------------------------------------------------------------
 
 
+def _run_query(request: web.Request) -> runlist.RunQuery:
+    """The runs list's question from `request`'s parameters (see the module's docstring)."""
+    query = request.query
+    try:
+        return runlist.run_query(
+            search=_text(request, "q", runlist.MAX_SEARCH),
+            states=query.getall("state", []),
+            since=_text(request, "since"),
+            until=_text(request, "until"),
+            tags=query.getall("tag", []),
+            labels=query.getall("label", []),
+            config=query.getall("config", []),
+            sort=_text(request, "sort"),
+            order=_text(request, "order"),
+            limit=_integer(request, "limit", DEFAULT_RUNS, 1, MAX_RUNS),
+            offset=_integer(request, "offset", 0, 0, MAX_OFFSET),
+        )
+    except BadQuery as exc:
+        raise BadParameter(str(exc)) from None
+
+
 async def runs(request: web.Request) -> web.Response:
-    limit = _integer(request, "limit", DEFAULT_RUNS, 1, MAX_RUNS)
-    offset = _integer(request, "offset", 0, 0, MAX_OFFSET)
-    store = request.app[STORE]
-    page = (await store.runs())[offset : offset + limit]
+    query = _run_query(request)
+    page = await request.app[STORE].run_page(query, labels=True)
     listed = []
-    for summary in page:
-        run = await store.run(summary.run_id) or summary
+    for run in page.runs:
         document = documents.run_head(run)
+        labels = sorted(page.labels.get(run.run_id, []), key=lambda lab: natural_key(lab.label))
         document["labels"] = [
-            {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in run.labels
+            {"label": lab.label, "primary": lab.primary, "state": lab.state} for lab in labels
         ]
         listed.append(document)
-    return _json({"runs": listed, "limit": limit, "offset": offset})
+    offset = page.offset
+    following = offset + len(listed)
+    return _json(
+        {
+            "runs": listed,
+            "total": page.total,
+            "limit": page.limit,
+            "offset": offset,
+            "next_offset": following if following < page.total else None,
+            "sort": query.sort,
+            "order": "desc" if query.descending else "asc",
+        }
+    )
 
 
 async def run(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -18,8 +19,8 @@ from runbus.errors import CommandError, RunNotFound
 from runbus.query import documents, tables
 from runbus.redact import redact_text
 from runbus.redis import reply_text, sync_client
-from runbus.storage import Store, open_store, safe_url
-from runbus.storage.base import RunSummary
+from runbus.storage import Store, open_store, runlist, safe_url
+from runbus.storage.base import RunPage, RunSummary
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
 from runbus.terminal import printable
@@ -33,6 +34,39 @@ NAME_WIDTH, TAGS_WIDTH = 40, 30  # what `runbus runs` shows of a run's name and 
 
 def add_runs(parser: argparse.ArgumentParser) -> None:
     add_store_option(parser)
+    parser.add_argument(
+        "--search", metavar="TEXT", help="runs whose id, name, a tag or a label holds TEXT (any case)"
+    )
+    parser.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="STATE",
+        help=f"runs in this state ({', '.join(runlist.STATES)}); again or with commas for several",
+    )
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help="runs started at or after TIME (2026-11-27, 2026-11-27T14:30, epoch s)",
+    )
+    parser.add_argument("--until", metavar="TIME", help="runs started before TIME (a date: through that day)")
+    parser.add_argument("--tag", action="append", default=[], help="runs with this tag (again: all of them)")
+    parser.add_argument(
+        "--label", action="append", default=[], help="runs with this label (again: all of them)"
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="runs whose config KEY is VALUE (read as JSON where it is: lr=0.1, amp=true, model=resnet)",
+    )
+    parser.add_argument("--sort", choices=list(runlist.SORTS), default="started", help="what to sort by")
+    parser.add_argument(
+        "--order", choices=runlist.ORDERS, help="asc or desc (default: desc for times and labels, else asc)"
+    )
+    parser.add_argument("--limit", type=_count, help="at most this many runs")
+    parser.add_argument("--offset", type=_count, default=0, help="skip this many runs first")
     parser.add_argument("--json", action="store_true", help="print a JSON list")
     parser.set_defaults(handler=cmd_runs)
 
@@ -116,14 +150,14 @@ async def known_run(store: Store, run_id: str, redis_url: str | None = None) -> 
             f"{where}: its events wait in Redis at {safe_url(redis_url or '')} ({waiting} stream(s)); "
             "`runbus ingest --burst` stores them (or keep `runbus ingest` running)"
         )
-    runs = await store.runs()
-    if not runs:
+    page = await store.run_page(runlist.RunQuery(limit=RECENT_RUNS))
+    if not page.total:
         raise RunNotFound(f"{where}: it has no runs yet")
-    recent = ", ".join(r.run_id for r in runs[:RECENT_RUNS])
-    if len(runs) <= RECENT_RUNS:
+    recent = ", ".join(r.run_id for r in page.runs)
+    if page.total <= RECENT_RUNS:
         raise RunNotFound(f"{where}; its runs: {recent}")
     raise RunNotFound(
-        f"{where}; the {RECENT_RUNS} most recent of its {len(runs)} runs: {recent} (`runbus runs` lists all)"
+        f"{where}; the {RECENT_RUNS} most recent of its {page.total} runs: {recent} (`runbus runs` lists all)"
     )
 
 
@@ -162,8 +196,43 @@ async def _check_key(store: Store, run: RunSummary, key: str | None) -> None:
 # -- the commands ----------------------------------------------------------------------------------
 
 
+def runs_query(args: argparse.Namespace) -> runlist.RunQuery:
+    """`runbus runs`' filters, order and page as a RunQuery (BadQuery where one is wrong)."""
+    return runlist.run_query(
+        search=args.search,
+        states=args.state,
+        since=args.since,
+        until=args.until,
+        tags=args.tag,
+        labels=args.label,
+        config=args.config,
+        sort=args.sort,
+        order=args.order,
+        limit=args.limit,
+        offset=args.offset,
+    )
+
+
+def page_note(page: RunPage) -> str | None:
+    """What a page leaves out, for stderr: None if it holds every run that matches."""
+    shown = len(page.runs)
+    if page.offset == 0 and shown == page.total:
+        return None
+    if not shown:
+        return f"no runs past the first {page.offset} of {page.total} that match"
+    note = f"runs {page.offset + 1}-{page.offset + shown} of {page.total} that match"
+    if page.offset + shown < page.total:
+        note += f"; --offset {page.offset + shown} for the next"
+    return note
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
-    runs = read(args.store, lambda store: store.runs())
+    query = runs_query(args)
+    page = read(args.store, lambda store: store.run_page(query))
+    runs = page.runs
+    note = page_note(page)
+    if note is not None:
+        print(f"runbus: {note}", file=sys.stderr)
     if args.json:
         print(documents.dumps(documents.runs_document(runs)))
         return 0

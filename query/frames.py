@@ -40,6 +40,7 @@ from runbus.redact import redact_line
 from runbus.storage import rows
 from runbus.storage.base import LogLine, PointTable, RunSummary, Store
 from runbus.storage.rules import natural_key
+from runbus.storage.runlist import RunQuery
 from runbus.storage.values import step_range
 
 if TYPE_CHECKING:
@@ -83,13 +84,15 @@ def names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
 # -- the tables ----------------------------------------------------------------------------------
 
 
-async def runs_table(store: Store) -> pd.DataFrame:
-    """Every run of the store, newest first, with its labels and event counts."""
+async def runs_table(store: Store, query: RunQuery | None = None) -> pd.DataFrame:
+    """The runs `query` matches (every run of the store, newest first, if None), with their
+    labels and event counts; `attrs["total"]`: how many match, the page aside."""
     require_pandas()
     import pandas as pd
 
-    runs = [await store.run(r.run_id) or r for r in await store.runs()]
-    return pd.DataFrame(
+    page = await store.run_page(query or RunQuery())
+    runs = page.runs
+    table = pd.DataFrame(
         {
             "run_id": _text([r.run_id for r in runs]),
             "name": _text([r.name for r in runs]),
@@ -109,6 +112,8 @@ async def runs_table(store: Store) -> pd.DataFrame:
             "summary": pd.Series([dict(r.summary) for r in runs], dtype=object),
         }
     )
+    table.attrs["total"] = page.total
+    return table
 
 
 async def history_table(

@@ -2,6 +2,7 @@
 
     api = runbus.Api()                      # RUNBUS_STORE, else the CLI's default store
     api.runs()                              # a row per run, newest first
+    api.runs(search="llama", state="failed", since="2026-11-01", config={"lr": 0.1}, limit=50)
     run = api.run("my-run")
     run.config, run.summary, run.name, run.tags   # each merged over the run's labels
     run.history()                           # every metric value: label, key, step, lease_epoch, …
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,6 +28,39 @@ from runbus.config import default_store_url, safe_url
 from runbus.errors import StoreUnavailable
 from runbus.storage import open_store
 from runbus.storage.base import LabelSummary, RunSummary, SetBy, Store
+
+# A time as runs(since=, until=) take it.
+Moment = datetime | float | int | str
+
+
+def _moment(value: Moment | None, end: bool = False) -> float | None:
+    """Seconds since the epoch from a datetime (naive: local time), a number, or text
+    (storage.runlist.moment)."""
+    from runbus.storage.runlist import moment
+
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.timestamp()
+    if isinstance(value, str):
+        return moment(value, end)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"a time must be a datetime, a number or a string, not {type(value).__name__}")
+
+
+def _config_pairs(config: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """{key: value} as the (key, value text) pairs of a RunQuery: a string as it is, any other
+    value as its JSON."""
+    import orjson
+
+    if config is None:
+        return ()
+    return tuple(
+        (key, value if isinstance(value, str) else orjson.dumps(value).decode())
+        for key, value in config.items()
+    )
+
 
 if TYPE_CHECKING:
     import asyncio
@@ -122,13 +156,50 @@ class Api:
 
         return self._reader.call(reading)
 
-    def runs(self) -> pd.DataFrame:
-        """Every run, newest first: run_id, name, tags, state, primary, exit_code, labels (how
-        many), started, ended, last_event (UTC timestamps), metric_events, log_events,
-        system_events, config, summary (each its labels' merged)."""
-        from runbus.query import frames
+    def runs(
+        self,
+        search: str | None = None,
+        *,
+        state: str | Iterable[str] | None = None,
+        since: Moment | None = None,
+        until: Moment | None = None,
+        tag: str | Iterable[str] | None = None,
+        label: str | Iterable[str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        sort: str = "started",
+        order: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> pd.DataFrame:
+        """The runs that match, newest first unless sorted otherwise: run_id, name, tags, state,
+        primary, exit_code, labels (how many), started, ended, last_event (UTC timestamps),
+        metric_events, log_events, system_events, config, summary (each its labels' merged).
+        With no argument, every run; `attrs["total"]` is how many match, the page aside.
 
-        return self.read(frames.runs_table)
+        `search`: text in the run's id, name, a tag or a label (ASCII letters in any case).
+        `state`, `tag`, `label`: one or several (any of the states; all of the tags and labels).
+        `since`, `until`: its start, a datetime, seconds since the epoch or ISO 8601 text (a date
+        alone for `until`: through that day). `config`: {key: value} its config holds (3 and
+        3.0 alike; a string value is read as JSON where it is: "0.1" finds 0.1). `sort`: started,
+        ended, last, labels, id, name or state; `order`: "asc" or "desc". A bad one is BadQuery.
+        """
+        from runbus.query import frames
+        from runbus.storage.runlist import RunQuery, states_of
+
+        query = RunQuery(
+            search=search or None,
+            states=states_of(frames.names(state, "state") or ()),
+            since=_moment(since),
+            until=_moment(until, end=True),
+            tags=tuple(frames.names(tag, "tag") or ()),
+            labels=tuple(frames.names(label, "label") or ()),
+            config=_config_pairs(config),
+            sort=sort,
+            order=order,
+            limit=limit,
+            offset=offset,
+        )
+        return self.read(lambda store: frames.runs_table(store, query))
 
     def run(self, run_id: str) -> StoredRun:
         """One run, by its id or a unique prefix of it; an unknown id is RunNotFound, naming the

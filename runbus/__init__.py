@@ -25,6 +25,7 @@ _LAZY = {
     "Api": "runbus.query.notebook",
     "RunbusError": "runbus.errors",
     "InvalidName": "runbus.errors",
+    "BadQuery": "runbus.errors",
     "IdentityUnknown": "runbus.errors",
     "InvalidEntry": "runbus.errors",
     "PrimaryConflict": "runbus.errors",
@@ -49,6 +50,7 @@ __all__ = [
     "AccessDenied",
     "AmbiguousRun",
     "Api",
+    "BadQuery",
     "CannotListen",
     "CommandError",
     "IdentityUnknown",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from runbus.errors import (
         AccessDenied,
         AmbiguousRun,
+        BadQuery,
         CannotListen,
         CommandError,
         IdentityUnknown,

@@ -29,6 +29,11 @@ class IdentityUnknown(RunbusError, ValueError):
     out: RUNBUS_RUN_ID (or run_id=), RUNBUS_LABEL (or label=), or `runbus run -- ...`."""
 
 
+class BadQuery(RunbusError, ValueError):
+    """A read the store refuses as asked (an unknown sort field, a date it cannot read, a negative
+    limit): the message says what it takes; asking again the same way fails again."""
+
+
 class PrimaryConflict(RunbusError, RuntimeError):
     """Another label is the run's live primary; start this one with primary=False."""
 

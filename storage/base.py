@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from runbus.config import safe_url
 from runbus.errors import StoreMissing
 from runbus.storage.rules import Gap, lives_of
+from runbus.storage.runlist import RunQuery
 from runbus.wire import Event
 
 if TYPE_CHECKING:
@@ -99,6 +100,27 @@ class RunSummary:
     tags: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     set_by: SetBy = field(default_factory=SetBy)
+
+
+@dataclass(frozen=True, slots=True)
+class LabelBrief:
+    """A label as the runs list shows it."""
+
+    label: str
+    state: str
+    primary: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    """A page of the runs a RunQuery matches (their event counts filled in, not their labels),
+    how many match in all, and, when asked for, each listed run's labels (by run id)."""
+
+    runs: list[RunSummary]
+    total: int
+    offset: int
+    limit: int | None
+    labels: dict[str, list[LabelBrief]] = field(default_factory=dict)
 
 
 # The two tables of numbers a run keeps: its metrics and its system samples.
@@ -405,6 +427,11 @@ class Store(RollupReader, Protocol):
 
     async def runs(self) -> list[RunSummary]:
         """Every run, newest first (labels not filled in)."""
+
+    async def run_page(self, query: RunQuery, labels: bool = False) -> RunPage:
+        """The runs `query` matches, in its order, the page it asks for (with their event counts;
+        with `labels`, their labels' names, states and primary, read just after), with how many
+        match in all, read in one snapshot."""
 
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""

@@ -9,9 +9,21 @@ from typing import Any, NamedTuple, Protocol
 
 import orjson
 
+from runbus.errors import BadQuery
 from runbus.storage import charts, rollups, rows, values
-from runbus.storage.base import KeyPage, LabelSummary, LogLine, Point, PointTable, RunSummary, Store
-from runbus.storage.dialect import Dialect
+from runbus.storage.base import (
+    KeyPage,
+    LabelBrief,
+    LabelSummary,
+    LogLine,
+    Point,
+    PointTable,
+    RunPage,
+    RunSummary,
+    Store,
+)
+from runbus.storage.dialect import SQLITE_MEMBER_MISSING, Dialect
+from runbus.storage.runlist import RunQuery, config_texts
 from runbus.wire import level_number
 
 
@@ -95,7 +107,7 @@ def logs_query(
     args: list[Any] = [run_id]
     if label is not None:
         where.append("l.label = ?")
-        args.append(label)
+        args.append(rows.storable_text(label))
     log_filters(dialect, where, args, level, grep)
     query = (
         "SELECT l.label, g.epoch, g.seq, g.ts, g.stream, g.level, g.text FROM logs g "
@@ -129,6 +141,114 @@ def log_page_query(
         f"WHERE {' AND '.join(where)} ORDER BY g.epoch, g.seq LIMIT ?"
     )
     return Query(dialect.sql(query), [*args, limit])
+
+
+# A run's label count, of `runs r`.
+_LABEL_COUNT = "(SELECT count(*) FROM labels l WHERE l.run_id = r.run_id)"
+# What each of runlist.SORTS orders by, `{text}` the collation of the texts.
+_RUN_SORTS = {
+    "started": "r.started_ts",
+    "ended": "r.ended_ts",
+    "last": "r.last_ts",
+    "labels": _LABEL_COUNT,
+    "id": "r.run_id",
+    "name": "r.name COLLATE {text}",
+    "state": "r.state COLLATE {text}",
+}
+# A page's runs with their label count and events by kind, read for the page's rows alone (not
+# for every run the page skips: a late page costs what the first does).
+_PAGE_COLUMNS = ", ".join(
+    [
+        f"r.*, {_LABEL_COUNT} AS label_count",
+        *(
+            f"(SELECT CAST(coalesce(sum(l.{kind}_events), 0) AS BIGINT) FROM labels l "
+            f"WHERE l.run_id = r.run_id) AS {kind}_count"
+            for kind in rows.KINDS_COUNTED
+        ),
+    ]
+)
+
+
+class PageQueries(NamedTuple):
+    """A page's two statements: the count of the runs that match, and the page of them."""
+
+    total: Query
+    rows: Query
+
+
+def run_page_queries(dialect: Dialect, query: RunQuery) -> PageQueries:
+    """The reads of the runs `query` matches: how many, and its page of them, sorted."""
+    where: list[str] = []
+    args: list[Any] = []
+    _run_search(dialect, where, args, query.search)
+    _run_filters(dialect, where, args, query)
+    condition = f" WHERE {' AND '.join(where)}" if where else ""
+    way = "DESC" if query.descending else "ASC"
+    order = f"{_RUN_SORTS[query.sort].format(text=dialect.bytewise)} {way} NULLS LAST, r.run_id {way}"
+    page = f"SELECT r.* FROM runs r{condition} ORDER BY {order} LIMIT ? OFFSET ?"
+    return PageQueries(
+        Query(dialect.sql(f"SELECT count(*) FROM runs r{condition}"), args),
+        Query(
+            dialect.sql(f"SELECT {_PAGE_COLUMNS} FROM ({page}) r ORDER BY {order}"),
+            [*args, dialect.limit(query.limit), query.offset],
+        ),
+    )
+
+
+def labels_of_runs_query(dialect: Dialect, run_ids: Sequence[str]) -> Query:
+    """The labels (run id, label, state, is_primary) of `run_ids` (not empty)."""
+    listed = ", ".join("?" * len(run_ids))
+    query = f"SELECT run_id, label, state, is_primary FROM labels WHERE run_id IN ({listed})"
+    return Query(dialect.sql(query), list(run_ids))
+
+
+def _run_search(dialect: Dialect, where: list[str], args: list[Any], search: str | None) -> None:
+    """A run whose id, name, a tag or a label holds `search` (ASCII letters in any case)."""
+    if not search:
+        return
+
+    def holds(text: str) -> str:
+        return dialect.contains(dialect.fold.format(text))
+
+    tags = dialect.strings.format(doc="r.tags")
+    where.append(
+        f"({holds('r.run_id')} OR {holds('r.name')} "
+        f"OR EXISTS (SELECT 1 FROM ({tags}) s WHERE {holds('s.value')}) "
+        f"OR EXISTS (SELECT 1 FROM labels l WHERE l.run_id = r.run_id AND {holds('l.label')}))"
+    )
+    args.extend([_ascii_lower(rows.storable_text(search))] * 4)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _ascii_lower(text: str) -> str:
+    """`text` with its ASCII letters in lower case, as Dialect.fold writes a column's."""
+    return text.translate(_ASCII_LOWER)
+
+
+def _run_filters(dialect: Dialect, where: list[str], args: list[Any], query: RunQuery) -> None:
+    """The conditions of `query`'s states, start bounds, tags, labels and config values."""
+    if query.states:
+        where.append(f"r.state IN ({', '.join('?' * len(query.states))})")
+        args.extend(query.states)
+    for bound, test in ((query.since, "r.started_ts >= ?"), (query.until, "r.started_ts < ?")):
+        if bound is not None:
+            where.append(test)
+            args.append(bound)
+    tags = dialect.strings.format(doc="r.tags")
+    for tag in query.tags:
+        where.append(f"EXISTS (SELECT 1 FROM ({tags}) s WHERE s.value = ?)")
+        args.append(rows.storable_text(tag))
+    for label in query.labels:
+        where.append("EXISTS (SELECT 1 FROM labels l WHERE l.run_id = r.run_id AND l.label = ?)")
+        args.append(rows.storable_text(label))
+    if query.config and not dialect.member:
+        raise BadQuery(SQLITE_MEMBER_MISSING)
+    for key, value in query.config:
+        texts = config_texts(value)
+        where.append(f"{dialect.member.format(doc='r.config')} IN ({', '.join('?' * len(texts))})")
+        args += [dialect.member_name(rows.storable_text(key)), *texts]
 
 
 class KeyPageQueries(NamedTuple):
@@ -185,6 +305,21 @@ def _query(reader: Fetcher, sql: str, *args: Any) -> Query:
 
 async def runs(reader: Fetcher) -> list[RunSummary]:
     return [rows.run_summary(dict(row)) for row in await reader._fetch(_query(reader, RUNS_SQL))]
+
+
+async def run_page(reader: Fetcher, query: RunQuery, labels: bool = False) -> RunPage:
+    total, listed = await reader._fetch_together(run_page_queries(reader.dialect, query))
+    runs = [rows.run_summary(dict(row), counts=_kind_counts(row)) for row in listed]
+    briefs: dict[str, list[LabelBrief]] = {run.run_id: [] for run in runs} if labels else {}
+    # Read after the page, by id: the page's filters are not applied twice.
+    found = await reader._fetch(labels_of_runs_query(reader.dialect, list(briefs))) if briefs else []
+    for run_id, label, state, primary in found:
+        briefs[run_id].append(LabelBrief(label, state, bool(primary)))
+    return RunPage(runs, total[0][0], query.offset, query.limit, briefs)
+
+
+def _kind_counts(row: rows.Row) -> dict[str, int]:
+    return {kind: row[f"{kind}_count"] for kind in rows.KINDS_COUNTED}
 
 
 async def run(reader: Fetcher, run_id: str) -> RunSummary | None:
@@ -291,6 +426,7 @@ class SharedReads:
 
     run = run
     runs = runs
+    run_page = run_page
     run_ids = run_ids
     metric_keys = metric_keys
     system_keys = system_keys

@@ -9,7 +9,7 @@
 import { ApiError, api, poll } from './js/api.js';
 import { Zoom } from './js/chart.js';
 import { labelColor, runColor } from './js/colors.js';
-import { STATES, ago, clock, count, dateTime, duration, el, setCrumbs, stateBadge, swatch } from './js/dom.js';
+import { clock, count, dateTime, duration, el, setCrumbs, stateBadge, swatch } from './js/dom.js';
 import { logsPanel } from './js/logs.js';
 import { PanelGrid } from './js/panels.js';
 import { MAX_LINES, byName } from './js/series.js';
@@ -17,10 +17,10 @@ import { Settings } from './js/settings.js';
 import * as sources from './js/sources.js';
 import { stragglerView } from './js/stragglers.js';
 import { systemCard } from './js/system.js';
+import { runsView as listRuns, tagChips } from './js/runs.js';
 import { chartToolbar, pager } from './js/toolbar.js';
 
 (() => {
-  const RUNS_EVERY_MS = 3000;
   const RUN_EVERY_MS = 5000;
   const LABEL_ROWS = 64;
   const MAX_COMPARED = 8;
@@ -72,71 +72,10 @@ import { chartToolbar, pager } from './js/toolbar.js';
     return '#/compare/' + ids.map(encodeURIComponent).join(',');
   }
 
-  // -- the runs list -----------------------------------------------------------------------------
+  // -- the runs list: js/runs.js -----------------------------------------------------------------
 
   function runsView() {
-    setCrumbs({ text: 'Runs' });
-    document.title = 'runbus · runs';
-    const main = document.getElementById('main');
-    const rows = el('tbody');
-    const total = el('span', { class: 'muted' });
-    const picked = new Set();
-    const compare = el('a', { class: 'button compare-button', id: 'compare', href: '#/', 'aria-disabled': 'true' }, 'Compare');
-    const empty = el('p', { class: 'empty', hidden: true },
-      'No runs yet. Log from your job with producer.init(), and keep `runbus ingest` running.');
-    function pickedChanged() {
-      const ids = [...picked];
-      compare.textContent = ids.length ? 'Compare ' + ids.length + (ids.length === 1 ? ' run' : ' runs') : 'Compare';
-      compare.href = ids.length >= 2 ? compareHref(ids) : '#/';
-      compare.setAttribute('aria-disabled', String(ids.length < 2));
-      compare.title = ids.length >= 2 ? '' : 'tick two runs or more (at most ' + MAX_COMPARED + ')';
-    }
-    main.replaceChildren(el('section', { class: 'card' },
-      el('div', { class: 'card-head' }, el('h2', null, 'Runs'), total, el('span', { class: 'spacer' }), compare),
-      el('div', { class: 'table-wrap' }, el('table', { class: 'table runs-table' },
-        el('thead', null, el('tr', null, ['', 'Run', 'State', 'Primary', 'Labels', 'Metrics', 'Logs', 'Started', 'Duration',
-          'Last event'].map((h) => el('th', null, h)))),
-        rows)),
-      empty));
-    pickedChanged();
-    const polling = poll(async () => {
-      const doc = await api('/api/runs');
-      total.textContent = doc.runs.length + (doc.runs.length === 1 ? ' run' : ' runs');
-      empty.hidden = doc.runs.length > 0;
-      rows.replaceChildren(...doc.runs.map((run) => runRow(run, picked, pickedChanged)));
-    }, RUNS_EVERY_MS);
-    return { stop: polling.stop };
-  }
-
-  function runRow(run, picked, pickedChanged) {
-    const href = '#/run/' + encodeURIComponent(run.run_id);
-    const chips = byLabel(run.labels).slice(0, 8).map((lab) => el('span', { class: 'chip', title: lab.label + ': ' + lab.state },
-      el('span', { class: 'dot dot-' + (STATES.has(lab.state) ? lab.state : 'unknown') }), lab.label));
-    if (run.labels.length > 8) chips.push(el('span', { class: 'chip more' }, '+' + (run.labels.length - 8)));
-    const end = run.state === 'running' ? Date.now() / 1000 : (run.ended_ts ?? run.last_ts);
-    const tick = el('input', {
-      type: 'checkbox', class: 'compare-pick', 'aria-label': 'compare ' + run.run_id, checked: picked.has(run.run_id),
-      disabled: !picked.has(run.run_id) && picked.size >= MAX_COMPARED,
-    });
-    tick.addEventListener('change', () => {
-      if (tick.checked) picked.add(run.run_id);
-      else picked.delete(run.run_id);
-      pickedChanged();
-    });
-    return el('tr', { class: 'run-row', dataset: { run: run.run_id }, onclick: (event) => {
-      if (!event.target.closest('a, input, label')) location.hash = href;
-    } },
-    el('td', { class: 'pick' }, tick),
-    el('td', null, el('a', { class: 'run-link mono', href }, run.run_id),
-      run.name ? el('div', { class: 'run-name' }, run.name) : null, tagChips(run.tags)),
-    el('td', null, stateBadge(run.state, run.exit_code)),
-    el('td', { class: 'mono' }, run.primary ?? '–'),
-    el('td', null, el('div', { class: 'chips' }, chips)),
-    el('td', { class: 'num' }, count(run.counts.metric)),
-    el('td', { class: 'num' }, count(run.counts.log)),
-    el('td', { class: 'nowrap' }, dateTime(run.started_ts)),
-    el('td', { class: 'nowrap' }, run.started_ts ? duration(end - run.started_ts) : '–'),
-    el('td', { class: 'nowrap muted' }, ago(run.last_ts)));
+    return listRuns({ picked: new Set(), maxCompared: MAX_COMPARED, compareHref });
   }
 
   // -- one run ---------------------------------------------------------------------------------
@@ -420,12 +359,6 @@ import { chartToolbar, pager } from './js/toolbar.js';
           el('td', { class: 'mono', title: lab.rank === null ? null : 'rank ' + lab.rank }, lab.host ?? '–'),
           el('td', { class: 'nowrap muted' }, lab.last_ts ? clock(lab.last_ts) : '–'));
       })));
-  }
-
-  function tagChips(tags, setBy) {
-    if (!tags || !tags.length) return null;
-    return el('span', { class: 'chips tags', title: setBy ? 'tags set by ' + setBy : null },
-      tags.map((tag) => el('span', { class: 'chip tag' }, tag)));
   }
 
   function flatten(object, prefix, out, top) {
