@@ -21,6 +21,7 @@ first run.watch().
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from runbus.producer.clock import StepClock, leading_size
 
 if TYPE_CHECKING:
     from runbus.producer.run import Run
+
+log = logging.getLogger("runbus.producer")
 
 
 class ModelWatch:
@@ -57,7 +60,10 @@ class ModelWatch:
             def all_reduce(state, bucket):  # type: ignore[no-untyped-def]
                 return self._all_reduce(state, bucket)
 
-            model.register_comm_hook(model.process_group, all_reduce)
+            try:
+                model.register_comm_hook(model.process_group, all_reduce)
+            except RuntimeError as exc:  # a model takes one hook: another (fp16 compression) is in place
+                log.warning("runbus: watch() leaves out compute and all-reduce wait: %s", exc)
         self._handles = [
             model.register_forward_pre_hook(self._forward, with_kwargs=True),
             model.register_forward_hook(self._forwarded),
