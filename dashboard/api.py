@@ -19,6 +19,7 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
   each `label=` (up to 64) adds that label's line (none for a label without values in view)
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
+- `/api/runs/RUN/anomalies`: each label's first NaN or inf of each key, by step (storage/anomalies.py)
 - `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware, command line and git state
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
 - `/api/runs/RUN/system/keys`: the system figures (keys, GPU indices together) and their keys
@@ -43,7 +44,7 @@ from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, AmbiguousRun, InvalidName, StoreRejected
 from runbus.query import documents
-from runbus.storage import base, lookup, system_charts
+from runbus.storage import anomalies, base, lookup, system_charts
 from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
@@ -440,6 +441,12 @@ async def stragglers(request: web.Request) -> web.Response:
     return _json(envelopes.stragglers_document(found, offset, limit))
 
 
+async def non_finite(request: web.Request) -> web.Response:
+    summary = await _known_run(request)
+    found = await anomalies.non_finite(request.app[STORE], summary.run_id)
+    return _json({"run_id": summary.run_id, "anomalies": [documents.anomaly_document(a) for a in found]})
+
+
 async def labels(request: web.Request) -> web.Response:
     run_id = await _run_id(request)
     limit = _integer(request, "limit", DEFAULT_LABELS, 1, MAX_LABELS)
@@ -520,6 +527,7 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.router.add_get("/api/runs/{run}/metrics/keys", key_page)
     app.router.add_get("/api/runs/{run}/metrics/envelope", envelope)
     app.router.add_get("/api/runs/{run}/stragglers", stragglers)
+    app.router.add_get("/api/runs/{run}/anomalies", non_finite)
     app.router.add_get("/api/runs/{run}/labels", labels)
     app.router.add_get("/api/runs/{run}/system", system)
     app.router.add_get("/api/runs/{run}/system/keys", system_keys)
