@@ -16,7 +16,8 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 - `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
 - `/api/runs/RUN/metrics/envelope?key=K&x=step&start=&end=&points=1500&outliers=3&lines=16&label=L`:
   the key's band across labels and its outlying labels' lines, from the rollups (envelopes.py);
-  each `label=` (up to 64) adds that label's line (none for a label without values in view)
+  each `label=` (up to 64) adds that label's line (none for a label without values in view);
+  `non_finite`: each label's first NaN or inf in view (storage/anomalies.py), lines or not
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
 - `/api/runs/RUN/anomalies`: each label's first NaN or inf of each key, by step (storage/anomalies.py)
@@ -415,7 +416,23 @@ async def envelope(request: web.Request) -> web.Response:
     )
     if found is None:
         raise await _unknown(request, f"metric {key!r}")
-    return _json(envelopes.envelope_document(found))
+    return _json(envelopes.envelope_document(found, await _non_finite_in_view(request, found)))
+
+
+async def _non_finite_in_view(request: web.Request, found: base.Envelope) -> list[anomalies.Anomaly]:
+    """Each label's first NaN or inf in the envelope's view, whatever its label count: the band
+    counts them but names no label, and only some labels are lines."""
+    on_steps = found.x == "step"
+    first = await anomalies.first_non_finite(
+        request.app[STORE],
+        found.run_id,
+        found.key,
+        None if not on_steps or found.start is None else math.ceil(found.start),
+        None if not on_steps or found.end is None else math.floor(found.end),
+    )
+    if on_steps:
+        return first
+    return [a for a in first if (found.start or -math.inf) <= a.ts <= (found.end or math.inf)]
 
 
 async def stragglers(request: web.Request) -> web.Response:

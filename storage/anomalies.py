@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from runbus.storage import charts
-from runbus.storage.base import LabelBucket, Point, RollupReader, Span
+from runbus.storage.base import LabelBucket, Point, RollupReader
 from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, FIRST_SEQ, INF, LAST_SEQ, NAN, STEP_AXIS, TS_AXIS
 from runbus.storage.rules import natural_key
 
@@ -55,25 +55,32 @@ async def non_finite(reader: KeyedReader, run_id: str, keys: Sequence[str] | Non
     return in_order(found)
 
 
-async def first_non_finite(reader: RollupReader, run_id: str, key: str) -> list[Anomaly]:
-    """Each label's first non-finite value of `key` (by step; without a step, by ts)."""
+async def first_non_finite(
+    reader: RollupReader, run_id: str, key: str, start: int | None = None, end: int | None = None
+) -> list[Anomaly]:
+    """Each label's first non-finite value of `key` (by step; without a step, by ts), of those
+    from step `start` to step `end` (a chart's view: then values without a step are left out)."""
     extent = await reader.key_extent(run_id, key)
     if extent is None:
         return []
     firsts: dict[str, Anomaly] = {}
-    for axis in (STEP_AXIS, TS_AXIS):
+    for axis in (STEP_AXIS, TS_AXIS) if start is None and end is None else (STEP_AXIS,):
         spans = extent.axis_spans(axis)
         if not spans:
             continue
-        for anomaly in await _on_axis(reader, run_id, key, axis, spans, extent.labels.get(axis, 0)):
+        lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+        window = (lo if start is None else max(lo, start), hi if end is None else min(hi, end))
+        if window[0] > window[1]:
+            continue
+        for anomaly in await _on_axis(reader, run_id, key, axis, window, extent.labels.get(axis, 0)):
             firsts.setdefault(anomaly.label, anomaly)  # a value with a step comes before one without
     return list(firsts.values())
 
 
 async def _on_axis(
-    reader: RollupReader, run_id: str, key: str, axis: int, spans: list[Span], labels: int
+    reader: RollupReader, run_id: str, key: str, axis: int, window: tuple[int, int], labels: int
 ) -> list[Anomaly]:
-    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+    lo, hi = window
     width = charts.choose_width(hi - lo + 1, COARSE_BUCKETS)
     shift = width.bit_length() - 1
     coarse = await reader.run_buckets(run_id, key, axis, width, lo >> shift, hi >> shift)
@@ -89,11 +96,29 @@ async def _on_axis(
         rows = await reader.label_buckets(
             run_id, key, axis, FINE_WIDTH, bucket << fine, ((bucket + 1) << fine) - 1, names
         )
-        for label, first_rows in _first_flagged(rows).items():
-            anomaly = await _exact(reader, run_id, key, axis, label, first_rows)
+        for label, flagged_rows in _flagged(rows).items():
+            anomaly = await _first_in(reader, run_id, key, axis, window, label, flagged_rows)
             if anomaly is not None:
                 found.append(anomaly)
     return found
+
+
+async def _first_in(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    axis: int,
+    window: tuple[int, int],
+    label: str,
+    rows: list[list[LabelBucket]],
+) -> Anomaly | None:
+    """The label's first non-finite value in `window`, from its flagged 128-step buckets in order
+    (one at the window's edges may hold its non-finite values outside)."""
+    for bucket_rows in rows:
+        anomaly = await _exact(reader, run_id, key, axis, window, label, bucket_rows)
+        if anomaly is not None:
+            return anomaly
+    return None
 
 
 async def _first_buckets(
@@ -112,22 +137,24 @@ async def _first_buckets(
     return first
 
 
-def _first_flagged(rows: Iterable[LabelBucket]) -> dict[str, list[LabelBucket]]:
-    """Each label's rows (an epoch each) of its lowest 128-step bucket holding a non-finite value."""
-    first: dict[str, list[LabelBucket]] = {}
+def _flagged(rows: Iterable[LabelBucket]) -> dict[str, list[list[LabelBucket]]]:
+    """Each label's 128-step buckets holding a non-finite value, in order, a bucket's rows (an
+    epoch each) together."""
+    by_label: dict[str, dict[int, list[LabelBucket]]] = {}
     for row in rows:
-        if not (row.part[NAN] or row.part[INF]):
-            continue
-        held = first.get(row.label)
-        if held is None or row.bucket < held[0].bucket:
-            first[row.label] = [row]
-        elif row.bucket == held[0].bucket:
-            held.append(row)
-    return first
+        if row.part[NAN] or row.part[INF]:
+            by_label.setdefault(row.label, {}).setdefault(row.bucket, []).append(row)
+    return {label: [buckets[b] for b in sorted(buckets)] for label, buckets in by_label.items()}
 
 
 async def _exact(
-    reader: RollupReader, run_id: str, key: str, axis: int, label: str, rows: list[LabelBucket]
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    axis: int,
+    window: tuple[int, int],
+    label: str,
+    rows: list[LabelBucket],
 ) -> Anomaly | None:
     """The label's first non-finite value in its 128-step bucket `rows` (read as stored)."""
     bucket, on_steps = rows[0].bucket, axis == STEP_AXIS
@@ -137,7 +164,7 @@ async def _exact(
             if (p.step is not None) != on_steps or p.value - p.value == 0:
                 continue
             x = p.step if p.step is not None else math.floor(p.ts)
-            if x >> FINE_SHIFT == bucket:
+            if x >> FINE_SHIFT == bucket and window[0] <= x <= window[1]:
                 bad.append((x, p.ts, p.value))
     if not bad:
         return None
