@@ -407,9 +407,15 @@ class Run:
         """Time `model`'s training steps on this rank and log the perf/* figures the framework
         integrations log (perf/step_s, perf/compute_s, perf/comm_wait_s, perf/data_wait_s, ...),
         the means over every `every_n_steps` steps, at the step of the window's last one (counted
-        from `first_step`). On a DistributedDataParallel model, call it
-        before the first step: it registers DDP's communication hook (the default all-reduce,
-        timed), which a model takes once. See runbus.producer.watch; imports torch."""
+        from `first_step`). On a DistributedDataParallel model, call it before the first step:
+        it registers DDP's communication hook (the default all-reduce, timed), which a model
+        takes once. The same model again returns its watch. See runbus.producer.watch; imports
+        torch."""
+        if self._finished:
+            raise RunFinished(f"run {self.identity.run_id}/{self.identity.label} has finished")
+        for watch in self._watches:
+            if watch.model is model:
+                return watch  # a model is timed once (and DDP takes one comm hook)
         from runbus.producer.watch import ModelWatch
 
         watch = ModelWatch(self, model, every_n_steps, first_step)

@@ -48,6 +48,7 @@ class ModelWatch:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1, not {every_n_steps!r}")
         self._run = run
+        self.model = model
         self._every = every_n_steps
         self._step = first_step
         self._clock = StepClock()

@@ -101,11 +101,20 @@ async def test_the_api_and_the_cli_name_it(store):
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf])
-async def test_inf_alone_is_named_inf(store, bad):
-    await store.write(
-        [
-            Event("spike", "rank0", "metric", 1, s + 1, T0 + s, {"g": bad if s == 200 else 1.0}, s)
-            for s in range(400)
-        ]
-    )
-    assert [(a.step, a.kind) for a in await anomalies.non_finite(store, "spike")] == [(200, "inf")]
+async def test_inf_is_named_inf_and_the_open_bucket_is_searched(store, bad):
+    # 20,000 steps: the coarse rows are 512 wide, and hold closed 128-step buckets only; rank1's
+    # NaN is in its open (highest) bucket.
+    steps = 20_000
+    for label, at, value in (("rank0", 200, bad), ("rank1", steps - 1, math.nan)):
+        await store.write(
+            [
+                Event("spike", label, "metric", 1, s + 1, T0 + s, {"g": value if s == at else 1.0}, s)
+                for s in range(steps)
+            ]
+        )
+    found = await anomalies.non_finite(store, "spike")
+    assert [(a.label, a.step, a.kind) for a in found] == [("rank0", 200, "inf"), ("rank1", steps - 1, "nan")]
+    # A view of steps: what lies outside is not named.
+    assert await anomalies.first_non_finite(store, "spike", "g", 201, steps - 2) == []
+    inside = await anomalies.first_non_finite(store, "spike", "g", 150, 250)
+    assert [(a.label, a.step) for a in inside] == [("rank0", 200)]

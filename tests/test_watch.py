@@ -132,8 +132,12 @@ def test_bad_arguments_are_refused(redis_url):
             run.watch(object())
         with pytest.raises(ValueError, match="every_n_steps"):
             run.watch(nn.Linear(1, 1), every_n_steps=0)
+        model = nn.Linear(1, 1)
+        assert run.watch(model) is run.watch(model)  # timed once, not logged twice
     finally:
         run.finish()
+    with pytest.raises(runbus.RunFinished):
+        run.watch(nn.Linear(1, 1))
 
 
 def test_watch_loads_torch_only_when_called():
