@@ -1,6 +1,6 @@
 """What run.watch(model) adds to a training step on the CPU: the same tiny DDP loop, with and without.
 
-    python bench/watch.py [--steps 3000] [--repeats 5]
+    python bench/watch.py [--steps 3000] [--repeats 5]     # a RUNBUS_REDIS_URL (or local) Redis
 
 One gloo process group of one rank (its all-reduce is real, and returns at once), a 2-layer MLP,
 SGD: a step of a few hundred microseconds, so the hooks' cost is not hidden in the model's. The
@@ -12,7 +12,9 @@ step hook, and every 10 steps the window's log()).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import time
 
@@ -59,8 +61,14 @@ def main() -> None:
     run.finish()
     dist.destroy_process_group()
     base, with_watch = statistics.median(plain), statistics.median(watched)
-    print(f"median step: {base * 1e6:.0f} us plain, {with_watch * 1e6:.0f} us watched")
-    print(f"overhead: {(with_watch - base) * 1e6:.0f} us a step ({(with_watch / base - 1) * 100:.1f}%)")
+    figures = {
+        "step_us_plain": round(base * 1e6, 1),
+        "step_us_watched": round(with_watch * 1e6, 1),
+        "overhead_us_per_step": round((with_watch - base) * 1e6, 1),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
