@@ -419,6 +419,10 @@ async def envelope(request: web.Request) -> web.Response:
     return _json(envelopes.envelope_document(found, await _non_finite_in_view(request, found)))
 
 
+# The labels an envelope names as NaN or inf at most: those that went first (the band counts all).
+MAX_NON_FINITE_MARKS = 32
+
+
 async def _non_finite_in_view(request: web.Request, found: base.Envelope) -> list[anomalies.Anomaly]:
     """Each label's first NaN or inf in the envelope's view, whatever its label count: the band
     counts them but names no label, and only some labels are lines."""
@@ -429,6 +433,7 @@ async def _non_finite_in_view(request: web.Request, found: base.Envelope) -> lis
         found.key,
         None if not on_steps or found.start is None else math.ceil(found.start),
         None if not on_steps or found.end is None else math.floor(found.end),
+        MAX_NON_FINITE_MARKS,
     )
     if on_steps:
         return first

@@ -56,10 +56,18 @@ async def non_finite(reader: KeyedReader, run_id: str, keys: Sequence[str] | Non
 
 
 async def first_non_finite(
-    reader: RollupReader, run_id: str, key: str, start: int | None = None, end: int | None = None
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    start: int | None = None,
+    end: int | None = None,
+    limit: int | None = None,
 ) -> list[Anomaly]:
     """Each label's first non-finite value of `key` (by step; without a step, by ts), of those
-    from step `start` to step `end` (a chart's view: then values without a step are left out)."""
+    from step `start` to step `end` (a chart's view: then values without a step are left out);
+    in_order; with `limit`, the first `limit` of them, read from the labels whose first one lies
+    in the lowest 128-step buckets (a chart names a few: a run whose labels went bad one after
+    another is not read label by label)."""
     extent = await reader.key_extent(run_id, key)
     if extent is None:
         return []
@@ -72,14 +80,23 @@ async def first_non_finite(
         window = (lo if start is None else max(lo, start), hi if end is None else min(hi, end))
         if window[0] > window[1]:
             continue
-        for anomaly in await _on_axis(reader, run_id, key, axis, window, extent.labels.get(axis, 0)):
-            firsts.setdefault(anomaly.label, anomaly)  # a value with a step comes before one without
-    return list(firsts.values())
+        candidates = await _candidates(reader, run_id, key, axis, window, extent.labels.get(axis, 0))
+        if limit is not None and len(candidates) > limit:
+            # Labels whose first bucket is the same are told apart by their values only.
+            last = candidates[limit - 1][1][0][0].bucket
+            candidates = [c for c in candidates if c[1][0][0].bucket <= last]
+        for label, rows in candidates:
+            anomaly = await _first_in(reader, run_id, key, axis, window, label, rows)
+            if anomaly is not None:
+                firsts.setdefault(label, anomaly)  # a value with a step comes before one without
+    return in_order(firsts.values())[:limit]
 
 
-async def _on_axis(
+async def _candidates(
     reader: RollupReader, run_id: str, key: str, axis: int, window: tuple[int, int], labels: int
-) -> list[Anomaly]:
+) -> list[tuple[str, list[list[LabelBucket]]]]:
+    """The labels with a non-finite value in `window`, each with its flagged 128-step buckets in
+    order, the labels whose first such bucket is lowest first."""
     lo, hi = window
     width = charts.choose_width(hi - lo + 1, COARSE_BUCKETS)
     shift = width.bit_length() - 1
@@ -90,17 +107,14 @@ async def _on_axis(
     by_bucket: dict[int, list[str]] = {}
     for label, bucket in (await _first_buckets(reader, run_id, key, axis, width, flagged, labels)).items():
         by_bucket.setdefault(bucket, []).append(label)
-    found: list[Anomaly] = []
+    found: list[tuple[str, list[list[LabelBucket]]]] = []
     fine = shift - FINE_SHIFT
     for bucket, names in by_bucket.items():
         rows = await reader.label_buckets(
             run_id, key, axis, FINE_WIDTH, bucket << fine, ((bucket + 1) << fine) - 1, names
         )
-        for label, flagged_rows in _flagged(rows).items():
-            anomaly = await _first_in(reader, run_id, key, axis, window, label, flagged_rows)
-            if anomaly is not None:
-                found.append(anomaly)
-    return found
+        found.extend(_flagged(rows).items())
+    return sorted(found, key=lambda item: (item[1][0][0].bucket, natural_key(item[0])))
 
 
 async def _first_in(

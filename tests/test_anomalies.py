@@ -75,6 +75,12 @@ async def test_the_first_anomaly_is_the_injected_rank_and_step(store):
     assert rows[18] == ("rank3", "loss", 1500, "inf")
     assert rows[19][:3] == ("rank19", "loss", None) and rows[19][3] == "nan"  # no step: last
     assert len(rows) == 20  # one per (label, key); lr never went bad
+    limited = await anomalies.first_non_finite(store, RUN, "loss", limit=3)
+    assert [(a.label, a.step) for a in anomalies.in_order(limited)] == [
+        ("rank7", 1234),
+        ("rank0", 1240),
+        ("rank1", 1240),
+    ]
     assert found[19].ts == T0 + STEPS + 5
     # One key asked for; a key never logged.
     assert [a.label for a in await anomalies.first_non_finite(store, RUN, "lr")] == []
@@ -118,3 +124,5 @@ async def test_inf_is_named_inf_and_the_open_bucket_is_searched(store, bad):
     assert await anomalies.first_non_finite(store, "spike", "g", 201, steps - 2) == []
     inside = await anomalies.first_non_finite(store, "spike", "g", 150, 250)
     assert [(a.label, a.step) for a in inside] == [("rank0", 200)]
+    # A limit keeps the labels that went bad first.
+    assert [a.label for a in await anomalies.first_non_finite(store, "spike", "g", limit=1)] == ["rank0"]
