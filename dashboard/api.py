@@ -20,9 +20,11 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 - `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
 - `/api/runs/RUN/metrics/envelope?key=K&x=step&start=&end=&points=1500&outliers=3&lines=16&label=L`:
   the key's band across labels and its outlying labels' lines, from the rollups (envelopes.py);
-  each `label=` (up to 64) adds that label's line (none for a label without values in view)
+  each `label=` (up to 64) adds that label's line (none for a label without values in view);
+  `non_finite`: each label's first NaN or inf in view (storage/anomalies.py), lines or not
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
+- `/api/runs/RUN/anomalies`: each label's first NaN or inf of each key, by step (storage/anomalies.py)
 - `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware, command line and git state
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
 - `/api/runs/RUN/system/keys`: the system figures (keys, GPU indices together) and their keys
@@ -47,7 +49,7 @@ from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, AmbiguousRun, BadQuery, InvalidName, StoreRejected
 from runbus.query import documents
-from runbus.storage import base, lookup, runlist, system_charts
+from runbus.storage import anomalies, base, lookup, runlist, system_charts
 from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
@@ -449,7 +451,28 @@ async def envelope(request: web.Request) -> web.Response:
     )
     if found is None:
         raise await _unknown(request, f"metric {key!r}")
-    return _json(envelopes.envelope_document(found))
+    return _json(envelopes.envelope_document(found, await _non_finite_in_view(request, found)))
+
+
+# The labels an envelope names as NaN or inf at most: those that went first (the band counts all).
+MAX_NON_FINITE_MARKS = 32
+
+
+async def _non_finite_in_view(request: web.Request, found: base.Envelope) -> list[anomalies.Anomaly]:
+    """Each label's first NaN or inf in the envelope's view, whatever its label count: the band
+    counts them but names no label, and only some labels are lines."""
+    on_steps = found.x == "step"
+    first = await anomalies.first_non_finite(
+        request.app[STORE],
+        found.run_id,
+        found.key,
+        None if not on_steps or found.start is None else math.ceil(found.start),
+        None if not on_steps or found.end is None else math.floor(found.end),
+        MAX_NON_FINITE_MARKS,
+    )
+    if on_steps:
+        return first
+    return [a for a in first if (found.start or -math.inf) <= a.ts <= (found.end or math.inf)]
 
 
 async def stragglers(request: web.Request) -> web.Response:
@@ -473,6 +496,12 @@ async def stragglers(request: web.Request) -> web.Response:
     if found is None:
         raise await _unknown(request, f"metric {name!r}")
     return _json(envelopes.stragglers_document(found, offset, limit))
+
+
+async def non_finite(request: web.Request) -> web.Response:
+    summary = await _known_run(request)
+    found = await anomalies.non_finite(request.app[STORE], summary.run_id)
+    return _json({"run_id": summary.run_id, "anomalies": [documents.anomaly_document(a) for a in found]})
 
 
 async def labels(request: web.Request) -> web.Response:
@@ -555,6 +584,7 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.router.add_get("/api/runs/{run}/metrics/keys", key_page)
     app.router.add_get("/api/runs/{run}/metrics/envelope", envelope)
     app.router.add_get("/api/runs/{run}/stragglers", stragglers)
+    app.router.add_get("/api/runs/{run}/anomalies", non_finite)
     app.router.add_get("/api/runs/{run}/labels", labels)
     app.router.add_get("/api/runs/{run}/system", system)
     app.router.add_get("/api/runs/{run}/system/keys", system_keys)

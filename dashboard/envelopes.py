@@ -10,12 +10,13 @@ as the wire writes them: "NaN", "Infinity", "-Infinity". Start data is shown red
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runbus.query.documents import git_document
+from runbus.query.documents import anomaly_document, git_document
 from runbus.redact import redact
 from runbus.storage import base
+from runbus.storage.anomalies import Anomaly
 from runbus.storage.rules import natural_key
 from runbus.wire import finite_to_wire
 
@@ -41,9 +42,11 @@ def x_number(value: float | int) -> float | int:
     return value if isinstance(value, int) else round(value, 3)
 
 
-def envelope_document(found: base.Envelope) -> dict[str, Any]:
+def envelope_document(found: base.Envelope, non_finite: Sequence[Anomaly] = ()) -> dict[str, Any]:
     """GET /api/runs/RUN/metrics/envelope: the band, and the lines (every label's, else the
-    outliers' furthest first, `outlier` true, then those of the labels asked for by `label=`)."""
+    outliers' furthest first, `outlier` true, then those of the labels asked for by `label=`);
+    `non_finite`: each label's first NaN or inf in view (storage.anomalies), so that the chart
+    marks them where the label is no line."""
     return {
         "run_id": found.run_id,
         "key": found.key,
@@ -99,6 +102,7 @@ def envelope_document(found: base.Envelope) -> dict[str, Any]:
             }
             for line in found.lines
         ],
+        "non_finite": [anomaly_document(a) for a in non_finite],
     }
 
 

@@ -5,7 +5,8 @@ r"""A plain training loop under Hugging Face Accelerate, every process logging i
 
 accelerator.init_trackers() and accelerator.log() reach trackers on the main process only. The
 RunbusTracker is built on every process; log_every_process() logs each process's own figures
-under its label (rank0, rank1, ...), next to what the main process logs through accelerate.
+under its label (rank0, rank1, ...), next to what the main process logs through accelerate, and
+tracker.watch(model) times each process's steps (perf/compute_s, perf/comm_wait_s, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from runbus.integrations.accelerate import RunbusTracker, finish_every_process, log_every_process
+from runbus.integrations.accelerate import RunbusTracker, finish_every_process, log_every_process, tracker_of
 
 FEATURES = 16
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
+    tracker_of(accelerator).watch(model, every_n_steps=1)  # perf/*: compute and all-reduce wait
     weights = torch.randn(FEATURES, 1, generator=torch.Generator().manual_seed(0)).to(accelerator.device)
     data = torch.Generator().manual_seed(accelerator.process_index)  # each process its own shard
 

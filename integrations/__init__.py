@@ -5,8 +5,9 @@
 - runbus.integrations.transformers: RunbusCallback, a Hugging Face Trainer callback.
 - runbus.integrations.accelerate: RunbusTracker, a Hugging Face Accelerate tracker, and
   log_every_process() / finish_every_process() for what accelerate runs on the main process only.
-- runbus.integrations.clock: StepClock, how a step's time splits into data wait, compute and
-  collective wait (used by the Lightning and Transformers integrations).
+
+Each times every rank's steps with runbus.producer.clock.StepClock (data wait, compute, collective
+wait: the perf/* figures), the clock run.watch(model) uses under plain DistributedDataParallel.
 
 Each module imports its framework when imported itself; this package imports none.
 """

@@ -4,6 +4,8 @@
 
     accelerator = Accelerator(log_with=RunbusTracker())        # built on every process
     accelerator.init_trackers("my-project", config=vars(args)) # the config, from the main process
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tracker_of(accelerator).watch(model)                       # every process: perf/* step timing
     for step, batch in enumerate(loader):
         ...
         accelerator.log({"loss": avg_loss}, step=step)        # the main process only (accelerate's rule)
@@ -18,6 +20,11 @@ environment) the first time it logs: through accelerator.log() on the main proce
 log_every_process() or tracker.log() on every process. finish_every_process() (or
 tracker.finish()) finishes each process's label; end_training() finishes the main process's
 only, and runbus finishes what is left at exit.
+
+tracker.watch(model), on the model accelerator.prepare() returned, times every process's
+training steps as the Lightning and Transformers integrations do (perf/step_s, perf/compute_s,
+perf/comm_wait_s, perf/data_wait_s, ...: run.watch(), runbus.producer.watch): under DDP the
+all-reduce wait is told apart from compute. Call it before the first step.
 """
 
 from __future__ import annotations
@@ -82,6 +89,11 @@ class RunbusTracker(GeneralTracker):
         for key, text in values.items():
             if isinstance(text, str):
                 run.log_text(f"{key}: {text}")
+
+    def watch(self, model: Any, every_n_steps: int = 10) -> None:
+        """Time this process's training steps of `model` (as accelerator.prepare() returned it)
+        and log the perf/* figures every `every_n_steps` steps (Run.watch; starts the label)."""
+        self.tracker.watch(model, every_n_steps)
 
     def finish(self) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ its label (rank0, rank1, ...) of one run: what each rank logs with `self.log()` 
 unless sync_dist=True), the hyperparameters (save_hyperparameters(), log_hyperparams() and
 `experiment.config.update()`, before or after the run starts) and, through the RunbusStepTimer it
 adds to the Trainer, each rank's step time split into data wait, compute and collective wait
-(runbus.integrations.clock). Nothing needs setting under the ddp, ddp_spawn and ddp_fork
+(runbus.producer.clock). Nothing needs setting under the ddp, ddp_spawn and ddp_fork
 strategies, torchrun or SLURM: the process that builds the logger makes up the run id and
 exports it (RUNBUS_RUN_ID) for the ranks it launches, or pickles it into them.
 
@@ -39,8 +39,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 from runbus import config as settings
-from runbus.integrations.clock import StepClock, leading_size
 from runbus.producer import check_arguments, environment, init
+from runbus.producer.clock import StepClock, leading_size
 from runbus.producer.run import Run
 from runbus.wire import check_name
 
@@ -356,7 +356,7 @@ class RunbusStepTimer(Callback):
     Every every_n_steps training batches (default: the Trainer's log_every_n_steps) each rank
     logs the means of perf/step_s, perf/data_wait_s, perf/compute_s, perf/comm_wait_s, and
     perf/step_max_s, perf/samples_per_s, perf/rss_mb (perf/cuda_max_allocated_mb on CUDA): see
-    runbus.integrations.clock for what each measures. Validation runs are not data wait.
+    runbus.producer.clock for what each measures. Validation runs are not data wait.
     """
 
     def __init__(self, every_n_steps: int | None = None) -> None:

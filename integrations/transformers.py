@@ -12,7 +12,7 @@ hides: this rank's own loss (rank_loss: per optimizer step, the model's loss, re
 reads it (output["loss"], or output[0] of a tuple) and scaled as the Trainer scales it before
 averaging over ranks, so the mean of rank_loss over the ranks is the logged loss), its step
 time split into data wait, compute and collective wait (perf/data_wait_s,
-perf/compute_s, perf/comm_wait_s, perf/step_s, perf/step_max_s: see runbus.integrations.clock),
+perf/compute_s, perf/comm_wait_s, perf/step_s, perf/step_max_s: see runbus.producer.clock),
 its throughput (perf/samples_per_s, and perf/tokens_per_s counting input_ids, padding included)
 and its memory (perf/rss_mb, perf/cuda_max_allocated_mb). The primary also logs the Trainer's
 logs (loss, learning_rate, grad_norm, eval metrics) as on_log receives them. The run's config is
@@ -31,8 +31,8 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from runbus.integrations.clock import StepClock, leading_size
 from runbus.producer import check_arguments, init
+from runbus.producer.clock import StepClock, leading_size
 from runbus.producer.run import Run
 
 __all__ = ["RunbusCallback"]

@@ -33,6 +33,7 @@ from runbus.producer.shipper import Shipper, ShipperOptions, encode_data
 if TYPE_CHECKING:
     from runbus.producer.child import ChildLabel
     from runbus.producer.console import ConsoleCapture
+    from runbus.producer.watch import ModelWatch
 
 log = logging.getLogger("runbus.producer")
 
@@ -224,6 +225,7 @@ class Run:
         self._shipper.gpu_device_ids = options.gpu_device_ids
         self._sampler: _SamplerThread | None = None
         self._console: ConsoleCapture | None = None
+        self._watches: list[ModelWatch] = []
         self._put(
             "start",
             None,
@@ -401,6 +403,25 @@ class Run:
 
         return ChildLabel.of(self, label, options)
 
+    def watch(self, model: Any, every_n_steps: int = 10, first_step: int = 0) -> ModelWatch:
+        """Time `model`'s training steps on this rank and log the perf/* figures the framework
+        integrations log (perf/step_s, perf/compute_s, perf/comm_wait_s, perf/data_wait_s, ...),
+        the means over every `every_n_steps` steps, at the step of the window's last one (counted
+        from `first_step`). On a DistributedDataParallel model, call it before the first step:
+        it registers DDP's communication hook (the default all-reduce, timed), which a model
+        takes once. The same model again returns its watch. See runbus.producer.watch; imports
+        torch."""
+        if self._finished:
+            raise RunFinished(f"run {self.identity.run_id}/{self.identity.label} has finished")
+        for watch in self._watches:
+            if watch.model is model:
+                return watch  # a model is timed once (and DDP takes one comm hook)
+        from runbus.producer.watch import ModelWatch
+
+        watch = ModelWatch(self, model, every_n_steps, first_step)
+        self._watches.append(watch)
+        return watch
+
     def logging_handler(self, level: int = logging.NOTSET) -> logging.Handler:
         """A logging.Handler that ships records as `log` events of this run."""
         from runbus.producer.handler import RunHandler
@@ -430,6 +451,8 @@ class Run:
             raise ValueError("exit_code must fit in 64 bits")
         if self._forked:
             return False
+        for watch in self._watches:
+            watch.close()  # its last window's figures go before the finish
         with self._finish_lock:
             if self._finished:
                 return self._complete  # False while another thread's finish() is under way

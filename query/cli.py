@@ -19,7 +19,8 @@ from runbus.errors import CommandError, RunNotFound
 from runbus.query import documents, tables
 from runbus.redact import redact_text
 from runbus.redis import reply_text, sync_client
-from runbus.storage import Store, open_store, runlist, safe_url
+from runbus.storage import Store, anomalies, open_store, runlist, safe_url
+from runbus.storage.anomalies import Anomaly
 from runbus.storage.base import RunPage, RunSummary
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import natural_key
@@ -254,8 +255,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run = read(args.store, lambda store: known_run(store, args.run, args.redis))
-    print(documents.dumps(documents.run_document(run)) if args.json else tables.show_text(run))
+    async def showing(store: Store) -> tuple[RunSummary, list[Anomaly]]:
+        run = await known_run(store, args.run, args.redis)
+        return run, await anomalies.non_finite(store, run.run_id)
+
+    run, found = read(args.store, showing)
+    if args.json:
+        document = documents.run_document(run)
+        document["anomalies"] = [documents.anomaly_document(a) for a in found]
+        print(documents.dumps(document))
+    else:
+        print(tables.show_text(run, found))
     return 0
 
 

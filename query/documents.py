@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from runbus.redact import LineRedactor, redact, redact_text, safe_remote
+from runbus.storage.anomalies import Anomaly
 from runbus.storage.base import LabelSummary, LogLine, Point, RunSummary
 from runbus.terminal import json_printable
 from runbus.wire import finite_to_wire
@@ -196,4 +197,16 @@ def log_document(line: LogLine) -> dict[str, Any]:
         "stream": line.stream,
         "level": line.level,
         "text": line.text,
+    }
+
+
+def anomaly_document(anomaly: Anomaly) -> dict[str, Any]:
+    """A label's first NaN or inf of a key (storage.anomalies): `runbus show --json`'s
+    "anomalies" and GET /api/runs/RUN/anomalies."""
+    return {
+        "label": anomaly.label,
+        "key": anomaly.key,
+        "step": anomaly.step,
+        "kind": anomaly.kind,
+        "ts": anomaly.ts,
     }

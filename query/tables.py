@@ -16,6 +16,7 @@ import orjson
 
 from runbus.query.documents import git_document
 from runbus.redact import redact, redact_text
+from runbus.storage.anomalies import Anomaly
 from runbus.storage.base import RunSummary
 from runbus.terminal import printable
 from runbus.wire import finite_to_wire
@@ -50,8 +51,9 @@ def state_text(run: RunSummary) -> str:
     return f"{run.state} (exit {run.exit_code})"
 
 
-def show_text(run: RunSummary) -> str:
-    """The `runbus show` page: the run, a table of its labels, its gaps, then its config."""
+def show_text(run: RunSummary, anomalies: Sequence[Anomaly] = ()) -> str:
+    """The `runbus show` page: the run, a table of its labels, its gaps, then its config; with
+    `anomalies` (storage.anomalies, in order), a line naming the first NaN or inf."""
     counts = ", ".join(f"{kind} {n}" for kind, n in run.counts.items())
     head = [f"run      {run.run_id}"]
     if run.name is not None:
@@ -66,6 +68,7 @@ def show_text(run: RunSummary) -> str:
         f"events   {counts}",
     ]
     head += git_lines(run)
+    head += anomaly_lines(anomalies)
     head += [
         f"refused  {lab.label} claimed the primary role at {when(lab.primary_refused_ts)}; "
         f"{run.primary or '-'} holds it"
@@ -102,6 +105,17 @@ def show_text(run: RunSummary) -> str:
             per_label = {lab.label: getattr(lab, field) for lab in run.labels}
             text += f"\n\n{field} (the label that set each value):\n" + values_text(merged, set_by, per_label)
     return text
+
+
+def anomaly_lines(anomalies: Sequence[Anomaly]) -> list[str]:
+    """`nan/inf  rank3 loss went NaN first, at step 30 (12 label keys in all)`, if any went bad."""
+    if not anomalies:
+        return []
+    first = anomalies[0]
+    where = f"at step {first.step}" if first.step is not None else f"at {when(first.ts)} (no step)"
+    kind = "NaN" if first.kind == "nan" else "inf"
+    more = f" ({len(anomalies)} label keys in all: runbus show --json)" if len(anomalies) > 1 else ""
+    return [printable(f"nan/inf  {first.label} {first.key} went {kind} first, {where}{more}")]
 
 
 # Labels named beside a git state that not every label shares, at most.

@@ -219,3 +219,48 @@ def seed_hostile_hardware(client: redis.Redis) -> None:
             step=step,
             ts=SWEEP_T0 + step,
         )
+
+
+NAN_RUN = "nan-20"  # 20 ranks, one key; NAN_RANK's loss is NaN at NAN_STEP, INF_RANK's inf at INF_STEP
+NAN_RANKS, NAN_STEPS = 20, 2600  # 52,000 values: past the exact reads, the band comes from rollups
+NAN_RANK, NAN_STEP = "rank13", 1337
+INF_RANK, INF_STEP = "rank4", 2000
+
+
+async def write_nan_run(store_url: str) -> None:
+    """NAN_RUN written straight into the store at `store_url` (created)."""
+    from runbus.storage import open_store
+    from runbus.wire import Event
+
+    store = open_store(store_url)
+    await store.connect()
+    try:
+        for rank in range(NAN_RANKS):
+            label = f"rank{rank}"
+            events = [
+                Event(NAN_RUN, label, "start", 1, 1, SWEEP_T0, {"primary": rank == 0, "rank": rank}, None)
+            ]
+            for step in range(NAN_STEPS):
+                value = 2.0 * math.exp(-step / 600) + 0.3 + rank * 0.001
+                if (label, step) == (NAN_RANK, NAN_STEP):
+                    value = math.nan
+                elif (label, step) == (INF_RANK, INF_STEP):
+                    value = math.inf
+                events.append(
+                    Event(NAN_RUN, label, "metric", 1, step + 2, SWEEP_T0 + 1 + step, {"loss": value}, step)
+                )
+            events.append(
+                Event(
+                    NAN_RUN,
+                    label,
+                    "finish",
+                    1,
+                    NAN_STEPS + 2,
+                    SWEEP_T0 + NAN_STEPS + 2,
+                    {"exit_code": 0},
+                    None,
+                )
+            )
+            await store.write(events)
+    finally:
+        await store.close()

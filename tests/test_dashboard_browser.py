@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -899,3 +901,41 @@ def test_all_page_scripts_are_our_own_files(site):
         ):
             assert banned not in text, f"{script.name} uses {banned}"
     assert len(scripts) >= 10
+
+
+# -- NaN and inf in a band's labels -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_site(tmp_path_factory) -> Iterator[str]:
+    """`runbus serve` over a store holding seeds.NAN_RUN alone: its base URL."""
+    store_url = f"sqlite:///{tmp_path_factory.mktemp('nan') / 'runbus.db'}"
+    # In a process of its own: Playwright's event loop owns this thread once the browser is up.
+    code = (
+        f"import asyncio; from tests import dashboard_seeds as s; asyncio.run(s.write_nan_run({store_url!r}))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300
+    )
+    with serve(store_url) as (url, _):
+        yield url
+
+
+def test_a_band_marks_the_label_that_went_nan_at_any_label_count(page, nan_site):
+    # 20 labels: a band and its outliers, none of them the label that went NaN at one step.
+    page.goto(f"{nan_site}#/run/{seeds.NAN_RUN}")
+    loss = drawn(page, chart("metrics", "loss"), wait="d.marks.nonFinite.length >= 2")
+    assert any(s["role"] == "median" for s in loss["series"])  # the envelope
+    assert seeds.NAN_RANK not in {s["label"] for s in lines_of(loss)}
+    marks = {(m["label"], m["x"], m["what"], m["text"]) for m in loss["marks"]["nonFinite"]}
+    assert marks == {
+        (seeds.NAN_RANK, seeds.NAN_STEP, "NaN", f"{seeds.NAN_RANK} NaN @{seeds.NAN_STEP}"),
+        (seeds.INF_RANK, seeds.INF_STEP, "inf", f"{seeds.INF_RANK} inf @{seeds.INF_STEP}"),
+    }
+    doc = api_json(nan_site, f"/api/runs/{seeds.NAN_RUN}/metrics/envelope?key=loss")
+    assert not doc["exact"] and sum(b[3] for s in doc["band"] for b in s["rows"]) == 1  # the band's count
+    # Zoomed to steps after the NaN: only the inf is in view.
+    zoomed = api_json(nan_site, f"/api/runs/{seeds.NAN_RUN}/metrics/envelope?key=loss&start=1400&end=2599")
+    assert [(a["label"], a["step"], a["kind"]) for a in zoomed["non_finite"]] == [
+        (seeds.INF_RANK, seeds.INF_STEP, "inf")
+    ]

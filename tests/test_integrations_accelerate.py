@@ -43,6 +43,19 @@ def test_every_process_logs_under_its_own_label(redis_url, store_url):
         assert [step for step, _ in points[label, "rank_loss"]] == steps
         assert [step for step, _ in points[label, "step_s"]] == steps
     assert points["rank0", "rank_loss"] != points["rank1", "rank_loss"]
+    # tracker.watch(model) on the prepared (DDP) model: each process's step split, every step.
+    for label in ("rank0", "rank1"):
+        for key in ("perf/step_s", "perf/compute_s", "perf/comm_wait_s"):
+            assert [step for step, _ in points[label, key]] == steps, (label, key)
+        # data wait counts from a step's end: none before the first
+        assert [step for step, _ in points[label, "perf/data_wait_s"]] == steps[1:]
+        for (_, total), (_, compute), (_, wait) in zip(
+            points[label, "perf/step_s"],
+            points[label, "perf/compute_s"],
+            points[label, "perf/comm_wait_s"],
+            strict=True,
+        ):
+            assert compute > 0 and wait >= 0 and total == pytest.approx(compute + wait, abs=1e-6)
     # What goes through accelerator.log() is the main process's alone; strings become log lines.
     assert [step for step, _ in points["rank0", "loss"]] == steps and ("rank1", "loss") not in points
     lines = [(line.label, line.text) for line in read_store(store_url, "logs", run.run_id)]

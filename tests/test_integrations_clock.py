@@ -1,4 +1,4 @@
-"""runbus.integrations.clock: a step split into data wait, compute and collective wait.
+"""runbus.producer.clock: a step split into data wait, compute and collective wait.
 
 One process, no process group: the waits are made by hand where DDP would make them (data
 wait before the step, the collective wait between the last gradient and backward returning).
@@ -21,7 +21,7 @@ except ImportError:  # torch is in the dev extra: under CI its absence is a fail
         raise
     pytest.skip("torch is not installed", allow_module_level=True)
 
-from runbus.integrations.clock import StepClock, leading_size
+from runbus.producer.clock import StepClock, leading_size
 
 DATA, COMPUTE, COLLECTIVE = 0.03, 0.04, 0.05
 

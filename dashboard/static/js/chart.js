@@ -245,6 +245,15 @@ export class Panel {
       ctx.lineTo(x + 4 * ratio, top);
       ctx.lineTo(x, top + 6 * ratio);
       ctx.fill();
+      // A band's label is no line: the mark names it (and its step).
+      if (!mark.text) continue;
+      const text = printable(mark.text);
+      const wide = ctx.measureText(text).width;
+      const x0 = x + 5 * ratio + wide > left + width ? x - 5 * ratio - wide : x + 5 * ratio;
+      let row = 0;
+      while (row < 6 && placed.some(([a, b, r]) => r === row && x0 < b && x0 + wide > a)) row += 1;
+      placed.push([x0, x0 + wide, row]);
+      ctx.fillText(text, x0, top + (11 + 12 * row) * ratio);
     }
     ctx.restore();
   }

@@ -65,8 +65,24 @@ export function plan(parts, { xMode = 'step', smoothing = 0, log = false, hidden
       if (hidden.has(line.label)) continue;
       addLine(line, part, t0, prefix, line.epoch !== firstEpoch.get(line.label));
     }
+    addNonFinite(part, t0, new Set(firstEpoch.keys()));
   }
   return out;
+
+  // A band's labels that went NaN or inf, named on the chart (a label drawn as a line marks its
+  // own values).
+  function addNonFinite(part, t0, drawn) {
+    for (const found of part.nonFinite || []) {
+      if (drawn.has(found.label) || hidden.has(found.label)) continue;
+      const x = xKind === 'step' ? found.step : xKind === 'wall' ? found.ts : found.ts - t0;
+      if (x === null || x === undefined) continue;
+      const what = found.kind === 'nan' ? 'NaN' : 'inf';
+      out.marks.nonFinite.push({
+        x, label: found.label, what, color: part.color || labelColor(found.label),
+        text: found.label + ' ' + what + (found.step === null ? '' : ' @' + found.step),
+      });
+    }
+  }
 
   function addLine(line, part, t0, prefix, restarted) {
     const xs = xsOf(line, xKind, t0);

@@ -146,7 +146,14 @@ export async function metricChart(runId, key, { run: runDoc, shown = new Set(), 
   const outliers = [...new Set(lines.filter((line) => line.outlier && line.distance > MIN_DISTANCE).map((line) => line.label))];
   const drawn = lines.filter((line) => outliers.includes(line.label) || shown.has(line.label));
   return {
-    parts: [{ lines: drawn, envelope: doc.band.map((segment) => envelopeFromBand(doc, segment)), outliers, t0 }],
+    parts: [{
+      lines: drawn,
+      envelope: doc.band.map((segment) => envelopeFromBand(doc, segment)),
+      outliers,
+      t0,
+      // Each label's first NaN or inf in view: marked whether or not the label is a line.
+      nonFinite: doc.non_finite || [],
+    }],
     info: describeDoc(doc) + ' · envelope',
   };
 }

@@ -1,8 +1,10 @@
-"""Per-rank step timing for the framework integrations: where each training step's time went.
+"""Per-rank step timing: where each training step's time went (perf/* figures).
 
-The framework's hooks tell a StepClock where a step begins and ends and when backward returned;
-hooks on the model's parameters tell it when this rank's last gradient was ready. From those it
-splits each step of this rank (host-side wall time, time.perf_counter):
+One clock for every way runbus times steps: the framework integrations (runbus.integrations.*)
+and run.watch(model) under plain DistributedDataParallel (runbus.producer.watch). Their hooks tell
+a StepClock where a step begins and ends and when backward returned; hooks on the model's
+parameters (or DDP's gradient buckets) tell it when this rank's last gradient was ready. From
+those it splits each step of this rank (host-side wall time, time.perf_counter):
 
 - data wait (perf/data_wait_s): from the end of the previous step, or of the last work outside
   steps the framework reported (evaluation, logging, checkpointing), to the start of this one:
@@ -118,13 +120,19 @@ class StepClock:
             self._tokens += tokens
 
     def _grad_ready(self, param: Any) -> None:
+        self.grad_ready()
+
+    def grad_ready(self) -> None:
+        """This rank's gradients are ready now (the last one so far in this step)."""
         if self._in_step:
             self._last_grad = time.perf_counter()
 
-    def backward_returned(self) -> None:
-        """Backward has returned (under DDP, after waiting for the gradient all-reduce)."""
+    def backward_returned(self, at: float | None = None) -> None:
+        """Backward has returned (under DDP, after waiting for the gradient all-reduce), now or
+        at the perf_counter time `at`."""
         if self._in_step and self._last_grad is not None:
-            self._step_comm = (self._step_comm or 0.0) + time.perf_counter() - self._last_grad
+            returned = time.perf_counter() if at is None else at
+            self._step_comm = (self._step_comm or 0.0) + max(0.0, returned - self._last_grad)
             self._last_grad = None
 
     def end_step(self) -> None:
