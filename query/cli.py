@@ -185,8 +185,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run = read(args.store, lambda store: known_run(store, args.run, args.redis))
-    print(documents.dumps(documents.run_document(run)) if args.json else tables.show_text(run))
+    from runbus.query.health import health_lines, read_health
+
+    async def shown(store: Store) -> tuple[RunSummary, dict]:
+        run = await known_run(store, args.run, args.redis)
+        return run, await read_health(store, run)
+
+    run, health = read(args.store, shown)
+    if args.json:
+        print(documents.dumps({**documents.run_document(run), "health": health}))
+    else:
+        print("\n".join([*health_lines(health), tables.show_text(run)]))
     return 0
 
 
