@@ -219,8 +219,8 @@ def _stalled(
     waits = {v.label: in_collective(v.stack) for v in heard}
     if not silent and _paused(heard, waits):
         where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
-        note = f"paused: every label in {where} (a checkpoint or evaluation?)"
-        return Verdict(OK, note=note, threshold=limit)
+        pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
+        return Verdict(OK, note=pause, threshold=limit)
     culprits = [_silent(v, now) for v in silent] + _apart(heard, waits, now)
     culprits += _behind(labels, heard, {c["label"] for c in culprits}, now)
     named = {c["label"] for c in culprits}
