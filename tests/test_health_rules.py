@@ -3,6 +3,7 @@ store's compare and set of verdicts on both backends (one recorder per change)."
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -124,7 +125,7 @@ def test_a_stack_is_read_from_another_thread_cut_and_redacted():
         thread.join()
     assert len(stack) == 3
     assert [frame[2] for frame in stack] == ["wait_here_with_a_secret", "wait", "wait"]
-    assert stack[0][3] == "done.wait(len(\"***\"))" and "hf_abc" not in repr(stack)
+    assert stack[0][3] == 'done.wait(len("***"))' and "hf_abc" not in repr(stack)
     assert thread_stack(None) == []
 
 
@@ -147,3 +148,52 @@ async def test_one_recorder_per_change(store):
     assert await store.record_health(again, "ok", "ok", {**doc, "state": "ok"}, NOW)
     assert not await store.record_health(again, "dead", "dead|rank0", doc, NOW)  # read before the change
     assert isinstance(again, RunVitals)
+
+
+async def test_show_and_the_api_give_the_recorded_health_with_secrets_redacted(store_url):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runbus import storage
+    from runbus.dashboard.api import create_app
+    from tests.helpers import get_json, run_cli
+
+    store = storage.open_store(store_url)
+    await store.connect()
+    start = {"primary": True}
+    await store.write(
+        [Event("api", "rank0", "start", 1, 1, NOW, start), Event("new", "rank0", "start", 1, 1, NOW, start)]
+    )
+    [run] = [r for r in await store.health_inputs() if r.run_id == "api"]
+    frame = {
+        "file": "t.py",
+        "line": 3,
+        "function": "f",
+        "code": "f('hf_abcdefghijklmnopqrstuvwxyz0123456789')",
+    }
+    culprit = {"label": "rank0", "reason": "in Python (f)", "stack": [frame], "last_lines": ["epoch 3"]}
+    doc = {
+        "state": "stalled",
+        "since": NOW,
+        "culprits": [culprit],
+        "waiting": [],
+        "note": None,
+        "threshold": 10.0,
+    }
+    assert await store.record_health(run, "stalled", "stalled|rank0", doc, NOW)
+    await store.close()
+    async with TestClient(TestServer(create_app(store_url))) as client:
+        served = await get_json(client, "/api/runs/api/health")
+        assert (await get_json(client, "/api/runs/new/health"))["state"] == "unknown"  # never judged
+        await get_json(client, "/api/runs/nope/health", status=404)
+    assert served["run_id"] == "api" and served["state"] == "stalled"
+    assert served["culprits"][0]["stack"][0]["code"] == "f('***')"
+    shown = json.loads(run_cli("--store", store_url, "show", "api", "--json").stdout)["health"]
+    assert {**shown, "run_id": "api"} == served
+    text = run_cli("--store", store_url, "show", "api").stdout.splitlines()
+    assert text[0].startswith("health   stalled since ") and text[0].endswith(": rank0 in Python (f)")
+    assert text[1].split() == ["rank0", "t.py:3", "in", "f"] and text[2].split() == [
+        "rank0",
+        "|",
+        "epoch",
+        "3",
+    ]
