@@ -640,7 +640,16 @@ class Shipper(threading.Thread):
             record = self._record(pending)
             if record is not None:
                 self.backlog.add(record, keep=taking)
+        self._note_progress(taken)
         return bool(taken)
+
+    def _note_progress(self, taken: list[Pending]) -> None:
+        """The step of a batch's last event that has one, for the heartbeats: once a batch, not
+        once an event, so that encoding costs no more than it did."""
+        for _, _, ts, step, _ in reversed(taken):
+            if step is not None:
+                self.progress.saw(step, ts)
+                return
 
     def _room_ahead(self, now: float) -> bool:
         """While Redis takes events: whether the backlog takes another batch now."""
@@ -676,8 +685,6 @@ class Shipper(threading.Thread):
             data = {**data, **self.outbox.drops.report()}
         elif kind == "log":
             data = self._redacted_log(data)
-        elif step is not None:
-            self.progress.saw(step, ts)
         try:
             blob = encode_data(kind, data)
         except Exception as exc:

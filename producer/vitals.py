@@ -30,8 +30,8 @@ STEP_TIMES = 32  # recent step times kept for the typical one
 
 class Progress:
     """A label's step as its encoded metric events show it: the last step, when it advanced
-    (wall clock, the events' own `ts`), the recent times between advances, and whether a stall
-    beat went out since (so that the step moving on sends a beat at once)."""
+    (wall clock, the events' own `ts`), the recent step times, and whether a stall beat went out
+    since (so that the step moving on sends a beat at once)."""
 
     __slots__ = ("advanced_at", "announced", "moved", "step", "times")
 
@@ -43,12 +43,13 @@ class Progress:
         self.moved = False  # the step moved after a stall beat: a beat is due now
 
     def saw(self, step: int, ts: float) -> None:
-        """A metric event at `step`, logged at `ts`."""
+        """A metric event at `step`, logged at `ts` (the shipper tells the last of each batch
+        it encodes: a step time is the time between two of them over the steps between)."""
         previous = self.step
         if previous == step:
             return
         if previous is not None and step > previous and self.advanced_at is not None:
-            self.times.append(max(0.0, ts - self.advanced_at))
+            self.times.append(max(0.0, ts - self.advanced_at) / (step - previous))
         self.step, self.advanced_at = step, ts
         if self.announced:
             self.announced, self.moved = False, True
