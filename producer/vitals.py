@@ -26,6 +26,9 @@ MAX_LINE = 160
 STALL_STEPS = 3.0
 STALL_MIN = 1.0
 STEP_TIMES = 32  # recent step times kept for the typical one
+# Stall beats begin once this many step times are known: a loop that has not yet stepped a few
+# times is starting, and the detector does not judge a start-up.
+STALL_AFTER_STEPS = 3
 
 
 class Progress:
@@ -68,7 +71,7 @@ class Progress:
         if self.moved:
             self.moved = False
             return True
-        if self.announced or self.advanced_at is None:
+        if self.announced or self.advanced_at is None or len(self.times) < STALL_AFTER_STEPS:
             return False
         if now - self.advanced_at >= self.stall_after():
             self.announced = True
@@ -85,7 +88,9 @@ class Progress:
             "step": self.step,
             "step_age": round(age, 3),
             "step_s": None if typical is None else round(typical, 6),
-            "stalled": age >= self.stall_after(),
+            # What the stall beat said, until the step moves on: then a beat goes at once, so
+            # the detector may count a stalled label's age on from it.
+            "stalled": self.announced,
         }
 
 

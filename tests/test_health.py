@@ -75,9 +75,12 @@ RANK = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def ingester(redis_url: str, store_url: str, tmp_path: Path) -> Iterator[Path]:
-    """A live `runbus ingest` with a 3 s stall floor, its alerts appended to a file (returned)."""
+@pytest.fixture(params=[1])
+def ingester(
+    redis_url: str, store_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Path]:
+    """A live `runbus ingest` (of `request.param` workers) with a 3 s stall floor, its alerts
+    appended to a file (returned)."""
     alerts = tmp_path / "alerts.jsonl"
     worker = subprocess.Popen(
         ingest_command(
@@ -87,6 +90,8 @@ def ingester(redis_url: str, store_url: str, tmp_path: Path) -> Iterator[Path]:
             str(STALL_AFTER),
             "--on-alert",
             f"cat >> {alerts}; echo >> {alerts}",
+            "--workers",
+            str(request.param),
         ),
         stderr=subprocess.PIPE,
         text=True,
@@ -161,6 +166,7 @@ def alerts_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.parametrize("ingester", [2], indirect=True)  # two workers judge; one alerts
 def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, ingester):
     ranks = start(redis_url, "hang-loader", "loader")
     try:
@@ -181,6 +187,15 @@ def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, 
         alert = wait_for("the alert", lambda: alerts_of(ingester))[0]
         assert alert["run"] == "hang-loader" and alert["state"] == "stalled"
         assert alert["culprits"][0]["label"] == "rank2"
+        # Both workers judge the run every second: once each has done so twice more, still one alert.
+        wait_for(
+            "more verdicts",
+            lambda: (
+                (h := health(store_url, "hang-loader"))
+                and h["culprits"][0]["step_age"] > culprit["step_age"] + 2.5
+            ),
+        )
+        assert len(alerts_of(ingester)) == 1
         shown = run_cli("--store", store_url, "show", "hang-loader").stdout
         assert shown.splitlines()[0].startswith("health   stalled since ")
         assert "rank2 in a data loader (load_batch)" in shown.splitlines()[0]

@@ -40,6 +40,13 @@ def test_a_rank_in_its_data_loader_is_the_culprit_and_the_others_wait():
     assert verdict.culprits[0]["stack"][-1]["function"] == "load_batch"
 
 
+def test_a_label_that_never_steps_is_neither_culprit_nor_waiting():
+    child = LabelVitals("rank0-loader", {"every": 10.0, "stack": LOADER}, NOW - 1, NOW - 1)
+    verdict = judge("running", [rank("rank0"), rank("rank1", stack=LOADER), child], NOW, SETTINGS)
+    assert [c["label"] for c in verdict.culprits] == ["rank1"]
+    assert [w["label"] for w in verdict.waiting] == ["rank0"]
+
+
 def test_a_rank_a_step_behind_is_the_culprit():
     verdict = judge("running", [rank("rank0"), rank("rank1", step=39), rank("rank2")], NOW, SETTINGS)
     reasons = [(c["label"], c["reason"]) for c in verdict.culprits]
