@@ -30,6 +30,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def add_ingest(parser: argparse.ArgumentParser) -> None:
     add_redis_option(parser, "redis+cluster://host:port,... for a cluster")
     add_store_option(parser)
@@ -109,7 +116,7 @@ def add_ingest(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stall-after",
-        type=float,
+        type=_seconds,
         default=10.0,
         metavar="SECONDS",
         help="the least time without a step that makes a live run stalled; a run whose steps "
