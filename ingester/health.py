@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from runbus.errors import StoreError
+from runbus.redact import redact
 from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
 from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, silent_after
@@ -124,7 +125,8 @@ class HealthKeeper:
         )
         if verdict.state in ALERTING and self.on_alert:
             self.alerts += 1
-            task = asyncio.create_task(self._alert({"run": run.run_id, **doc}))
+            # Redacted as every reader shows it: a heartbeat written by hand may hold anything.
+            task = asyncio.create_task(self._alert(redact({"run": run.run_id, **doc})))
             self._commands.add(task)
             task.add_done_callback(self._commands.discard)
         return True
