@@ -15,6 +15,7 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
 - `/api/runs/RUN`: one run: labels with their life (`life`: 1, then 2 after a restart, …; the raw
   lease epoch as `lease_epoch`) and gaps (`missing`) and what each set, counts, name, tags,
   config and summary (merged, with `set_by`: the label of each value), dead letters
+- `/api/runs/RUN/health`: the run's health (docs/health.md): state, since, culprits, waiting
 - `/api/runs/RUN/metrics`: the metric keys
 - `/api/runs/RUN/metrics/series?key=K&label=L&points=2000`: one series per label (see downsample)
 - `/api/runs/RUN/metrics/keys?prefix=P&q=TEXT&offset=0&limit=100`: metric keys, paged and searched
@@ -267,6 +268,13 @@ async def run(request: web.Request) -> web.Response:
     document["primary_refused"] = documents.refused_primaries(summary)
     document["dead_letters"] = await request.app[DEAD_LETTERS].counts(summary.run_id)
     return _json(document)
+
+
+async def health(request: web.Request) -> web.Response:
+    from runbus.query.health import read_health
+
+    summary = await _known_run(request)
+    return _json({"run_id": summary.run_id, **await read_health(request.app[STORE], summary)})
 
 
 async def metric_keys(request: web.Request) -> web.Response:
@@ -579,6 +587,7 @@ def create_app(store_url: str, redis_url: str | None = None, token: str | None =
     app.router.add_get("/api/runs", runs)
     app.router.add_get("/api/compare/config", compare_config)
     app.router.add_get("/api/runs/{run}", run)
+    app.router.add_get("/api/runs/{run}/health", health)
     app.router.add_get("/api/runs/{run}/metrics", metric_keys)
     app.router.add_get("/api/runs/{run}/metrics/series", metric_series)
     app.router.add_get("/api/runs/{run}/metrics/keys", key_page)

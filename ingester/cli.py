@@ -30,6 +30,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def add_ingest(parser: argparse.ArgumentParser) -> None:
     add_redis_option(parser, "redis+cluster://host:port,... for a cluster")
     add_store_option(parser)
@@ -108,6 +115,21 @@ def add_ingest(parser: argparse.ArgumentParser) -> None:
         help="a label silent this long without a finish is crashed (default %(default)s)",
     )
     parser.add_argument(
+        "--stall-after",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="the least time without a step that makes a live run stalled; a run whose steps "
+        "take long waits five of its median step times (default %(default)s; docs/health.md)",
+    )
+    parser.add_argument(
+        "--on-alert",
+        default=None,
+        metavar="CMD",
+        help="run CMD (a shell command) with the alert as JSON on its stdin each time a run's "
+        "health turns stalled or dead, or its culprits change; one worker of the group runs it",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -141,6 +163,7 @@ def add_demo(parser: argparse.ArgumentParser) -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from runbus.ingester.worker import WorkerSettings
+    from runbus.storage.health import HealthSettings
 
     settings = WorkerSettings(
         redis_url=args.redis,
@@ -156,6 +179,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         retain=args.retain,
         crash_after=args.crash_after,
+        health=HealthSettings(floor=args.stall_after),
+        on_alert=args.on_alert,
     )
     if args.consumer:
         settings.consumer = args.consumer

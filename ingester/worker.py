@@ -33,10 +33,12 @@ from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
 from runbus.ingester.fence import Fences
+from runbus.ingester.health import HealthKeeper
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
 from runbus.storage.base import Store
+from runbus.storage.health import HealthSettings
 from runbus.storage.rules import primary_claims
 
 if TYPE_CHECKING:
@@ -149,6 +151,11 @@ class WorkerSettings:
     # Refuse entries without a seal even of labels no sealing producer wrote (ingester/fence.py):
     # for when every producer is a runbus that seals.
     require_seal: bool = field(default_factory=config.require_seal)
+    # The health detector (ingester/health.py): its thresholds, how often it judges the live
+    # runs, and the command run with each alert as JSON on its stdin.
+    health: HealthSettings = field(default_factory=HealthSettings)
+    health_interval: float = 1.0
+    on_alert: str | None = None
 
 
 def decode_batch(
@@ -289,6 +296,9 @@ class Worker:
         # batches, the one read ahead, what it claimed. Kept alive (_keep_alive), never claimed
         # (_claim): XAUTOCLAIM would hand them back to it, to be written twice.
         self._in_flight: dict[str, set[bytes]] = {}
+        self.health = HealthKeeper(
+            self.store, self.settings.health, self.settings.health_interval, self.settings.on_alert
+        )
 
     def run(self, http: tuple[str, int] | None = None) -> int:
         """Run as this process's one job until stopped (or, with burst, until nothing is left),
@@ -366,10 +376,12 @@ class Worker:
         stop_keeping_alive = asyncio.Event()
         keep_alive = asyncio.create_task(self._keep_alive(stop_keeping_alive))
         compacting: asyncio.Task | None = None
+        judging: asyncio.Task | None = None
         try:
             if not await self._connect():
                 return self.stats  # stopped while the store was away
             compacting = asyncio.create_task(self._compact_backlog())
+            judging = asyncio.create_task(self.health.run(stop_keeping_alive))
             self._loop_task = asyncio.create_task(self._loop())
             try:
                 await self._loop_task
@@ -387,6 +399,8 @@ class Worker:
             # ever. Awaiting a per-batch keep-alive cancelled so is how a burst used to hang.
             stop_keeping_alive.set()
             await keep_alive
+            if judging is not None:
+                await judging
             if compacting is not None and not compacting.done():
                 compacting.cancel()
                 await asyncio.gather(compacting, return_exceptions=True)
@@ -850,6 +864,7 @@ class Worker:
                     written.set_result(None)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
+            await self.health.note(events)
             # Stored already: keep trying through a drain, so a stop does not cause redelivery.
             await self._with_redis(lambda: self._dead_letter(dead), drain=True)
             await self._with_redis(lambda: self._ack(entries), drain=True)

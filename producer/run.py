@@ -223,6 +223,7 @@ class Run:
         self._shipper.describe_hardware = describe_hardware
         self._shipper.describe_git = describe_git
         self._shipper.gpu_device_ids = options.gpu_device_ids
+        self._shipper.watched_thread = threading.get_ident()
         self._sampler: _SamplerThread | None = None
         self._console: ConsoleCapture | None = None
         self._watches: list[ModelWatch] = []

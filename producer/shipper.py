@@ -37,6 +37,7 @@ from runbus.producer.courier import Call, Courier
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
 from runbus.producer.outbox import Outbox, Pending
+from runbus.producer.vitals import Progress, beat_fields
 from runbus.redact import LineRedactor
 
 if TYPE_CHECKING:
@@ -188,6 +189,10 @@ class Shipper(threading.Thread):
         self._stopping = threading.Event()
         self._deadline: float | None = None
         self._next_heartbeat = time.monotonic() + options.heartbeat_interval
+        # The step as encoded metric events show it, and the thread whose stack beats carry (the
+        # one that called init(): the training loop's), for the health detector.
+        self.progress = Progress()
+        self.watched_thread: int | None = None
         self._outage_since: float | None = None
         self._outage_failures = 0
         self._denied_logged = False  # an AccessDenied logged in this outage
@@ -593,14 +598,21 @@ class Shipper(threading.Thread):
         """Put a heartbeat when one is due (none once the finish is put: nothing follows it),
         and mark the label's lease (and the primary claim) due a renewal."""
         now = time.monotonic()
-        if now < self._next_heartbeat or self.outbox.closed:
+        if self.outbox.closed:
+            return
+        scheduled = now >= self._next_heartbeat
+        # A beat out of schedule when the step stops advancing, and when it moves on again.
+        if not (self.progress.beat_due(time.time()) or scheduled):
+            return
+        data = {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped}
+        try:
+            data.update(beat_fields(self.progress, self.watched_thread, self.options.heartbeat_interval))
+        except Exception as exc:  # the beat itself matters more than what it tells of the stack
+            log.debug("runbus: heartbeat without vitals: %s", exc)
+        self.outbox.put("heartbeat", None, data)
+        if not scheduled:
             return
         self._next_heartbeat = now + self.options.heartbeat_interval
-        self.outbox.put(
-            "heartbeat",
-            None,
-            {**self.outbox.drops.report(), "buffered": self.unshipped, "shipped": self.shipped},
-        )
         if self._client is not None and self._outage_since is None:
             self._renew_due = True
 
@@ -628,7 +640,16 @@ class Shipper(threading.Thread):
             record = self._record(pending)
             if record is not None:
                 self.backlog.add(record, keep=taking)
+        self._note_progress(taken)
         return bool(taken)
+
+    def _note_progress(self, taken: list[Pending]) -> None:
+        """The step of a batch's last event that has one, for the heartbeats: once a batch, not
+        once an event, so that encoding costs no more than it did."""
+        for _, _, ts, step, _ in reversed(taken):
+            if step is not None:
+                self.progress.saw(step, ts)
+                return
 
     def _room_ahead(self, now: float) -> bool:
         """While Redis takes events: whether the backlog takes another batch now."""

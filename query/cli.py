@@ -255,17 +255,19 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    async def showing(store: Store) -> tuple[RunSummary, list[Anomaly]]:
-        run = await known_run(store, args.run, args.redis)
-        return run, await anomalies.non_finite(store, run.run_id)
+    from runbus.query.health import health_lines, read_health
 
-    run, found = read(args.store, showing)
+    async def showing(store: Store) -> tuple[RunSummary, dict, list[Anomaly]]:
+        run = await known_run(store, args.run, args.redis)
+        return run, await read_health(store, run), await anomalies.non_finite(store, run.run_id)
+
+    run, health, found = read(args.store, showing)
     if args.json:
-        document = documents.run_document(run)
+        document = {**documents.run_document(run), "health": health}
         document["anomalies"] = [documents.anomaly_document(a) for a in found]
         print(documents.dumps(document))
     else:
-        print(tables.show_text(run, found))
+        print("\n".join([*health_lines(health), tables.show_text(run, found)]))
     return 0
 
 

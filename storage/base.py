@@ -13,6 +13,7 @@ from runbus.storage.runlist import RunQuery
 from runbus.wire import Event
 
 if TYPE_CHECKING:
+    from runbus.storage.beats import RunVitals
     from runbus.storage.values import Values
 
 # The chart reads' defaults and bounds (storage/charts.py).
@@ -516,6 +517,23 @@ class Store(RollupReader, Protocol):
         shown: Sequence[str] = (),
     ) -> Envelope | None:
         """One key's chart: charts.envelope."""
+
+    async def save_beats(self, beats: Sequence[Event]) -> None:
+        """Keep each label's latest heartbeat of `beats` (stored already): storage/beats.py."""
+
+    async def health_inputs(self) -> list[RunVitals]:
+        """The runs the health detector judges, with their labels' latest beats."""
+
+    async def record_health(
+        self, run: RunVitals, state: str, key: str, doc: dict[str, Any], now: float
+    ) -> bool:
+        """Record a run's verdict by compare and set; True if this call changed it."""
+
+    async def health(self, run_id: str) -> dict[str, Any] | None:
+        """A run's recorded health object, or None before any detector judged it."""
+
+    async def last_lines(self, run_id: str, label: str, count: int = 10) -> list[str]:
+        """A label's last `count` log lines, oldest first."""
 
     async def stragglers(
         self,

@@ -14,7 +14,19 @@ import asyncpg
 
 from runbus.errors import AccessDenied, StoreError, StoreRejected, StoreUnavailable
 from runbus.redact import redact_text, url_secrets
-from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, safe_url, values
+from runbus.storage import (
+    backfill,
+    base,
+    beats,
+    charts,
+    chunking,
+    metadata,
+    reads,
+    rollups,
+    rows,
+    safe_url,
+    values,
+)
 from runbus.storage.base import (
     Point,
     PointTable,
@@ -239,6 +251,8 @@ MIGRATIONS: list[str] = [
     # rolls up the samples already stored.
     "",
     CHUNKS_SCHEMA,
+    # Health (storage/beats.py): each label's latest heartbeat, each run's verdict.
+    beats.SCHEMA,
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -685,7 +699,7 @@ REJECTED_CLASSES = frozenset({"22", "23", "54"})
 DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 
 
-class PostgresStore(reads.SharedReads):
+class PostgresStore(reads.SharedReads, beats.SharedHealth):
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
     dialect = POSTGRES
@@ -735,6 +749,14 @@ class PostgresStore(reads.SharedReads):
                 return [await con.fetch(query.sql, *query.args) for query in queries]
 
         return await self._call(read)
+
+    async def _execute(self, queries: Sequence[reads.Query]) -> list[int]:
+        async def run(con: asyncpg.Connection) -> list[int]:
+            async with con.transaction():
+                # asyncpg gives each statement's status tag: "UPDATE 1", "INSERT 0 1".
+                return [int((await con.execute(q.sql, *q.args)).split()[-1]) for q in queries]
+
+        return await self._call(run)
 
     def _db(self) -> asyncpg.Pool:
         if self._pool is None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import backfill, base, charts, chunking, metadata, reads, rollups, rows, values
+from runbus.storage import backfill, base, beats, charts, chunking, metadata, reads, rollups, rows, values
 from runbus.storage.base import (
     Point,
     PointTable,
@@ -244,6 +244,8 @@ MIGRATIONS: list[str] = [
     # rolls up the samples already stored.
     "",
     CHUNKS_SCHEMA,
+    # Health (storage/beats.py): each label's latest heartbeat, each run's verdict.
+    beats.SCHEMA,
 ]
 
 
@@ -758,7 +760,7 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
 }
 
 
-class SQLiteStore(reads.SharedReads):
+class SQLiteStore(reads.SharedReads, beats.SharedHealth):
     """`sqlite:///relative/path.db` or `sqlite:////absolute/path.db`."""
 
     dialect = SQLITE
@@ -911,6 +913,11 @@ class SQLiteStore(reads.SharedReads):
 
     async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[sqlite3.Row]]:
         return await self._call(lambda: [self._rows(query) for query in queries])
+
+    async def _execute(self, queries: Sequence[reads.Query]) -> list[int]:
+        return await self._call(
+            self._in_transaction, lambda con: [con.execute(q.sql, q.args).rowcount for q in queries]
+        )
 
     def _rows(self, query: reads.Query) -> list[sqlite3.Row]:
         return self._db().execute(query.sql, query.args).fetchall()

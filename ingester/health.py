@@ -1,0 +1,149 @@
+"""The health detector that runs inside every ingest worker: it keeps each label's latest
+heartbeat in the store, and every interval judges each live run (storage/health.py) and records
+the verdict by compare and set, so that of N workers one records each change, and that one alone
+runs the `--on-alert` command.
+
+Nothing else is started: `runbus ingest` keeps every live run's health current by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from runbus.errors import StoreError
+from runbus.redact import redact
+from runbus.storage.base import Store
+from runbus.storage.beats import RunVitals
+from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, silent_after
+from runbus.wire import Event
+
+log = logging.getLogger("runbus.ingester")
+
+LAST_LINES = 10
+ALERT_TIMEOUT = 60.0  # an --on-alert command running longer is killed
+
+
+def process_state(pid: object) -> str | None:
+    """What /proc says of process `pid` on this host: "running", "stopped" (SIGSTOP, or traced),
+    "gone" (no such process, or a zombie), or None where it cannot be read."""
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return None
+    state = fields[0] if fields else b""
+    if state in (b"T", b"t"):
+        return "stopped"
+    return "gone" if state in (b"Z", b"X", b"x") else "running"
+
+
+def _looked_at(vitals: LabelVitals, now: float, settings: HealthSettings, host: str) -> LabelVitals:
+    """`vitals` with its process looked at, where it is on this host and has gone quiet."""
+    beat = vitals.beat or {}
+    if beat.get("host") != host or vitals.silent_for(now) <= silent_after(vitals, settings):
+        return vitals
+    return replace(vitals, process=process_state(beat.get("pid")))
+
+
+class HealthKeeper:
+    """Keeps the health of every live run current from one ingest worker."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: HealthSettings | None = None,
+        interval: float = 1.0,
+        on_alert: str | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings or HealthSettings()
+        self.interval = interval
+        self.on_alert = on_alert
+        self.alerts = 0  # alerts this worker raised
+        self._host = socket.gethostname()
+        self._commands: set[asyncio.Task] = set()
+
+    async def note(self, events: Sequence[Event]) -> None:
+        """Keep the latest heartbeat of each label among `events` (a stored batch)."""
+        beats = [event for event in events if event.kind == "heartbeat"]
+        if not beats:
+            return
+        try:
+            await self.store.save_beats(beats)
+        except StoreError as exc:  # the label's next beat comes within its interval
+            log.debug("heartbeats not kept: %s", exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Judge every live run each interval until `stop`."""
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except StoreError as exc:
+                log.debug("health check skipped: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
+        if self._commands:
+            await asyncio.wait(self._commands, timeout=ALERT_TIMEOUT)
+
+    async def tick(self) -> int:
+        """Judge every run the store lists as live once; how many changes this worker recorded."""
+        changed = 0
+        for run in await self.store.health_inputs():
+            changed += await self._judge(run)
+        return changed
+
+    async def _judge(self, run: RunVitals) -> bool:
+        now = time.time()
+        labels = [_looked_at(v, now, self.settings, self._host) for v in run.labels]
+        verdict = judge(run.state, labels, now, self.settings)
+        key = verdict.key
+        since = run.health_since if key == run.health_key else now
+        for culprit in verdict.culprits:
+            culprit["last_lines"] = await self.store.last_lines(run.run_id, culprit["label"], LAST_LINES)
+        doc = verdict.document(since)
+        if not await self.store.record_health(run, verdict.state, key, doc, now):
+            return False
+        log.log(
+            logging.WARNING if verdict.state in ALERTING else logging.INFO,
+            "run %s: health %s%s",
+            run.run_id,
+            verdict.state,
+            "".join(f"; {c['label']}: {c['reason']}" for c in verdict.culprits[:3]),
+        )
+        if verdict.state in ALERTING and self.on_alert:
+            self.alerts += 1
+            # Redacted as every reader shows it: a heartbeat written by hand may hold anything.
+            task = asyncio.create_task(self._alert(redact({"run": run.run_id, **doc})))
+            self._commands.add(task)
+            task.add_done_callback(self._commands.discard)
+        return True
+
+    async def _alert(self, alert: dict[str, Any]) -> None:
+        """Run the --on-alert command with `alert` as JSON on its stdin."""
+        assert self.on_alert is not None
+        try:
+            command = await asyncio.create_subprocess_shell(self.on_alert, stdin=asyncio.subprocess.PIPE)
+            await asyncio.wait_for(command.communicate(orjson.dumps(alert)), ALERT_TIMEOUT)
+        except TimeoutError:
+            command.kill()
+            await command.wait()
+            log.error("--on-alert command ran past %.0fs and was killed", ALERT_TIMEOUT)
+            return
+        except OSError as exc:
+            log.error("--on-alert command could not run: %s", exc)
+            return
+        if command.returncode:
+            log.error("--on-alert command exited %d", command.returncode)

@@ -1,0 +1,54 @@
+"""A run's health as people read it: the object `runbus show --json` and the API give, and the
+lines `runbus show` opens with (the verdict itself is the detector's: storage/health.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from runbus.redact import redact
+from runbus.storage.base import RunSummary, Store
+from runbus.terminal import printable
+
+# Frames and log lines of each culprit that `runbus show` prints (--json has them all).
+SHOWN_FRAMES = 3
+SHOWN_LINES = 3
+
+
+def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's health object: as the detector last recorded it, secrets redacted again (a
+    heartbeat written by hand may hold anything); `unknown` for a live run no detector has
+    judged yet (no `runbus ingest` of this release running), `ok` for an ended one."""
+    if stored is None:
+        state = "unknown" if run.state == "running" else "ok"
+        return {"state": state, "since": None, "culprits": [], "waiting": [], "note": None, "threshold": None}
+    return redact(stored)
+
+
+async def read_health(store: Store, run: RunSummary) -> dict[str, Any]:
+    """health_document of `run` as the store holds it."""
+    return health_document(run, await store.health(run.run_id))
+
+
+def health_lines(health: dict[str, Any]) -> list[str]:
+    """`runbus show`'s first lines: the state, since when, who is at fault and who waits; then
+    each culprit's innermost frames and last lines."""
+    head = f"health   {health['state']}"
+    if health.get("since") and health["state"] != "ok":
+        head += f" since {time.strftime('%H:%M:%S', time.localtime(health['since']))}"
+    culprits, waiting = health.get("culprits") or [], health.get("waiting") or []
+    if culprits:
+        head += ": " + "; ".join(f"{c['label']} {c['reason']}" for c in culprits)
+    if waiting:
+        places = sorted({str(w.get("in")) for w in waiting})
+        head += f"; {len(waiting)} waiting in {', '.join(places)}"
+    if health.get("note"):
+        head += f" ({health['note']})"
+    lines = [printable(head)]
+    for culprit in culprits:
+        for frame in (culprit.get("stack") or [])[-SHOWN_FRAMES:]:
+            where = f"{frame['file']}:{frame['line']} in {frame['function']}"
+            lines.append(printable(f"         {culprit['label']}  {where}"))
+        for text in (culprit.get("last_lines") or [])[-SHOWN_LINES:]:
+            lines.append(printable(f"         {culprit['label']}  | {text}"))
+    return lines

@@ -1,0 +1,316 @@
+"""A run's health from its labels' latest heartbeats: pure functions, tested without servers.
+
+Each heartbeat (runbus.producer.vitals) says where its rank is: its last step, how long ago that
+step advanced, its typical step time, whether it has stopped advancing (a stall beat, sent a few
+step times after the last advance and again as soon as the step moves on), and its main thread's
+stack. `judge` turns the latest beat of every label into a verdict:
+
+- **stalled**: no label has advanced its step for longer than the threshold (a floor, or a
+  multiple of the run's median step time); the culprits are the labels that stand apart (silent,
+  not inside a collective while others wait in one, in another collective than the others, a
+  step behind); labels merely waiting in a collective are named as waiting;
+- **dead**: a label stopped heartbeating while the others go on;
+- **ok**: otherwise, and for a start-up (no step yet), a pause every label takes in the same
+  non-collective frame (a checkpoint save, an evaluation) and a run that has ended.
+
+The verdict depends on nothing but its arguments, so every ingester that judges the same stored
+state reaches the same verdict (the store then lets one of them record a change: ingester/health.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OK, STALLED, DEAD, SILENT = "ok", "stalled", "dead", "silent"
+# The key of an ended run's verdict (storage/beats.py judges such a run no more).
+ENDED_KEY = "ok:ended"
+# States that call for attention (an alert when a run enters one).
+ALERTING = frozenset({STALLED, DEAD, SILENT})
+
+# Frames that wait for the other ranks: torch.distributed's collectives and point-to-point calls,
+# a Work's wait, and autograd's backward (DDP's gradient all-reduce runs inside it).
+COLLECTIVE_FILES = ("torch/distributed/", "torch\\distributed\\")
+COLLECTIVE_FUNCTIONS = frozenset(
+    {
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+        "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+        "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send", "recv",
+        "isend", "irecv", "wait", "synchronize", "_engine_run_backward", "run_backward",
+    }
+)  # fmt: skip
+# What a frame's function or file says a non-collective rank is doing, most telling first.
+_DOINGS = (
+    (
+        "in a data loader",
+        ("dataloader", "data_loader", "_next_data", "fetch", "collate", "load_batch", "loader"),
+    ),
+    ("in I/O", ("read", "write", "open", "recv_into", "save", "load", "flush", "fsync", "socket")),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSettings:
+    """The detector's thresholds: `floor` the least time without a step that is a stall (the
+    threshold is the larger of it and `step_factor` times the run's median step time);
+    a label is silent once its last beat is older than `silent_factor` of its heartbeat interval,
+    and at least `silent_min` seconds."""
+
+    floor: float = 10.0
+    step_factor: float = 5.0
+    silent_factor: float = 2.5
+    silent_min: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class LabelVitals:
+    """What the detector knows of one running label: its latest heartbeat (`beat`, its data as
+    the producer sent it; None before the first) and when it was stored (`beat_seen_at`), when
+    anything of the label was last stored (`heard_at`; both by the ingesters' clock), and what a
+    look at its process on this host found (`process`: "running", "stopped", "gone", or None
+    where it could not be looked at)."""
+
+    label: str
+    beat: Mapping[str, Any] | None
+    beat_seen_at: float | None
+    heard_at: float | None = None
+    process: str | None = None
+
+    @property
+    def step(self) -> int | None:
+        step = (self.beat or {}).get("step")
+        return step if type(step) is int else None
+
+    @property
+    def every(self) -> float:
+        return _number((self.beat or {}).get("every"), 10.0)
+
+    @property
+    def stack(self) -> list[list[Any]]:
+        stack = (self.beat or {}).get("stack")
+        return [f for f in stack if isinstance(f, list) and len(f) >= 3] if isinstance(stack, list) else []
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since anything of it (a beat, any event) was last stored."""
+        since = max((t for t in (self.heard_at, self.beat_seen_at) if t is not None), default=None)
+        return 0.0 if since is None else max(0.0, now - since)
+
+    def step_age(self, now: float) -> float | None:
+        """Seconds since its step last advanced, as far as its beats tell: a stall beat's age
+        grows until a newer beat says otherwise; a beat that was no stall beat vouches for
+        progress (the producer would have sent one), so its age is the one it gave."""
+        beat = self.beat or {}
+        if self.step is None:
+            return None
+        age = _number(beat.get("step_age"), 0.0)
+        if beat.get("stalled") is True and self.beat_seen_at is not None:
+            age += max(0.0, now - self.beat_seen_at)
+        return age
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A run's health: its state, the labels at fault (most telling first), the labels waiting
+    for them, a note, and the stall threshold used."""
+
+    state: str
+    culprits: list[dict[str, Any]] = field(default_factory=list)
+    waiting: list[dict[str, Any]] = field(default_factory=list)
+    note: str | None = None
+    threshold: float | None = None
+    ended: bool = False  # the run has ended: no detector judges it again
+
+    @property
+    def key(self) -> str:
+        """What a change of health is: the state and who is at fault (an alert per change)."""
+        if self.ended:
+            return ENDED_KEY
+        return "|".join([self.state, *sorted(c["label"] for c in self.culprits)])
+
+    def document(self, since: float | None) -> dict[str, Any]:
+        """The health object `runbus show --json` and the API give."""
+        return {
+            "state": self.state,
+            "since": since,
+            "culprits": self.culprits,
+            "waiting": self.waiting,
+            "note": self.note,
+            "threshold": self.threshold,
+        }
+
+
+def _number(value: object, default: float) -> float:
+    return float(value) if type(value) in (int, float) and value == value else default  # type: ignore[arg-type]
+
+
+def silent_after(vitals: LabelVitals, settings: HealthSettings) -> float:
+    """How long a label may go without a beat before it counts as silent."""
+    return max(settings.silent_min, settings.silent_factor * vitals.every)
+
+
+def threshold(labels: Sequence[LabelVitals], settings: HealthSettings) -> float:
+    """The run's stall threshold: the floor, or step_factor times its labels' median step time."""
+    times = [_number((v.beat or {}).get("step_s"), 0.0) for v in labels]
+    times = [t for t in times if t > 0]
+    learnt = settings.step_factor * statistics.median(times) if times else 0.0
+    return max(settings.floor, learnt)
+
+
+def in_collective(stack: Sequence[Sequence[Any]]) -> str | None:
+    """The collective a stack (outermost frame first) waits in, innermost first, or None."""
+    for frame in reversed(stack):
+        path, function = str(frame[0]), str(frame[2])
+        if function in COLLECTIVE_FUNCTIONS and (
+            any(part in path for part in COLLECTIVE_FILES) or "torch" in path
+        ):
+            return function
+    return None
+
+
+def doing(stack: Sequence[Sequence[Any]]) -> str:
+    """What a stack outside any collective says its rank is doing, in a few words."""
+    for frame in reversed(stack):
+        where = f"{frame[2]} {frame[0]}".lower()
+        for what, marks in _DOINGS:
+            if any(mark in where for mark in marks):
+                return f"{what} ({frame[2]})"
+    innermost = stack[-1][2] if stack else "?"
+    return f"in Python ({innermost})"
+
+
+def signature(stack: Sequence[Sequence[Any]]) -> str:
+    """A stack's innermost function and file, to group ranks that stand at the same place."""
+    if not stack:
+        return ""
+    path, _, function = stack[-1][:3]
+    return f"{function}@{path}"
+
+
+def judge(run_state: str, labels: Sequence[LabelVitals], now: float, settings: HealthSettings) -> Verdict:
+    """The health of a run (`run_state` as stored) whose running labels are `labels`."""
+    if run_state != "running":
+        return Verdict(OK, note=f"the run has {run_state}", ended=True)
+    if not labels:
+        return Verdict(OK)
+    limit = threshold(labels, settings)
+    silent = [v for v in labels if v.silent_for(now) > silent_after(v, settings)]
+    stepping = [v for v in labels if v.step is not None]
+    if stepping and all(v in silent or (v.step_age(now) or 0.0) > limit for v in stepping):
+        if len(silent) == len(labels):
+            return Verdict(
+                SILENT, [_silent(v, now) for v in labels], note="no label sends heartbeats", threshold=limit
+            )
+        # Labels that never stepped (a child process's, a loader's) are neither culprits nor waiting.
+        return _stalled(stepping, [v for v in silent if v in stepping], now, limit)
+    if silent and len(silent) < len(labels):
+        return Verdict(DEAD, [_silent(v, now) for v in silent], threshold=limit)
+    if not stepping:
+        return Verdict(OK, note="starting: no step yet", threshold=limit)
+    return Verdict(OK, threshold=limit)
+
+
+def _stalled(
+    labels: Sequence[LabelVitals], silent: Sequence[LabelVitals], now: float, limit: float
+) -> Verdict:
+    """The stall's culprits and waiting labels; OK for a pause every label takes at one place."""
+    heard = [v for v in labels if v not in silent]
+    waits = {v.label: in_collective(v.stack) for v in heard}
+    if not silent and _paused(heard, waits):
+        where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
+        pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
+        return Verdict(OK, note=pause, threshold=limit)
+    culprits = [_silent(v, now) for v in silent] + _apart(heard, waits, now)
+    culprits += _behind(labels, heard, {c["label"] for c in culprits}, now)
+    named = {c["label"] for c in culprits}
+    waiting = [
+        {"label": v.label, "in": waits[v.label], "step": v.step}
+        for v in heard
+        if v.label not in named and waits[v.label] is not None
+    ]
+    note = None if culprits else "no label stands apart: every label waits at the same place"
+    return Verdict(STALLED, culprits, waiting, note, limit)
+
+
+def _paused(heard: Sequence[LabelVitals], waits: Mapping[str, str | None]) -> bool:
+    """Whether every heard label stands at one place outside any collective (a pause they all
+    take: a checkpoint save, an evaluation)."""
+    if any(waits[v.label] is not None for v in heard):
+        return False
+    return len({signature(v.stack) for v in heard}) == 1
+
+
+def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict]:
+    """The heard labels whose stacks stand apart from the group's."""
+    outside = [v for v in heard if waits[v.label] is None]
+    if outside and len(outside) < len(heard):
+        return [_culprit(v, doing(v.stack), now) for v in outside]
+    if not outside:
+        return _odd_collectives(heard, waits, now)
+    return _odd_places(heard, now)
+
+
+def _behind(
+    labels: Sequence[LabelVitals], heard: Sequence[LabelVitals], named: set[str], now: float
+) -> list[dict]:
+    """The heard labels not named yet whose last step is behind the run's furthest."""
+    top = max((v.step for v in labels if v.step is not None), default=None)
+    if top is None:
+        return []
+    return [
+        _culprit(v, f"behind: at step {v.step}, others at {top}", now)
+        for v in heard
+        if v.label not in named and v.step is not None and v.step < top
+    ]
+
+
+def _odd_collectives(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict]:
+    """Every heard label waits in a collective: those in another one than most are culprits."""
+    counts = Counter(waits[v.label] for v in heard)
+    if len(counts) < 2:
+        return []
+    usual, _ = counts.most_common(1)[0]
+    return [
+        _culprit(v, f"in {waits[v.label]} while the others are in {usual}", now)
+        for v in heard
+        if waits[v.label] != usual
+    ]
+
+
+def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict]:
+    """No label waits in a collective: those at another place than most are culprits."""
+    counts = Counter(signature(v.stack) for v in heard)
+    usual, most = counts.most_common(1)[0]
+    if most * 2 <= len(heard):
+        return []
+    return [_culprit(v, doing(v.stack), now) for v in heard if signature(v.stack) != usual]
+
+
+def _silent(vitals: LabelVitals, now: float) -> dict[str, Any]:
+    quiet = vitals.silent_for(now)
+    why = {
+        "stopped": f"stopped: no heartbeat for {quiet:.0f}s, its process is stopped (SIGSTOP?)",
+        "gone": f"dead: no heartbeat for {quiet:.0f}s, its process is gone",
+        "running": f"frozen: no heartbeat for {quiet:.0f}s, its process is running",
+    }.get(vitals.process or "", f"no heartbeat for {quiet:.0f}s")
+    return _culprit(vitals, why, now)
+
+
+def _culprit(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
+    beat = vitals.beat or {}
+    return {
+        "label": vitals.label,
+        "reason": reason,
+        "step": vitals.step,
+        "step_age": vitals.step_age(now),
+        "silent_s": round(vitals.silent_for(now), 3),
+        "host": beat.get("host"),
+        "pid": beat.get("pid"),
+        "stack": [
+            {"file": f[0], "line": f[1], "function": f[2], "code": f[3] if len(f) > 3 else None}
+            for f in vitals.stack
+        ],
+        "last_lines": [],
+    }

@@ -1,0 +1,255 @@
+"""Health with real processes: 4 ranks under gloo on CPU, a live `runbus ingest`, faults injected
+(a rank blocked in Python, SIGSTOPped, SIGKILLed) and the pauses that must not raise an alarm (a
+checkpoint on every rank, the start-up, a finished run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runbus.ingester.localredis import free_port
+from tests.conftest import IN_CI
+from tests.helpers import ingest_command, read_store, run_cli, wait_for
+from tests.test_pipeline import store_opened
+
+try:
+    import torch  # noqa: F401
+except ImportError:  # torch is in the dev extra: under CI its absence is a failure
+    if IN_CI:
+        raise
+    pytest.skip("torch is not installed", allow_module_level=True)
+
+WORLD = 4
+FAULT_STEP = 20
+STALL_AFTER = 3.0  # the detector's floor in these tests (10 s by default)
+
+RANK = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch, torch.distributed as dist
+    import runbus
+
+    fault, culprit = os.environ["FAULT"], int(os.environ["CULPRIT"])
+    collective = fault != "sigkill"
+    if collective:
+        dist.init_process_group("gloo")
+    run = runbus.init(system_interval=None, hardware=False, git=False, console="all", heartbeat_interval=1.0)
+    rank = run.identity.rank
+
+    def load_batch(step):
+        if fault == "loader" and rank == culprit and step == int(os.environ["FAULT_STEP"]):
+            print(f"rank {rank} reading shard {step}", flush=True)
+            time.sleep(3600)
+        return torch.ones(4) * step
+
+    def save_checkpoint(step):
+        time.sleep(float(os.environ["PAUSE"]))
+
+    # A collective loop runs a number of steps (a rank that left it early would fail the others'
+    # all_reduce); without collectives each rank runs a while.
+    step, steps, deadline = 0, int(os.environ["STEPS"]), time.monotonic() + float(os.environ["SECONDS"])
+    while step < steps and (collective or time.monotonic() < deadline):
+        batch = load_batch(step)
+        if step == int(os.environ["FAULT_STEP"]) and rank == culprit:
+            if fault == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "checkpoint" and step == int(os.environ["FAULT_STEP"]):
+            save_checkpoint(step)
+        if collective:
+            dist.all_reduce(batch)
+        run.log({"loss": float(batch.sum())}, step=step)
+        step += 1
+        time.sleep(0.05)
+    run.finish()
+    """
+)
+
+
+@pytest.fixture(params=[1])
+def ingester(
+    redis_url: str, store_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Path]:
+    """A live `runbus ingest` (of `request.param` workers) with a 3 s stall floor, its alerts
+    appended to a file (returned)."""
+    alerts = tmp_path / "alerts.jsonl"
+    worker = subprocess.Popen(
+        ingest_command(
+            redis_url,
+            store_url,
+            "--stall-after",
+            str(STALL_AFTER),
+            "--on-alert",
+            f"cat >> {alerts}; echo >> {alerts}",
+            "--workers",
+            str(request.param),
+        ),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for("the worker to open its store", lambda: store_opened(store_url) or worker.poll() is not None)
+    try:
+        yield alerts
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+        assert worker.returncode == 0, err
+
+
+def start(
+    redis_url: str,
+    run_id: str,
+    fault: str,
+    culprit: int = 2,
+    seconds: float = 120.0,
+    pause: float = 0,
+    steps: int = 1_000_000,
+):
+    port = free_port()
+    env = {
+        **os.environ,
+        "RUNBUS_REDIS_URL": redis_url,
+        "RUNBUS_RUN_ID": run_id,
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "FAULT": fault,
+        "CULPRIT": str(culprit),
+        "FAULT_STEP": str(FAULT_STEP),
+        "SECONDS": str(seconds),
+        "PAUSE": str(pause),
+        "STEPS": str(steps),
+        "RUNBUS_QUIET": "1",
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in range(WORLD)
+    ]
+
+
+def stop(ranks: list[subprocess.Popen]) -> None:
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait(30)
+
+
+def health(store_url: str, run_id: str) -> dict | None:
+    try:
+        return read_store(store_url, "health", run_id)
+    except Exception:  # the run's table rows are being written: not yet
+        return None
+
+
+def health_is(store_url: str, run_id: str, state: str) -> dict | None:
+    found = health(store_url, run_id)
+    return found if found is not None and found["state"] == state else None
+
+
+def alerts_of(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("ingester", [2], indirect=True)  # two workers judge; one alerts
+def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, ingester):
+    ranks = start(redis_url, "hang-loader", "loader")
+    try:
+        found = wait_for(
+            "the run to be stalled with a culprit",
+            lambda: (h := health_is(store_url, "hang-loader", "stalled")) and h["culprits"] and h,
+            timeout=60,
+        )
+        culprit = found["culprits"][0]
+        assert culprit["label"] == "rank2" and "data loader" in culprit["reason"]
+        assert "load_batch" in [frame["function"] for frame in culprit["stack"]]
+        assert culprit["last_lines"][-1] == "rank 2 reading shard 20"
+        assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
+        assert {w["in"] for w in found["waiting"]} == {"all_reduce"}
+        assert [c["label"] for c in found["culprits"]] == ["rank2"]
+        # Named within the floor and a few seconds of the hang's start (its last step).
+        assert STALL_AFTER < culprit["step_age"] < STALL_AFTER + 5
+        alert = wait_for("the alert", lambda: alerts_of(ingester))[0]
+        assert alert["run"] == "hang-loader" and alert["state"] == "stalled"
+        assert alert["culprits"][0]["label"] == "rank2"
+        # Both workers judge the run every second: once each has done so twice more, still one alert.
+        wait_for(
+            "more verdicts",
+            lambda: (
+                (h := health(store_url, "hang-loader"))
+                and h["culprits"][0]["step_age"] > culprit["step_age"] + 2.5
+            ),
+        )
+        assert len(alerts_of(ingester)) == 1
+        shown = run_cli("--store", store_url, "show", "hang-loader").stdout
+        assert shown.splitlines()[0].startswith("health   stalled since ")
+        assert "rank2 in a data loader (load_batch)" in shown.splitlines()[0]
+        document = json.loads(run_cli("--store", store_url, "show", "hang-loader", "--json").stdout)
+        assert document["health"]["culprits"][0]["label"] == "rank2"
+    finally:
+        stop(ranks)
+
+
+def test_a_sigstopped_rank_is_the_culprit(redis_url, store_url, ingester):
+    ranks = start(redis_url, "hang-stop", "sigstop", culprit=1)
+    try:
+        found = wait_for(
+            "the run to be stalled with a culprit",
+            lambda: (h := health_is(store_url, "hang-stop", "stalled")) and h["culprits"] and h,
+            timeout=60,
+        )
+        assert [c["label"] for c in found["culprits"]] == ["rank1"]
+        assert "stopped" in found["culprits"][0]["reason"]
+        assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank2", "rank3"]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.send_signal(signal.SIGCONT)
+        stop(ranks)
+
+
+def test_a_sigkilled_rank_is_dead_while_the_others_go_on(redis_url, store_url, ingester):
+    ranks = start(redis_url, "dead-rank", "sigkill", culprit=3, seconds=30)
+    try:
+        found = wait_for(
+            "the run to have a dead rank", lambda: health_is(store_url, "dead-rank", "dead"), timeout=60
+        )
+        assert [c["label"] for c in found["culprits"]] == ["rank3"]
+        assert "gone" in found["culprits"][0]["reason"]
+        assert alerts_of(ingester)[0]["state"] == "dead"
+    finally:
+        stop(ranks)
+
+
+def test_a_checkpoint_on_every_rank_and_the_finish_raise_no_alarm(redis_url, store_url, ingester):
+    ranks = start(redis_url, "checkpoint", "checkpoint", pause=STALL_AFTER + 4, steps=2 * FAULT_STEP)
+    try:
+        paused = wait_for(
+            "the pause to be seen",
+            lambda: (h := health_is(store_url, "checkpoint", "ok")) and "paused" in (h["note"] or "") and h,
+            timeout=60,
+        )
+        assert "save_checkpoint" in paused["note"]
+        assert [p.wait(60) for p in ranks] == [0] * WORLD
+        wait_for(
+            "the finished run's health",
+            lambda: (h := health_is(store_url, "checkpoint", "ok")) and "finished" in (h["note"] or ""),
+        )
+        assert alerts_of(ingester) == []
+    finally:
+        stop(ranks)

@@ -1,0 +1,206 @@
+"""The health rules (storage/health.py) without servers, the producer's step progress, and the
+store's compare and set of verdicts on both backends (one recorder per change)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from runbus.producer.vitals import Progress, thread_stack
+from runbus.storage.beats import RunVitals
+from runbus.storage.health import DEAD, OK, SILENT, STALLED, HealthSettings, LabelVitals, judge
+from runbus.wire import Event
+
+NOW = 1_800_000_000.0
+SETTINGS = HealthSettings(floor=10.0)
+TRAIN = ["train.py", 10, "<module>", "main()"]
+C10D = "/x/torch/distributed/distributed_c10d.py"
+ALL_REDUCE = [["train.py", 20, "main", "dist.all_reduce(t)"], [C10D, 1, "all_reduce", ""]]
+LOADER = [["train.py", 18, "main", "batch = next(it)"], ["loader.py", 5, "load_batch", "time.sleep(9)"]]
+SAVE = [["train.py", 22, "main", "save(model)"], ["train.py", 40, "save_checkpoint", "torch.save(m, f)"]]
+
+
+def rank(label, step=40, age=20.0, stalled=True, stack=None, seen=1.0, process=None) -> LabelVitals:
+    """A label whose last beat was stored `seen` seconds ago, saying its step is `age` old."""
+    beat = {"step": step, "step_age": age, "step_s": 0.1, "stalled": stalled, "every": 10.0}
+    beat["stack"] = [TRAIN, *(stack if stack is not None else ALL_REDUCE)]
+    return LabelVitals(label, beat, NOW - seen, NOW - seen, process)
+
+
+def test_a_rank_in_its_data_loader_is_the_culprit_and_the_others_wait():
+    verdict = judge("running", [rank("rank0"), rank("rank1", stack=LOADER), rank("rank2")], NOW, SETTINGS)
+    assert verdict.state == STALLED
+    assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
+        ("rank1", "in a data loader (load_batch)")
+    ]
+    waiting = [(w["label"], w["in"]) for w in verdict.waiting]
+    assert waiting == [("rank0", "all_reduce"), ("rank2", "all_reduce")]
+    assert verdict.culprits[0]["stack"][-1]["function"] == "load_batch"
+
+
+def test_a_label_that_never_steps_is_neither_culprit_nor_waiting():
+    child = LabelVitals("rank0-loader", {"every": 10.0, "stack": LOADER}, NOW - 1, NOW - 1)
+    verdict = judge("running", [rank("rank0"), rank("rank1", stack=LOADER), child], NOW, SETTINGS)
+    assert [c["label"] for c in verdict.culprits] == ["rank1"]
+    assert [w["label"] for w in verdict.waiting] == ["rank0"]
+
+
+def test_a_rank_a_step_behind_is_the_culprit():
+    verdict = judge("running", [rank("rank0"), rank("rank1", step=39), rank("rank2")], NOW, SETTINGS)
+    reasons = [(c["label"], c["reason"]) for c in verdict.culprits]
+    assert reasons == [("rank1", "behind: at step 39, others at 40")]
+
+
+def test_a_silent_rank_during_a_stall_is_the_culprit_with_its_process_state():
+    silent = rank("rank2", age=0.5, stalled=False, seen=40.0, process="stopped")
+    verdict = judge("running", [rank("rank0"), rank("rank1"), silent], NOW, SETTINGS)
+    assert verdict.state == STALLED
+    assert verdict.culprits[0]["label"] == "rank2" and "stopped" in verdict.culprits[0]["reason"]
+
+
+def test_a_rank_in_another_collective_is_the_culprit():
+    barrier = [["train.py", 30, "main", ""], ["/x/torch/distributed/distributed_c10d.py", 2, "barrier", ""]]
+    verdict = judge("running", [rank("rank0"), rank("rank1", stack=barrier), rank("rank2")], NOW, SETTINGS)
+    assert verdict.culprits[0]["reason"] == "in barrier while the others are in all_reduce"
+
+
+def test_a_silent_rank_while_the_others_step_is_dead():
+    going = [rank(f"rank{i}", age=0.1, stalled=False) for i in range(3)]
+    gone = rank("rank3", age=0.1, stalled=False, seen=60.0, process="gone")
+    verdict = judge("running", [*going, gone], NOW, SETTINGS)
+    assert verdict.state == DEAD and verdict.culprits[0]["label"] == "rank3"
+    assert "gone" in verdict.culprits[0]["reason"]
+
+
+def test_what_must_not_raise_an_alarm():
+    # Every rank saving a checkpoint at the same place.
+    paused = judge("running", [rank(f"rank{i}", stack=SAVE) for i in range(4)], NOW, SETTINGS)
+    assert paused.state == OK and "save_checkpoint" in (paused.note or "")
+    # The start-up: beats, no step yet.
+    starting = LabelVitals("rank0", {"every": 10.0, "stack": [TRAIN]}, NOW - 1, NOW - 1)
+    assert judge("running", [starting, starting], NOW, SETTINGS).state == OK
+    # Below the threshold, a stall beat is no stall.
+    early = [rank("rank0", age=5.0), rank("rank1", age=5.0, stack=LOADER)]
+    assert judge("running", early, NOW, SETTINGS).state == OK
+    # An ended run.
+    ended = judge("finished", [rank("rank0", stack=LOADER)], NOW, SETTINGS)
+    assert ended.state == OK and ended.key == "ok:ended"
+
+
+def test_the_threshold_is_learnt_from_the_step_times():
+    slow = [rank(f"rank{i}", age=30.0) for i in range(2)]
+    for vitals in slow:
+        vitals.beat["step_s"] = 8.0  # type: ignore[index]
+    verdict = judge("running", slow, NOW, SETTINGS)
+    assert verdict.state == OK and verdict.threshold == 40.0
+
+
+def test_every_label_silent_is_its_own_state():
+    verdict = judge("running", [rank("rank0", seen=100.0), rank("rank1", seen=100.0)], NOW, SETTINGS)
+    assert verdict.state == SILENT and len(verdict.culprits) == 2
+
+
+def test_a_stall_beat_is_due_once_and_again_when_the_step_moves_on():
+    progress = Progress()
+    for step in range(5):
+        progress.saw(step, 100.0 + step * 0.1)
+    assert progress.step_time() == pytest.approx(0.1)
+    assert not progress.beat_due(100.5)
+    assert progress.beat_due(102.0) and not progress.beat_due(103.0)
+    report = progress.report(103.0)
+    assert report == {"step": 4, "step_age": 2.6, "step_s": pytest.approx(0.1), "stalled": True}
+    progress.saw(5, 103.5)
+    assert progress.beat_due(103.5) and not progress.beat_due(103.6)
+
+
+def test_a_stack_is_read_from_another_thread_cut_and_redacted():
+    ready, done = threading.Event(), threading.Event()
+
+    def wait_here_with_a_secret():
+        ready.set()
+        done.wait(len("hf_abcdefghijklmnopqrstuvwxyz0123456789"))
+
+    thread = threading.Thread(target=wait_here_with_a_secret)
+    thread.start()
+    ready.wait(10)
+    try:
+        stack = thread_stack(thread.ident, limit=3)
+    finally:
+        done.set()
+        thread.join()
+    assert len(stack) == 3
+    assert [frame[2] for frame in stack] == ["wait_here_with_a_secret", "wait", "wait"]
+    assert stack[0][3] == 'done.wait(len("***"))' and "hf_abc" not in repr(stack)
+    assert thread_stack(None) == []
+
+
+async def test_one_recorder_per_change(store):
+    beats = [Event("cas", "rank0", "start", 1, 1, NOW, {"primary": True})]
+    await store.write(beats)
+    await store.save_beats([Event("cas", "rank0", "heartbeat", 1, 2, NOW, {"step": 1, "every": 1.0})])
+    await store.save_beats([Event("cas", "rank0", "heartbeat", 1, 1, NOW, {"step": 0})])  # older: kept out
+    [run] = [r for r in await store.health_inputs() if r.run_id == "cas"]
+    assert run.labels[0].beat == {"step": 1, "every": 1.0} and run.health_key is None
+    doc = {"state": "stalled", "since": NOW, "culprits": [], "waiting": []}
+    # Two detectors read the same state: the first records the change, the second finds it done.
+    assert await store.record_health(run, "stalled", "stalled|rank0", doc, NOW)
+    assert not await store.record_health(run, "stalled", "stalled|rank0", doc, NOW)
+    assert await store.health("cas") == doc
+    [again] = [r for r in await store.health_inputs() if r.run_id == "cas"]
+    assert again.health_key == "stalled|rank0"
+    assert not await store.record_health(again, "stalled", "stalled|rank0", {**doc, "note": "x"}, NOW)
+    assert (await store.health("cas"))["note"] == "x"
+    assert await store.record_health(again, "ok", "ok", {**doc, "state": "ok"}, NOW)
+    assert not await store.record_health(again, "dead", "dead|rank0", doc, NOW)  # read before the change
+    assert isinstance(again, RunVitals)
+
+
+async def test_show_and_the_api_give_the_recorded_health_with_secrets_redacted(store_url):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runbus import storage
+    from runbus.dashboard.api import create_app
+    from tests.helpers import get_json, run_cli
+
+    store = storage.open_store(store_url)
+    await store.connect()
+    start = {"primary": True}
+    await store.write(
+        [Event("api", "rank0", "start", 1, 1, NOW, start), Event("new", "rank0", "start", 1, 1, NOW, start)]
+    )
+    [run] = [r for r in await store.health_inputs() if r.run_id == "api"]
+    frame = {
+        "file": "t.py",
+        "line": 3,
+        "function": "f",
+        "code": "f('hf_abcdefghijklmnopqrstuvwxyz0123456789')",
+    }
+    culprit = {"label": "rank0", "reason": "in Python (f)", "stack": [frame], "last_lines": ["epoch 3"]}
+    doc = {
+        "state": "stalled",
+        "since": NOW,
+        "culprits": [culprit],
+        "waiting": [],
+        "note": None,
+        "threshold": 10.0,
+    }
+    assert await store.record_health(run, "stalled", "stalled|rank0", doc, NOW)
+    await store.close()
+    async with TestClient(TestServer(create_app(store_url))) as client:
+        served = await get_json(client, "/api/runs/api/health")
+        assert (await get_json(client, "/api/runs/new/health"))["state"] == "unknown"  # never judged
+        await get_json(client, "/api/runs/nope/health", status=404)
+    assert served["run_id"] == "api" and served["state"] == "stalled"
+    assert served["culprits"][0]["stack"][0]["code"] == "f('***')"
+    shown = json.loads(run_cli("--store", store_url, "show", "api", "--json").stdout)["health"]
+    assert {**shown, "run_id": "api"} == served
+    text = run_cli("--store", store_url, "show", "api").stdout.splitlines()
+    assert text[0].startswith("health   stalled since ") and text[0].endswith(": rank0 in Python (f)")
+    assert text[1].split() == ["rank0", "t.py:3", "in", "f"] and text[2].split() == [
+        "rank0",
+        "|",
+        "epoch",
+        "3",
+    ]
