@@ -93,9 +93,8 @@ def _backlog(client: SyncClient, run_id: str, streams: list[str], group: str | N
     entries, live = 0, None
     for key in streams:
         try:
-            groups = {reply_text(g["name"]): g for g in client.xinfo_groups(key)} if group else {}
-            found = groups.get(group) if group else None
-            if found is None:
+            found = None if group is None else _group(client, key, group)
+            if group is None or found is None:
                 entries += client.xlen(key)
                 continue
             entries += found["pending"] + _unread(client, key, found)
@@ -105,15 +104,20 @@ def _backlog(client: SyncClient, run_id: str, streams: list[str], group: str | N
     return Backlog(run_id, len(streams), entries, live)
 
 
+def _group(client: SyncClient, key: str, group: str) -> dict[str, Any] | None:
+    """XINFO GROUPS's record of `group` on `key`, None where the group is not made on it."""
+    return next((g for g in client.xinfo_groups(key) if reply_text(g["name"]) == group), None)
+
+
 def _unread(client: SyncClient, key: str, found: dict[str, Any]) -> int:
     """Entries of `key` after the group's last delivered one: Redis's `lag` where it can tell,
     else counted (after deletions inside the stream, Redis 7 gives no lag)."""
     if found.get("lag") is not None:
         return int(found["lag"])
-    return len(client.xrange(key, min="(" + reply_text(found["last-delivered-id"]), max="+"))
+    return len(client.xrange(key, min="(" + reply_text(found["last-delivered-id"]), max="+") or ())
 
 
-def _live_consumer(client: SyncClient, key: str, group: str | None) -> str | None:
+def _live_consumer(client: SyncClient, key: str, group: str) -> str | None:
     for consumer in client.xinfo_consumers(key, group):
         if consumer["idle"] < LIVE_WITHIN_MS:
             return reply_text(consumer["name"])
