@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from runbus.errors import StoreMissing
 from runbus.query import catchup
 from tests.helpers import QUIET, ingest_command, read_store, run_cli, store_group, wait_for
 
+BUSY = catchup.Backlog("none", 0, 0)
 RANKS = 2
 STEPS = 40
 # One rank of a job, as its own process: RANK and WORLD_SIZE as torchrun sets them.
@@ -172,14 +174,58 @@ def test_a_busy_ingester_is_left_to_its_work(store_url: str, redis_url: str):
         run.log({"loss": 1.0}, step=0)
     group = store_group(store_url)
     key = wire.stream_key("job-busy", "rank0")
-    with redis.Redis.from_url(redis_url) as client:
-        # A worker of the store's group has just been handed the entries, and is writing them.
-        client.xgroup_create(key, group, id="0")
-        handed = client.xreadgroup(group, "busy-worker", {key: ">"}, count=1000)
-        assert handed and handed[0][1]
-    busy = run_cli("--store", store_url, "--redis", redis_url, "show", "job-busy", check=False)
+    done = threading.Event()
+
+    def busy_worker() -> None:
+        # A worker of the store's group, handed the entries and writing them all along: each
+        # read of its own pending ones shows Redis it is there.
+        with redis.Redis.from_url(redis_url) as client:
+            client.xgroup_create(key, group, id="0")
+            assert client.xreadgroup(group, "busy-worker", {key: ">"}, count=1000)
+            while not done.wait(0.5):
+                client.xreadgroup(group, "busy-worker", {key: "0"}, count=1000)
+
+    worker = threading.Thread(target=busy_worker)
+    worker.start()
+    try:
+        wait_for("the busy worker", lambda: (catchup.backlog(redis_url, "job-busy", group) or BUSY).live)
+        busy = run_cli("--store", store_url, "--redis", redis_url, "show", "job-busy", check=False)
+    finally:
+        done.set()
+        worker.join()
     assert busy.returncode == 1 and busy.stderr.count("\n") == 1
     assert "an ingester (consumer busy-worker) is storing them" in busy.stderr
     assert read_store(store_url, "run", "job-busy") is None
     with redis.Redis.from_url(redis_url) as client:
         assert [c["name"] for c in client.xinfo_consumers(key, group)] == [b"busy-worker"]
+
+
+def test_reads_and_an_ingester_at_once_store_the_run_once(store_url: str, redis_url: str):
+    run_job(redis_url, "job-race")
+    store_group(store_url)
+    show = [
+        sys.executable,
+        "-m",
+        "runbus",
+        "--store",
+        store_url,
+        "--redis",
+        redis_url,
+        "show",
+        "job-race",
+        "--json",
+    ]
+    started = [
+        subprocess.Popen(show, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    started.append(
+        subprocess.Popen(ingest_command(redis_url, store_url, "--burst"), stderr=subprocess.PIPE, text=True)
+    )
+    outputs = [p.communicate(timeout=120) for p in started]
+    assert [p.returncode for p in started] == [0, 0, 0], outputs
+    for out, _ in outputs[:2]:
+        assert json.loads(out)["run_id"] == "job-race"
+    run = read_store(store_url, "run", "job-race")
+    assert run.state == "finished" and run.counts["metric"] == RANKS * STEPS
+    assert all(lab.missing == 0 and lab.events == STEPS + 3 for lab in run.labels), run.labels
+    assert unacknowledged(redis_url, "job-race", store_group(store_url)) == 0
