@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,8 @@ if TYPE_CHECKING:
 # every read: an idle ingester may look gone, and then the burst reads beside it, which the shared
 # group makes harmless; a busy one, far behind, is left to its work.
 LIVE_WITHIN_MS = 10_000
-# How long a read waits for a busy ingester to store the run, and how often it looks.
+# How long a read of a run not stored yet waits for a busy ingester to store it, and how often
+# it looks.
 BUSY_WAIT, BUSY_POLL = 10.0, 0.2
 # How long the child burst keeps trying an unreachable Redis or store before it gives up (exit 1).
 GIVE_UP_AFTER = 30.0
@@ -130,9 +130,8 @@ def _live_consumer(client: SyncClient, key: str, group: str) -> str | None:
 def store_waiting(store_url: str, redis_url: str, run_id: str, group: str | None) -> Backlog | None:
     """Store `run_id`'s waiting events when no ingester is storing them (the module docstring),
     printing one line on stderr; what waits afterwards (None: nothing of the run in Redis).
-    While an ingester is busy with them, wait for it, up to BUSY_WAIT. Raises CommandError when
-    the burst fails."""
-    found = busy_wait(redis_url, run_id, group)
+    Raises CommandError when the burst fails."""
+    found = backlog(redis_url, run_id, group)
     if found is None or found.entries == 0 or found.live is not None:
         return found
     run_burst(store_url, redis_url, run_id)
@@ -148,17 +147,6 @@ def store_waiting(store_url: str, redis_url: str, run_id: str, group: str | None
         flush=True,
     )
     return left or Backlog(run_id, found.streams, 0)
-
-
-def busy_wait(redis_url: str, run_id: str, group: str | None) -> Backlog | None:
-    """The run's Backlog once no ingester is busy with it, or once BUSY_WAIT has passed (then
-    its `live` still names the busy consumer): a read of a run being stored shows it stored."""
-    deadline = time.monotonic() + BUSY_WAIT
-    found = backlog(redis_url, run_id, group)
-    while found is not None and found.entries and found.live is not None and time.monotonic() < deadline:
-        time.sleep(BUSY_POLL)
-        found = backlog(redis_url, run_id, group)
-    return found
 
 
 def burst_command(run_id: str) -> list[str]:

@@ -140,8 +140,9 @@ async def known_run(
 
     With `redis_url`, where the run is not in the store (or not finished there) and its events
     wait in Redis: with `catch_up` and no ingester running, they are stored first
-    (query/catchup.py); else the error says that they wait, and what stores them. Without,
-    the error names the store's most recent runs."""
+    (query/catchup.py), and with one busy storing a run not in the store yet, the read waits for
+    it (up to catchup.BUSY_WAIT); else the error says that they wait, and what stores them.
+    Without, the error names the store's most recent runs."""
     run = await _stored(store, run_id)
     if redis_url is None or (run is not None and (run.state in ENDED or not catch_up)):
         if run is not None:
@@ -151,7 +152,10 @@ async def known_run(
     group = wire.store_group(await store.identity())
     if catch_up:
         waiting = await asyncio.to_thread(catchup.store_waiting, store.url, redis_url, target, group)
-        run = await _stored(store, run_id) if waiting is not None else run
+        if waiting is not None and waiting.live is not None and run is None:
+            run = await _stored_soon(store, run_id)  # a busy ingester is storing it
+        elif waiting is not None:
+            run = await _stored(store, run_id) or run
     else:
         waiting = await asyncio.to_thread(catchup.backlog, redis_url, target, group)
     if run is not None:
@@ -162,6 +166,17 @@ async def known_run(
 async def _stored(store: Store, run_id: str) -> RunSummary | None:
     found = await run_id_of(store, run_id)
     return None if found is None else await store.run(found)
+
+
+async def _stored_soon(store: Store, run_id: str) -> RunSummary | None:
+    """The run once the store has it, looked for until catchup.BUSY_WAIT has passed (another
+    process writes it: nothing here can be awaited but the store itself)."""
+    for _ in range(round(catchup.BUSY_WAIT / catchup.BUSY_POLL)):
+        run = await _stored(store, run_id)
+        if run is not None:
+            return run
+        await asyncio.sleep(catchup.BUSY_POLL)
+    return await _stored(store, run_id)
 
 
 async def _not_found(
