@@ -9,6 +9,8 @@ consumer busy with them (a running ingester) is left to its work.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -229,3 +231,35 @@ def test_reads_and_an_ingester_at_once_store_the_run_once(store_url: str, redis_
     assert run.state == "finished" and run.counts["metric"] == RANKS * STEPS
     assert all(lab.missing == 0 and lab.events == STEPS + 3 for lab in run.labels), run.labels
     assert unacknowledged(redis_url, "job-race", store_group(store_url)) == 0
+
+
+def test_a_running_run_beside_a_running_ingester_is_read_as_stored(store_url: str, redis_url: str):
+    ingester = subprocess.Popen(ingest_command(redis_url, store_url), stderr=subprocess.DEVNULL)
+    try:
+        with runbus.init(run_id="job-live", label="rank0", redis_url=redis_url, **QUIET) as run:
+            run.log({"loss": 1.0}, step=0)
+            wait_for("the run stored", lambda: read_store(store_url, "run", "job-live"))
+            show = [
+                sys.executable,
+                "-m",
+                "runbus",
+                "--store",
+                store_url,
+                "--redis",
+                redis_url,
+                "show",
+                "job-live",
+            ]
+            reading = subprocess.Popen(show, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for step in itertools.count(1):  # the job logs all along: the ingester is never idle
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    reading.wait(timeout=0.02)
+                    break
+                run.log({"loss": 1.0 / step}, step=step)
+            out, err = reading.communicate()
+        assert reading.returncode == 0 and err == "", err
+        assert "state    running" in out
+        wait_for("the run finished", lambda: read_store(store_url, "run", "job-live").state == "finished")
+    finally:
+        ingester.terminate()
+        assert ingester.wait(timeout=60) == 0
