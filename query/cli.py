@@ -144,23 +144,30 @@ async def known_run(
     it (up to catchup.BUSY_WAIT); else the error says that they wait, and what stores them.
     Without, the error names the store's most recent runs."""
     run = await _stored(store, run_id)
-    if redis_url is None or (run is not None and (run.state in ENDED or not catch_up)):
+    if run is not None and (redis_url is None or not catch_up or run.state in ENDED):
+        return run
+    waiting = None
+    if redis_url is not None:
+        run, waiting = await _caught_up(store, run, run_id, redis_url, catch_up)
         if run is not None:
             return run
-        raise await _not_found(store, run_id, redis_url, None, catch_up)
-    target = run_id if run is None else run.run_id
-    group = wire.store_group(await store.identity())
-    if catch_up:
-        waiting = await asyncio.to_thread(catchup.store_waiting, store.url, redis_url, target, group)
-        if waiting is not None and waiting.live is not None and run is None:
-            run = await _stored_soon(store, run_id)  # a busy ingester is storing it
-        elif waiting is not None:
-            run = await _stored(store, run_id) or run
-    else:
-        waiting = await asyncio.to_thread(catchup.backlog, redis_url, target, group)
-    if run is not None:
-        return run
     raise await _not_found(store, run_id, redis_url, waiting, catch_up)
+
+
+async def _caught_up(
+    store: Store, run: RunSummary | None, run_id: str, redis_url: str, catch_up: bool
+) -> tuple[RunSummary | None, catchup.Backlog | None]:
+    """The run once what of it waits in Redis is stored (with `catch_up`), and what waits."""
+    group = wire.store_group(await store.identity())
+    if not catch_up:  # a run not in the store: only say what of it waits
+        return run, await asyncio.to_thread(catchup.backlog, redis_url, run_id, group)
+    target = run_id if run is None else run.run_id
+    waiting = await asyncio.to_thread(catchup.store_waiting, store.url, redis_url, target, group)
+    if waiting is None:
+        return run, None
+    if waiting.live is not None and run is None:
+        return await _stored_soon(store, run_id), waiting  # a busy ingester is storing it
+    return await _stored(store, run_id) or run, waiting
 
 
 async def _stored(store: Store, run_id: str) -> RunSummary | None:
