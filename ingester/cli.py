@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 
 from runbus import wire
-from runbus.cli import add_redis_option, add_store_option
+from runbus.cli import add_redis_option, add_store_option, name_argument
 from runbus.config import safe_url
 from runbus.errors import CommandError
 
@@ -51,6 +51,15 @@ def add_ingest(parser: argparse.ArgumentParser) -> None:
         "--burst",
         action="store_true",
         help="process what is there (nothing new, nothing of its own pending), then exit 0",
+    )
+    parser.add_argument(
+        "--run",
+        dest="runs",
+        action="append",
+        type=name_argument,
+        metavar="RUN",
+        help="read only this run's streams (repeat for several; default: every run's), as "
+        "`runbus show` does for a run whose events wait with no ingester running",
     )
     parser.add_argument(
         "--give-up-after",
@@ -181,6 +190,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         crash_after=args.crash_after,
         health=HealthSettings(floor=args.stall_after),
         on_alert=args.on_alert,
+        only_runs=frozenset(args.runs) if args.runs else None,
     )
     if args.consumer:
         settings.consumer = args.consumer

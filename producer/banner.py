@@ -1,6 +1,6 @@
 """The one line runbus.init() prints on the primary's stderr: the run, its label, where to look.
 
-    runbus: run run-20250101-120000-a1b2c3, label rank0 (torchrun, 4 ranks): runbus show run-... | http://host:8080/#/run/run-...
+    runbus: run run-20250101-120000-k3m9q2xa, label rank0 (torchrun, 4 ranks): runbus show run-... | http://host:8080/#/run/run-...
 
 Only the primary prints it, once per init() that starts a Run; quiet=True or RUNBUS_QUIET=1
 silences it, and under `runbus run` the wrapper prints the job's line instead (run_line). The

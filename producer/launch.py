@@ -10,9 +10,11 @@ The command's environment gets, for every process it starts:
   environment already shares between the job's processes (RUNBUS_RUN_ID, torchrun's
   TORCHELASTIC_RUN_ID, SLURM's job and step ids: under `srun runbus run` every task runs its own
   `runbus run`, and they agree); else torchrun's `--rdzv-id` in the command (each node's
-  `runbus run` sees the same); else a fresh id. One `runbus run` prints it on stderr (the one
-  of rank 0, SLURM task 0, torchrun node 0, or with no rank), with the run's dashboard address
-  when RUNBUS_DASHBOARD_URL is set.
+  `runbus run` sees the same; a uuid4 as `torchrun-<its first 12 hex digits>`, as the ranks
+  would read it: launchers.rendezvous_run_id); else a fresh one, `run-<UTC time>-<8 random
+  characters>` (runbus.wire.new_run_id). One `runbus run` prints it on stderr (the one of rank
+  0, SLURM task 0, torchrun node 0, or with no rank), with the run's dashboard address when
+  RUNBUS_DASHBOARD_URL is set.
 - RUNBUS_REDIS_URL: `--redis` (before or after `run`), else as it was, else the default;
   RUNBUS_CONSOLE: `--console`, when given.
 - PYTHONPATH with runbus's sitecustomize first (producer/boot/): each rank's console, fd-level
@@ -36,7 +38,7 @@ from pathlib import Path
 from runbus import config
 from runbus.cli import add_redis_option, name_argument
 from runbus.errors import CommandError
-from runbus.producer import banner, environment
+from runbus.producer import banner, environment, launchers
 from runbus.producer.console import MODES
 from runbus.terminal import printable
 from runbus.wire import check_name, new_run_id
@@ -113,7 +115,7 @@ def job_run_id(given: str | None, env: Mapping[str, str], command: Sequence[str]
         return check_name("run id (from the environment)", shared)
     rendezvous = torchrun_option(command, "rdzv-id")
     if rendezvous and rendezvous != "none":
-        return check_name("run id (torchrun's --rdzv-id)", rendezvous)
+        return check_name("run id (torchrun's --rdzv-id)", launchers.rendezvous_run_id(rendezvous))
     return new_run_id()
 
 

@@ -7,9 +7,12 @@ by its launcher of the script's own copies, and MPI's and SLURM's by launchers t
 torchrun in turn: the innermost says which process this is.
 
 A launcher's shared id is one every process of the job reads alike from its own environment.
-torchrun gives one when it has a rendezvous id (`--rdzv-id`, `--standalone`); for a single-node
-torchrun with none, its agent's log directory (one per agent, in every rank's
-TORCHELASTIC_ERROR_FILE) names the job. SLURM names a job step, Open MPI a job. MPICH, Intel MPI,
+torchrun gives one in TORCHELASTIC_RUN_ID: `--rdzv-id`, shown as given; a uuid4 that torch 2.13's
+torchrun makes itself with `--standalone`, and on one node with neither `--rdzv-id` nor
+`--master-port` (`torchrun --nproc-per-node N train.py`), shown as `torchrun-` and its first 12
+hex digits (rendezvous_run_id); or `none` on one node with `--master-port`, where its agent's log
+directory (one per agent, in every rank's TORCHELASTIC_ERROR_FILE) names the job as
+`torchrun-<12 hex digits of a digest>`. SLURM names a job step, Open MPI a job. MPICH, Intel MPI,
 DeepSpeed and Lightning give none: their ranks agree some other way (see runbus.producer.environment).
 """
 
@@ -26,6 +29,8 @@ from pathlib import PurePath
 # not started by `srun` as one task of a parallel step (an sbatch script runs in the batch step).
 SLURM_PSEUDO_STEPS = frozenset({0xFFFFFFFD, 0xFFFFFFFC, 0xFFFFFFFB, 0xFFFFFFFA})
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+# What torchrun's own rendezvous ids look like (str(uuid.uuid4())).
+_UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,15 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
+def rendezvous_run_id(rdzv_id: str) -> str:
+    """The run id of torchrun's rendezvous id: a uuid4 (the one torchrun makes when given none)
+    as `torchrun-` and its first 12 hex digits, all random (48 bits), so that the ids people
+    read and type are short and say where they came from; any other id as it is."""
+    if _UUID4.fullmatch(rdzv_id):
+        return f"torchrun-{rdzv_id[:8]}{rdzv_id[9:13]}"
+    return rdzv_id
+
+
 def torch_env(env: Mapping[str, str]) -> LauncherView | None:
     """torchrun and `accelerate launch` (TORCHELASTIC_*), DeepSpeed's launcher (CROSS_RANK), or
     any launcher that sets RANK for each process."""
@@ -80,7 +94,7 @@ def torch_env(env: Mapping[str, str]) -> LauncherView | None:
         rank=int_env(env, "RANK"),
         local_rank=int_env(env, "LOCAL_RANK"),
         world_size=int_env(env, "WORLD_SIZE"),
-        run_id=launcher_id(rdzv_id) if rdzv_id and rdzv_id != "none" else None,
+        run_id=launcher_id(rendezvous_run_id(rdzv_id)) if rdzv_id and rdzv_id != "none" else None,
         restart_count=int_env(env, "TORCHELASTIC_RESTART_COUNT") or 0,
         nodes=int_env(env, "GROUP_WORLD_SIZE"),
     )

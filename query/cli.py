@@ -13,23 +13,24 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from runbus import wire
+from runbus import config, wire
 from runbus.cli import add_redis_option, add_store_option, level_argument
-from runbus.errors import CommandError, RunNotFound
-from runbus.query import documents, tables
+from runbus.errors import CommandError, RunNotFound, StoreMissing
+from runbus.query import catchup, documents, tables
 from runbus.redact import redact_text
-from runbus.redis import reply_text, sync_client
 from runbus.storage import Store, anomalies, open_store, runlist, safe_url
 from runbus.storage.anomalies import Anomaly
 from runbus.storage.base import RunPage, RunSummary
 from runbus.storage.lookup import run_id_of
-from runbus.storage.rules import natural_key
+from runbus.storage.rules import FAILED, FINISHED, natural_key
 from runbus.terminal import printable
 
 T = TypeVar("T")
 RECENT_RUNS = 5  # runs an unknown run's error names
-REDIS_HELP = "asked, for a run not in the store, whether its events wait there"
+REDIS_HELP = "asked, for a run not in the store (or not ended there), whether its events wait there"
 LISTED_NAMES = 20  # keys or labels an unknown one's error names
+# A run its producer ended: no event of it waits that a read should store first.
+ENDED = frozenset({FINISHED, FAILED})
 NAME_WIDTH, TAGS_WIDTH = 40, 30  # what `runbus runs` shows of a run's name and tags, at most
 
 
@@ -76,6 +77,7 @@ def add_show(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
     add_redis_option(parser, REDIS_HELP)
+    add_catch_up_option(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(handler=cmd_show)
 
@@ -84,6 +86,7 @@ def add_metrics(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
     add_redis_option(parser, REDIS_HELP)
+    add_catch_up_option(parser)
     parser.add_argument("--key", help="only this metric")
     parser.add_argument("--label", help="only this label")
     parser.add_argument("--json", action="store_true", help="print a JSON list")
@@ -94,6 +97,7 @@ def add_logs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
     add_redis_option(parser, REDIS_HELP)
+    add_catch_up_option(parser)
     parser.add_argument("--label", help="only this label")
     parser.add_argument(
         "--level", type=level_argument, help="at least this level (DEBUG, INFO, WARNING, ERROR)"
@@ -102,6 +106,23 @@ def add_logs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=_count, help="at most this many lines")
     parser.add_argument("--json", action="store_true", help="print a JSON list")
     parser.set_defaults(handler=cmd_logs)
+
+
+def add_catch_up_option(parser: argparse.ArgumentParser) -> None:
+    """`--no-catch-up`: leave a run's waiting events in Redis (query/catchup.py)."""
+    parser.add_argument(
+        "--no-catch-up",
+        dest="catch_up",
+        action="store_false",
+        help="leave the run's events that wait in Redis there, even with no ingester running "
+        f"(default: store them first, unless {config.CATCH_UP_ENV}=0)",
+    )
+
+
+def catching_up(args: argparse.Namespace) -> bool:
+    """Whether this command stores the run's waiting events first: --no-catch-up and
+    RUNBUS_CATCH_UP=0 say not to."""
+    return bool(getattr(args, "catch_up", True)) and config.catch_up()
 
 
 def _count(text: str) -> int:
@@ -131,52 +152,108 @@ def read(url: str, action: Callable[[Store], Awaitable[T]]) -> T:
     return asyncio.run(reading())
 
 
+def read_run(args: argparse.Namespace, action: Callable[[Store], Awaitable[T]]) -> T:
+    """`read(args.store, action)` for a command that reads the run `args.run`: where there is no
+    store yet but the run's events wait in Redis, they are stored first (creating the store)."""
+    try:
+        return read(args.store, action)
+    except StoreMissing:
+        if not catching_up(args) or catchup.store_waiting(args.store, args.redis, args.run, None) is None:
+            raise
+    return read(args.store, action)
+
+
 def _listing(names: Sequence[str]) -> str:
     shown = ", ".join(names[:LISTED_NAMES])
     return shown + (f", ... ({len(names)} in all)" if len(names) > LISTED_NAMES else "")
 
 
-async def known_run(store: Store, run_id: str, redis_url: str | None = None) -> RunSummary:
-    """The run `run_id` names (its id or a unique prefix of it: storage.lookup), or RunNotFound:
-    where Redis at `redis_url` holds streams of the run, saying they wait for `runbus ingest`,
-    else naming the store's most recent runs."""
-    found = await run_id_of(store, run_id)
-    run = None if found is None else await store.run(found)
-    if run is not None:
+async def known_run(
+    store: Store, run_id: str, redis_url: str | None = None, catch_up: bool = False
+) -> RunSummary:
+    """The run `run_id` names (its id or a unique prefix of it: storage.lookup), or RunNotFound.
+
+    With `redis_url`, where the run is not in the store (or not finished there) and its events
+    wait in Redis: with `catch_up` and no ingester running, they are stored first
+    (query/catchup.py), and with one busy storing a run not in the store yet, the read waits for
+    it (up to catchup.BUSY_WAIT); else the error says that they wait, and what stores them.
+    Without, the error names the store's most recent runs."""
+    run = await _stored(store, run_id)
+    if run is not None and (redis_url is None or not catch_up or run.state in ENDED):
         return run
+    waiting = None
+    if redis_url is not None:
+        run, waiting = await _caught_up(store, run, run_id, redis_url, catch_up)
+        if run is not None:
+            return run
+    raise await _not_found(store, run_id, redis_url, waiting, catch_up)
+
+
+async def _caught_up(
+    store: Store, run: RunSummary | None, run_id: str, redis_url: str, catch_up: bool
+) -> tuple[RunSummary | None, catchup.Backlog | None]:
+    """The run once what of it waits in Redis is stored (with `catch_up`), and what waits."""
+    group = wire.store_group(await store.identity())
+    if not catch_up:  # a run not in the store: only say what of it waits
+        return run, await asyncio.to_thread(catchup.backlog, redis_url, run_id, group)
+    target = run_id if run is None else run.run_id
+    waiting = await asyncio.to_thread(catchup.store_waiting, store.url, redis_url, target, group)
+    if waiting is None:
+        return run, None
+    if waiting.live is not None and run is None:
+        return await _stored_soon(store, run_id), waiting  # a busy ingester is storing it
+    return await _stored(store, run_id) or run, waiting
+
+
+async def _stored(store: Store, run_id: str) -> RunSummary | None:
+    found = await run_id_of(store, run_id)
+    return None if found is None else await store.run(found)
+
+
+async def _stored_soon(store: Store, run_id: str) -> RunSummary | None:
+    """The run once the store has it, looked for until catchup.BUSY_WAIT has passed (another
+    process writes it: nothing here can be awaited but the store itself)."""
+    for _ in range(round(catchup.BUSY_WAIT / catchup.BUSY_POLL)):
+        run = await _stored(store, run_id)
+        if run is not None:
+            return run
+        await asyncio.sleep(catchup.BUSY_POLL)
+    return await _stored(store, run_id)
+
+
+async def _not_found(
+    store: Store, run_id: str, redis_url: str | None, waiting: catchup.Backlog | None, catch_up: bool
+) -> RunNotFound:
+    """The error for a run the store does not have, saying what of it waits in Redis, if any."""
     where = f"unknown run {run_id!r} in {safe_url(store.url)}"
-    waiting = None if redis_url is None else waiting_streams(redis_url, run_id)
-    if waiting:
-        raise RunNotFound(
-            f"{where}: its events wait in Redis at {safe_url(redis_url or '')} ({waiting} stream(s)); "
-            "`runbus ingest --burst` stores them (or keep `runbus ingest` running)"
-        )
+    if waiting is not None:
+        return RunNotFound(f"{where}: {_waiting_text(waiting, redis_url or '', catch_up)}")
     page = await store.run_page(runlist.RunQuery(limit=RECENT_RUNS))
     if not page.total:
-        raise RunNotFound(f"{where}: it has no runs yet")
+        return RunNotFound(f"{where}: it has no runs yet")
     recent = ", ".join(r.run_id for r in page.runs)
     if page.total <= RECENT_RUNS:
-        raise RunNotFound(f"{where}; its runs: {recent}")
-    raise RunNotFound(
+        return RunNotFound(f"{where}; its runs: {recent}")
+    return RunNotFound(
         f"{where}; the {RECENT_RUNS} most recent of its {page.total} runs: {recent} (`runbus runs` lists all)"
     )
 
 
-def waiting_streams(redis_url: str, run_id: str) -> int | None:
-    """How many streams of the run Redis announces (wire.REGISTRY_KEY); None where Redis cannot
-    be asked (it only adds a hint to an error)."""
-    import redis
-
-    try:
-        client = sync_client(redis_url, socket_connect_timeout=2, socket_timeout=2)
-        try:
-            keys = client.sscan_iter(wire.REGISTRY_KEY, match=wire.stream_key(run_id, "*"), count=1000)
-            names = [wire.parse_stream_key(reply_text(key)) for key in keys]
-            return sum(1 for name in names if name is not None and name[0] == run_id)
-        finally:
-            client.close()
-    except (redis.RedisError, ValueError):  # unreachable, refused, or a bad URL: no hint, the error stands
-        return None
+def _waiting_text(waiting: catchup.Backlog, redis_url: str, catch_up: bool) -> str:
+    held = f"Redis at {safe_url(redis_url)} holds {waiting.streams} stream(s) of it"
+    if waiting.live is not None:
+        return (
+            f"its events wait in Redis at {safe_url(redis_url)} ({waiting.entries} entries), and an "
+            f"ingester (consumer {waiting.live}) is storing them: try again in a moment"
+        )
+    if waiting.entries == 0:
+        return f"{held}, with nothing this store's ingesters have not read (dead letters: `runbus dead`)"
+    off = "" if catch_up else f" ({config.CATCH_UP_ENV}=0 or --no-catch-up: reads leave them there)"
+    return (
+        f"its events wait in Redis at {safe_url(redis_url)} ({waiting.streams} stream(s), "
+        f"{waiting.entries} entries); `runbus ingest --burst --run {waiting.run_id}` stores them "
+        f"(or keep `runbus ingest` running){off}"
+    )
 
 
 def _check_label(run: RunSummary, label: str | None) -> None:
@@ -258,10 +335,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from runbus.query.health import health_lines, read_health
 
     async def showing(store: Store) -> tuple[RunSummary, dict, list[Anomaly]]:
-        run = await known_run(store, args.run, args.redis)
+        run = await known_run(store, args.run, args.redis, catching_up(args))
         return run, await read_health(store, run), await anomalies.non_finite(store, run.run_id)
 
-    run, health, found = read(args.store, showing)
+    run, health, found = read_run(args, showing)
     if args.json:
         document = {**documents.run_document(run), "health": health}
         document["anomalies"] = [documents.anomaly_document(a) for a in found]
@@ -273,14 +350,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     async def points(store: Store):
-        run = await known_run(store, args.run, args.redis)
+        run = await known_run(store, args.run, args.redis, catching_up(args))
         _check_label(run, args.label)
         await _check_key(store, run, args.key)
         found = await store.metrics(run.run_id, key=args.key, label=args.label)
         # The store orders labels as text; stable, this keeps each label's key and step order.
         return run, sorted(found, key=lambda p: natural_key(p.label))
 
-    run, found = read(args.store, points)
+    run, found = read_run(args, points)
     if args.json:
         print(documents.dumps([documents.point_document(p) for p in found]))
         return 0
@@ -295,7 +372,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     async def lines(store: Store):
-        run = await known_run(store, args.run, args.redis)
+        run = await known_run(store, args.run, args.redis, catching_up(args))
         _check_label(run, args.label)
         found = await store.logs(
             run.run_id, label=args.label, level=args.level, grep=args.grep, limit=args.limit
@@ -303,7 +380,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         # Lines logged at one time keep their labels' natural order (and each label's own order).
         return sorted(found, key=lambda line: (line.ts, natural_key(line.label)))
 
-    found = documents.shown_log_lines(read(args.store, lines))
+    found = documents.shown_log_lines(read_run(args, lines))
     if args.json:
         print(documents.dumps([documents.log_document(line) for line in found]))
         return 0

@@ -22,7 +22,7 @@ import orjson
 from runbus.cli import add_redis_option, add_store_option
 from runbus.errors import CommandError, MissingDependency
 from runbus.query import frames
-from runbus.query.cli import REDIS_HELP, known_run, read
+from runbus.query.cli import REDIS_HELP, add_catch_up_option, catching_up, known_run, read_run
 from runbus.query.documents import json_value
 from runbus.storage import Store
 
@@ -44,6 +44,7 @@ def add_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run")
     add_store_option(parser)
     add_redis_option(parser, REDIS_HELP)
+    add_catch_up_option(parser)
     parser.add_argument(
         "--format",
         choices=FORMATS,
@@ -78,10 +79,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     build = TABLES[args.what]
 
     async def exported(store: Store) -> pd.DataFrame:
-        run = await known_run(store, args.run, args.redis)
+        run = await known_run(store, args.run, args.redis, catching_up(args))
         return await build(store, run.run_id)
 
-    table: pd.DataFrame = read(args.store, exported)
+    table: pd.DataFrame = read_run(args, exported)
     if to_stdout:
         write(table, form, sys.stdout.buffer)
         return 0

@@ -18,6 +18,7 @@ pandas and the tables are imported on first use.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
@@ -25,7 +26,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from runbus.config import default_store_url, safe_url
-from runbus.errors import StoreUnavailable
+from runbus.errors import StoreMissing, StoreUnavailable
 from runbus.storage import open_store
 from runbus.storage.base import LabelSummary, RunSummary, SetBy, Store
 
@@ -118,10 +119,11 @@ class StoreThread:
 class Api:
     """The runs of one store (`store`: a URL; RUNBUS_STORE or the CLI's default if None).
 
-    The store is opened read-only: nothing is ever created, and where there is no runbus store
-    at the URL this raises StoreMissing. Close it with close() or a `with` block (it is closed
-    when garbage-collected, too). `page_rows`: how many log lines each query reads, 50,000 by
-    default (values are read as the store's arrays, in one read).
+    The store is opened read-only: nothing is ever created, but by run() storing a run whose
+    events wait in Redis with no ingester running (as `runbus show` does); where there is no
+    runbus store at the URL, the calls raise StoreMissing. Close it with close() or a `with`
+    block (it is closed when garbage-collected, too). `page_rows`: how many log lines each query
+    reads, 50,000 by default (values are read as the store's arrays, in one read).
     """
 
     def __init__(self, store: str | None = None, *, page_rows: int | None = None) -> None:
@@ -129,11 +131,25 @@ class Api:
             raise ValueError(f"page_rows must be a whole number of at least 1, not {page_rows!r}")
         self.url = store or default_store_url()
         self.page_rows = page_rows
-        self._reader = StoreThread(self.url)
-        self._closer = weakref.finalize(self, self._reader.close)
-        # Not at interpreter exit: by then the SQLite store's executor takes no more work, and the
-        # process ending closes every connection anyway.
-        self._closer.atexit = False
+        self._reader: StoreThread | None = None
+        self._closer: weakref.finalize | None = None
+        self._closed = False
+        # No store there yet: each call tries again, raising StoreMissing until one is made (by an
+        # ingester, or by run() storing a run whose events wait in Redis: query/catchup.py).
+        with contextlib.suppress(StoreMissing):
+            self._open_store()
+
+    def _open_store(self) -> StoreThread:
+        """The store's reader, opened now if it was not there before (StoreMissing)."""
+        if self._reader is None:
+            if self._closed:
+                raise StoreUnavailable(f"this runbus.Api of {safe_url(self.url)} is closed")
+            self._reader = StoreThread(self.url)
+            self._closer = weakref.finalize(self, self._reader.close)
+            # Not at interpreter exit: by then the SQLite store's executor takes no more work, and
+            # the process ending closes every connection anyway.
+            self._closer.atexit = False
+        return self._reader
 
     def __repr__(self) -> str:
         return f"runbus.Api({safe_url(self.url)!r})"
@@ -146,15 +162,18 @@ class Api:
 
     def close(self) -> None:
         """Release the store's connections and the helper thread."""
-        self._closer()
+        self._closed = True
+        if self._closer is not None:
+            self._closer()
 
     def read(self, action: Callable[[Store], Awaitable[T]]) -> T:
         """`await action(store)` on the store's loop: any read of the Store interface."""
 
         async def reading() -> T:
-            return await action(self._reader.store)
+            return await action(reader.store)
 
-        return self._reader.call(reading)
+        reader = self._open_store()
+        return reader.call(reading)
 
     def runs(
         self,
@@ -203,12 +222,21 @@ class Api:
 
     def run(self, run_id: str) -> StoredRun:
         """One run, by its id or a unique prefix of it; an unknown id is RunNotFound, naming the
-        store's most recent runs, or saying that the run's events wait in Redis (RUNBUS_REDIS_URL)
-        for `runbus ingest`; an ambiguous prefix is AmbiguousRun."""
-        from runbus.config import redis_url
+        store's most recent runs, or saying that the run's events wait in Redis
+        (RUNBUS_REDIS_URL); an ambiguous prefix is AmbiguousRun. Where the run's events wait
+        there and no ingester is running, they are stored first, as `runbus show` does
+        (query/catchup.py; RUNBUS_CATCH_UP=0 turns it off)."""
+        from runbus.config import catch_up, redis_url
+        from runbus.query import catchup
         from runbus.query.cli import known_run
 
-        return StoredRun(self, self.read(lambda store: known_run(store, run_id, redis_url())))
+        catching, redis = catch_up(), redis_url()
+        try:
+            self._open_store()
+        except StoreMissing:
+            if not catching or catchup.store_waiting(self.url, redis, run_id, None) is None:
+                raise
+        return StoredRun(self, self.read(lambda store: known_run(store, run_id, redis, catching)))
 
 
 class StoredRun:

@@ -33,6 +33,7 @@ DASHBOARD_URL_ENV = "RUNBUS_DASHBOARD_URL"
 QUIET_ENV = "RUNBUS_QUIET"
 REQUIRE_SEAL_ENV = "RUNBUS_REQUIRE_SEAL"
 GIT_ENV = "RUNBUS_GIT"
+CATCH_UP_ENV = "RUNBUS_CATCH_UP"
 # Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
 # process: a child that inherits the id learns whose it is.
 RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
@@ -83,6 +84,14 @@ def record_git(env: Mapping[str, str] | None = None) -> bool:
     anything else is a ValueError naming the variable."""
     env = os.environ if env is None else env
     return not env.get(GIT_ENV, "").strip() or _flag(GIT_ENV, env)
+
+
+def catch_up(env: Mapping[str, str] | None = None) -> bool:
+    """RUNBUS_CATCH_UP: unset, empty or 1/true/yes/on lets `runbus show`, `metrics`, `logs` and
+    runbus.Api.run() store a run's events that wait in Redis with no ingester running
+    (runbus.query.catchup); 0/false/no/off does not; anything else is a ValueError naming it."""
+    env = os.environ if env is None else env
+    return not env.get(CATCH_UP_ENV, "").strip() or _flag(CATCH_UP_ENV, env)
 
 
 def require_seal(env: Mapping[str, str] | None = None) -> bool:

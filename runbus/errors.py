@@ -56,7 +56,8 @@ class RunExists(RunbusError, RuntimeError):
 class RunNotFound(RunbusError, RuntimeError):
     """No run has this id: resume="must" named a run that Redis knows nothing of, or a reader
     (runbus.Api, the CLI) a run the store does not hold (the message says whether its events wait
-    in Redis for `runbus ingest`). Check the run id, the Redis URL and the store."""
+    in Redis, and what stores them: `runbus ingest --burst --run RUN`, a busy ingester, or the
+    read itself unless RUNBUS_CATCH_UP=0). Check the run id, the Redis URL and the store."""
 
 
 class AmbiguousRun(RunNotFound):

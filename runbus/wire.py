@@ -112,9 +112,18 @@ def check_tags(tags: object) -> list[str]:
     return unique
 
 
-def new_run_id() -> str:
-    """A fresh run id, for a single process that was given none (and for the demo)."""
-    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+RUN_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+# 40 random bits: a thousand jobs started in the same second on many machines share an id with a
+# chance under one in two million (the birthday bound, n^2 / 2^41).
+RUN_ID_RANDOM = 8
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A fresh run id, where no launcher and no user names the run: `run-` and the UTC time
+    (`run-20261127-024300-`: ids sort by when they were made, whatever the machine's time zone),
+    then RUN_ID_RANDOM characters of lowercase Crockford base32 (no i, l, o or u to misread)."""
+    stamp = time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime(now))
+    return stamp + "".join(secrets.choice(RUN_ID_ALPHABET) for _ in range(RUN_ID_RANDOM))
 
 
 def stream_key(run: str, label: str) -> str:

@@ -32,7 +32,7 @@ import runbus
 from runbus import config, wire
 from runbus.errors import IdentityUnknown
 from runbus.ingester.localredis import free_port
-from runbus.producer import banner, environment, launchers
+from runbus.producer import banner, environment, launch, launchers
 from runbus.producer.environment import resolve, shared_run_id
 from tests.conftest import missing_server
 from tests.helpers import QUIET as QUIET_RUN
@@ -519,13 +519,41 @@ def test_torchrun_without_a_rendezvous_id(redis_url):
     assert assert_one_run(result, redis_url, "torchrun").startswith("torchrun-")
 
 
-def test_torchrun_on_one_node_gives_its_uuid4_as_the_run_id(redis_url):
+def test_torchrun_on_one_node_names_the_run_after_its_uuid4(redis_url):
     # torch 2.13's torchrun on one node, with no port and no rendezvous given, makes itself a
-    # c10d rendezvous with a fresh uuid4 id (torch.distributed.run.run): every rank reads it.
+    # c10d rendezvous with a fresh uuid4 id (torch.distributed.run.run): every rank reads it,
+    # and the run is `torchrun-` and its first 12 hex digits.
     command = [str(BIN / "torchrun"), "--nproc-per-node", "2"]
     result = run_job([*command, str(TRAIN), "--print-json", "--steps", "3"], redis_url)
     run_id = assert_one_run(result, redis_url, "torchrun")
-    assert uuid.UUID(run_id).version == 4
+    assert re.fullmatch(r"torchrun-[0-9a-f]{12}", run_id), run_id
+
+
+def test_a_new_run_id_is_short_readable_sorted_by_utc_time_and_unique():
+    ids = [wire.new_run_id() for _ in range(100_000)]
+    assert len(set(ids)) == len(ids)
+    for made in ids[:100]:
+        assert re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-hjkmnp-tv-z]{8}", made), made
+        assert wire.check_name("run id", made) == made
+    # UTC, whatever the time zone; later ids sort after earlier ones.
+    assert wire.new_run_id(0.0).startswith("run-19700101-000000-")
+    assert wire.new_run_id(1_795_000_000.0) > wire.new_run_id(1_794_999_999.0)
+
+
+def test_a_uuid4_rendezvous_id_is_shortened_alike_on_every_rank():
+    made = str(uuid.uuid4())
+    short = f"torchrun-{made[:8]}{made[9:13]}"
+    assert launchers.rendezvous_run_id(made) == short
+    ranks = [
+        resolve(env={"TORCHELASTIC_RUN_ID": made, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
+        for r in range(2)
+    ]
+    assert [r.run_id for r in ranks] == [short, short] and [r.run_id_from for r in ranks] == ["torchrun"] * 2
+    # `runbus run -- torchrun --rdzv-id UUID` names the run as its ranks would.
+    assert launch.job_run_id(None, {}, ["torchrun", "--rdzv-id", made, "train.py"]) == short
+    # Not a uuid4 (a user's own id, another version, upper case): as given.
+    for given in ("myjob", str(uuid.uuid1()), made.upper(), made.replace("-", "")):
+        assert launchers.rendezvous_run_id(given) == given
 
 
 def test_accelerate_launch(redis_url):

@@ -459,12 +459,17 @@ def test_an_api_is_closed_when_collected_and_refuses_reads_once_closed(seeded):
 
 def test_a_missing_store_or_an_unknown_run_is_a_clear_error(tmp_path, postgres_url, seeded):
     url = f"sqlite:///{tmp_path / 'no' / 'runbus.db'}"
+    # Each call says so (run() of a run waiting in Redis would make it: tests/test_catchup.py).
+    api = runbus.Api(url)
     with pytest.raises(StoreMissing) as error:
-        runbus.Api(url)
+        api.runs()
     assert f"runbus: {error.value}" == missing(url)
-    assert list(tmp_path.iterdir()) == []
     with pytest.raises(StoreMissing):
-        runbus.Api(postgres_url)  # a database without the runbus schema, left as it is
+        api.run("nope")
+    api.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(StoreMissing), runbus.Api(postgres_url) as unmade:
+        unmade.runs()  # a database without the runbus schema, left as it is
     with pytest.raises(ValueError, match="unsupported store URL"):
         runbus.Api("mysql://u:secret@h/db")
     with runbus.Api(seeded) as api, pytest.raises(runbus.RunNotFound) as error:

@@ -196,16 +196,29 @@ async def test_an_unknown_system_key_is_named_as_history_names_an_unknown_metric
 async def test_a_run_waiting_in_redis_says_what_to_run(
     store: Store, any_store_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ):
+    # With catching up turned off (tests/test_catchup.py: on, the read stores them first).
     with runbus.init(run_id="waiting-run", label="rank0", redis_url=redis_url, **QUIET) as run:
         run.log({"loss": 1.0}, step=0)
-    shown = run_cli("--store", any_store_url, "--redis", redis_url, "show", "waiting-run", check=False)
+    off = {"RUNBUS_CATCH_UP": "0"}
+    shown = run_cli(
+        "--store", any_store_url, "--redis", redis_url, "show", "waiting-run", env=off, check=False
+    )
     assert shown.returncode == 1 and shown.stderr.count("\n") == 1
     assert "unknown run 'waiting-run'" in shown.stderr
-    assert "its events wait in Redis" in shown.stderr and "`runbus ingest --burst`" in shown.stderr
-    metrics = run_cli("--store", any_store_url, "metrics", "waiting-run", "--redis", redis_url, check=False)
+    assert (
+        "its events wait in Redis" in shown.stderr
+        and "`runbus ingest --burst --run waiting-run`" in shown.stderr
+    )
+    metrics = run_cli(
+        "--store", any_store_url, "metrics", "waiting-run", "--redis", redis_url, "--no-catch-up", check=False
+    )
     assert "its events wait in Redis" in metrics.stderr
     monkeypatch.setenv("RUNBUS_REDIS_URL", redis_url)
-    with runbus.Api(any_store_url) as api, pytest.raises(runbus.RunNotFound, match="`runbus ingest --burst`"):
+    monkeypatch.setenv("RUNBUS_CATCH_UP", "0")
+    with (
+        runbus.Api(any_store_url) as api,
+        pytest.raises(runbus.RunNotFound, match="`runbus ingest --burst --run"),
+    ):
         api.run("waiting-run")
     # A run Redis knows nothing of is named as before.
     nowhere = run_cli("--store", any_store_url, "--redis", redis_url, "show", "other-run", check=False)
