@@ -213,12 +213,12 @@ def test_entries_forged_into_another_label_s_stream_are_dead_lettered(redis_url,
     assert {lab.label: lab.state for lab in run.labels} == {"rank0": "finished", "rank1": "finished"}
 
 
-# -- the README's Redis ACLs ---------------------------------------------------------------------
+# -- the documented Redis ACLs (docs/operations.md) ------------------------------------------------
 
 
 def readme_acl(passwords: dict[str, str]) -> list[list[str]]:
-    """The README's ACL SETUSER lines (Operations), with these passwords, as argv lists."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    """docs/operations.md's ACL SETUSER lines, with these passwords, as argv lists."""
+    readme = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
     lines = [text for text in readme.splitlines() if text.startswith("ACL SETUSER runbus-")]
     assert [shlex.split(text)[2] for text in lines] == ["runbus-producer", "runbus-ingester"]
     for placeholder, password in passwords.items():
