@@ -96,7 +96,7 @@ def _plain_object(value: Any, depth: int) -> Any:
     if items is not None and items <= MAX_ARRAY_ITEMS and callable(getattr(value, "tolist", None)):
         try:
             return _plain(value.tolist(), depth + 1)
-        except Exception:
+        except Exception:  # an array whose values cannot be read (as for .item() above): its text
             return str(value)
     return str(value)
 
