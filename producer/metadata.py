@@ -107,7 +107,7 @@ def _element_count(value: Any) -> int | None:
     if callable(numel) and getattr(value, "dim", None) is not None:  # a torch.Tensor
         try:
             return int(numel())
-        except Exception:
+        except Exception:  # a tensor whose size cannot be read: treated as no array
             return None
     size = getattr(value, "size", None)
     if isinstance(size, int) and hasattr(value, "ndim") and hasattr(value, "dtype"):  # numpy
