@@ -105,6 +105,25 @@ class Tail:
             client.close()
 
     def _follow(self, client: SyncClient) -> int:
+        ended = self._begin(client)
+        if ended is not None:
+            return ended
+        s = self.settings
+        what = "its history, then new lines" if s.from_start else "new lines"
+        self._say(f"following run {s.run_id} ({len(self._ids)} stream(s) so far): {what}; Ctrl-C stops")
+        next_scan = time.monotonic() + s.rescan_interval
+        while True:
+            entries, next_scan = self._read_new(client, next_scan)
+            if entries is None:
+                continue
+            if not entries and self._finished:
+                self._say(f"run {s.run_id} {self._ending or 'finished'}")
+                return 0
+            self._show(entries)
+
+    def _begin(self, client: SyncClient) -> int | None:
+        """Find the run (in Redis, else in the store) and its streams: the exit code where there
+        is nothing to follow, else None."""
         s = self.settings
         stored = stored_run(s.store_url, s.run_id, prefix=True) if s.store_url else None
         if stored is not None and stored.run_id != s.run_id:
@@ -130,38 +149,38 @@ class Tail:
             ending = self._ending or "finished"
             self._say(f"run {s.run_id} has already {ending}; --from-start prints its lines")
             return 0
-        what = "its history, then new lines" if s.from_start else "new lines"
-        self._say(f"following run {s.run_id} ({len(self._ids)} stream(s) so far): {what}; Ctrl-C stops")
-        next_scan = time.monotonic() + s.rescan_interval
-        while True:
-            try:
-                now = time.monotonic()
-                if now >= next_scan and not self._finished:
-                    self._discover(client, initial=False)
-                    next_scan = now + s.rescan_interval
-                if s.store_url and now >= self._next_check and not self._finished:
-                    self._check_store()
-                if not self._ids:
-                    time.sleep(s.rescan_interval)
-                    continue
-                block = s.finish_grace if self._finished else max(0.01, next_scan - time.monotonic())
-                # A copy: redis-py types the argument as a dict of any key and id types (invariant).
-                reply = client.xread(dict(self._ids.items()), count=READ_COUNT, block=int(block * 1000))
-                entries = read_streams(reply)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                # Where it was is kept in the ids: once Redis is back, nothing is skipped.
-                if not self._lost:
-                    self._say(f"lost Redis ({exc}); retrying every {s.rescan_interval:g} s")
-                self._lost = True
+        return None
+
+    def _read_new(self, client: SyncClient, next_scan: float) -> tuple[Entries | None, float]:
+        """One round of the follow: look for new streams and ask the store when due, then read
+        what is new (None: nothing was read, with no stream yet or Redis away); and when to look
+        for new streams next."""
+        s = self.settings
+        try:
+            now = time.monotonic()
+            if now >= next_scan and not self._finished:
+                self._discover(client, initial=False)
+                next_scan = now + s.rescan_interval
+            if s.store_url and now >= self._next_check and not self._finished:
+                self._check_store()
+            if not self._ids:
                 time.sleep(s.rescan_interval)
-                continue
-            if self._lost:
-                self._say("Redis is back")
-                self._lost = False
-            if not entries and self._finished:
-                self._say(f"run {s.run_id} {self._ending or 'finished'}")
-                return 0
-            self._show(entries)
+                return None, next_scan
+            block = s.finish_grace if self._finished else max(0.01, next_scan - time.monotonic())
+            # A copy: redis-py types the argument as a dict of any key and id types (invariant).
+            reply = client.xread(dict(self._ids.items()), count=READ_COUNT, block=int(block * 1000))
+            entries = read_streams(reply)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            # Where it was is kept in the ids: once Redis is back, nothing is skipped.
+            if not self._lost:
+                self._say(f"lost Redis ({exc}); retrying every {s.rescan_interval:g} s")
+            self._lost = True
+            time.sleep(s.rescan_interval)
+            return None, next_scan
+        if self._lost:
+            self._say("Redis is back")
+            self._lost = False
+        return entries, next_scan
 
     def _nowhere(self) -> CommandError:
         s = self.settings

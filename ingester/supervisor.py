@@ -190,25 +190,40 @@ class Supervisor:
                 self._stop(now)
             self._reap(now)
             alive = [slot.process for slot in self.slots if slot.process is not None]
-            if self._stop_deadline is not None:
-                if not alive:
+            deadline = self._stop_deadline
+            if deadline is not None:
+                if self._drained(now, deadline, alive):
                     return
-                if now >= self._stop_deadline and not self._killed:
-                    log.error("workers still running %.0fs after SIGTERM: killing them", self._grace())
-                    self._kill_all()
-            else:
-                for slot in self.slots:
-                    if slot.restart_at is not None and now >= slot.restart_at:
-                        alive.append(self._start(slot))
-                if not alive and all(slot.restart_at is None for slot in self.slots):
-                    return  # every worker finished by itself (--burst)
-            wake_at = [slot.restart_at for slot in self.slots if slot.restart_at is not None]
-            if self._stop_deadline is not None and not self._killed:
-                wake_at = [self._stop_deadline]
-            timeout = max(0.0, min(wake_at) - now) if wake_at else None
-            ready = wait([*(p.sentinel for p in alive), self._wake_r], timeout)
+            elif self._all_done(now, alive):
+                return  # every worker finished by itself (--burst)
+            ready = wait([*(p.sentinel for p in alive), self._wake_r], self._wait_time(now))
             if self._wake_r in ready:
                 os.read(self._wake_r, 64)
+
+    def _drained(self, now: float, deadline: float, alive: list[BaseProcess]) -> bool:
+        """While stopping: whether every worker has exited; past `deadline` they are killed."""
+        if not alive:
+            return True
+        if now >= deadline and not self._killed:
+            log.error("workers still running %.0fs after SIGTERM: killing them", self._grace())
+            self._kill_all()
+        return False
+
+    def _all_done(self, now: float, alive: list[BaseProcess]) -> bool:
+        """Start the workers whose restart is due (added to `alive`); whether every worker has
+        finished by itself (--burst)."""
+        for slot in self.slots:
+            if slot.restart_at is not None and now >= slot.restart_at:
+                alive.append(self._start(slot))
+        return not alive and all(slot.restart_at is None for slot in self.slots)
+
+    def _wait_time(self, now: float) -> float | None:
+        """How long to wait for a worker's exit or a signal: until the next restart is due, or
+        the end of a stop's grace (None: no limit)."""
+        wake_at = [slot.restart_at for slot in self.slots if slot.restart_at is not None]
+        if self._stop_deadline is not None and not self._killed:
+            wake_at = [self._stop_deadline]
+        return max(0.0, min(wake_at) - now) if wake_at else None
 
     def _grace(self) -> float:
         return self.worker.drain_timeout + self.settings.kill_margin

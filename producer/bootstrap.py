@@ -340,7 +340,7 @@ def store_unadopted(exit_code: int) -> None:
 
     try:
         run = init(system_interval=None, finish_timeout=FALLBACK_FINISH_TIMEOUT)
-    except Exception as exc:
+    except Exception as exc:  # at the rank's exit: say why, never fail the exit over it
         sys.stderr.write(f"runbus: this rank's console is not stored: {exc}\n")
         return
     run.finish(exit_code=exit_code)

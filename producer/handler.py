@@ -33,5 +33,5 @@ class RunHandler(logging.Handler):
             return
         try:
             self.run.log_text(self.format(record), level=record.levelname, stream="logging")
-        except Exception:
+        except Exception:  # as logging.Handler.emit does: a failing handler never breaks the caller
             self.handleError(record)

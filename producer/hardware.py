@@ -39,7 +39,7 @@ def describe(gpu_device_ids: list[int] | None = None) -> dict[str, Any]:
     for key, read in readers:
         try:
             value = read()
-        except Exception as exc:
+        except Exception as exc:  # best effort: what cannot be read is left out, never fails init
             logger.debug("runbus: cannot read %s: %s", key, exc)
             continue
         if value is not None:
@@ -68,24 +68,24 @@ def _text(value: str | bytes) -> str:
 def _gpus(gpu_device_ids: list[int] | None) -> dict[str, Any]:
     try:
         import pynvml
-    except Exception as exc:
+    except Exception as exc:  # best effort: what cannot be read is left out, never fails init
         logger.debug("runbus: no GPU description: pynvml is not importable (%s)", exc)
         return {"gpus": []}
     try:
         pynvml.nvmlInit()
-    except Exception as exc:
+    except Exception as exc:  # best effort: what cannot be read is left out, never fails init
         logger.debug("runbus: no GPU description: NVML did not start (%s)", exc)
         return {"gpus": []}
     # nvmlInit/nvmlShutdown are reference-counted, so this pair leaves a sampler's NVML alone.
     try:
         return _describe_gpus(pynvml, gpu_device_ids)
-    except Exception as exc:
+    except Exception as exc:  # best effort: what cannot be read is left out, never fails init
         logger.debug("runbus: GPU description failed: %s", exc)
         return {"gpus": []}
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception as exc:
+        except Exception as exc:  # best effort: what cannot be read is left out, never fails init
             logger.debug("runbus: NVML shutdown failed: %s", exc)
 
 
@@ -93,12 +93,12 @@ def _describe_gpus(nvml: Any, gpu_device_ids: list[int] | None) -> dict[str, Any
     info: dict[str, Any] = {}
     try:
         info["driver_version"] = _text(nvml.nvmlSystemGetDriverVersion())
-    except Exception as exc:
+    except Exception as exc:  # best effort: what cannot be read is left out, never fails init
         logger.debug("runbus: no driver version: %s", exc)
     try:
         cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
         info["cuda_version"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
-    except Exception as exc:
+    except Exception as exc:  # best effort: what cannot be read is left out, never fails init
         logger.debug("runbus: no CUDA version: %s", exc)
     indices = gpu_device_ids
     if indices is None:
@@ -109,17 +109,17 @@ def _describe_gpus(nvml: Any, gpu_device_ids: list[int] | None) -> dict[str, Any
     for index in indices:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        except Exception as exc:
+        except Exception as exc:  # best effort: what cannot be read is left out, never fails init
             logger.debug("runbus: GPU %s cannot be opened: %s", index, exc)
             continue
         gpu: dict[str, Any] = {"index": int(index)}
         try:
             gpu["name"] = _text(nvml.nvmlDeviceGetName(handle))
-        except Exception as exc:
+        except Exception as exc:  # best effort: what cannot be read is left out, never fails init
             logger.debug("runbus: GPU %s has no name: %s", index, exc)
         try:
             gpu["memory_total_mb"] = nvml.nvmlDeviceGetMemoryInfo(handle).total / MB
-        except Exception as exc:
+        except Exception as exc:  # best effort: what cannot be read is left out, never fails init
             logger.debug("runbus: GPU %s has no memory size: %s", index, exc)
         gpus.append(gpu)
     info["gpus"] = gpus

@@ -424,24 +424,34 @@ class Keeper:
                 linger_until = linger_until or time.monotonic() + LINGER_SECONDS
                 if time.monotonic() >= linger_until:
                     return
-            want_write = self.delivering and bool(self.pending)
-            if want_write != writing:
-                if want_write:
-                    selector.register(self.feed, selectors.EVENT_WRITE)
-                else:
-                    selector.unregister(self.feed)
-                writing = want_write
+            writing = self._watch_feed(selector, writing)
             timeout = None if linger_until is None else max(0.0, linger_until - time.monotonic())
-            for key, _ in selector.select(timeout):
-                fd = key.fd
-                if fd == self.feed:
-                    continue
-                if fd == self.control:
-                    self._read_control(selector)
-                elif fd in self.streams:
-                    self._read_stream(selector, fd)
+            self._read_ready(selector, timeout)
             if self.delivering and self.pending:
                 self.send()
+
+    def _watch_feed(self, selector: selectors.BaseSelector, writing: bool) -> bool:
+        """Watch the feed for room to write while there is something to deliver, else not;
+        whether it is watched now (`writing`: whether it was)."""
+        want_write = self.delivering and bool(self.pending)
+        if want_write != writing:
+            if want_write:
+                selector.register(self.feed, selectors.EVENT_WRITE)
+            else:
+                selector.unregister(self.feed)
+        return want_write
+
+    def _read_ready(self, selector: selectors.BaseSelector, timeout: float | None) -> None:
+        """Wait at most `timeout` (None: for ever) for the control pipe, an output pipe or the
+        feed, and read the pipes that are ready (the feed is written after)."""
+        for key, _ in selector.select(timeout):
+            fd = key.fd
+            if fd == self.feed:
+                continue
+            if fd == self.control:
+                self._read_control(selector)
+            elif fd in self.streams:
+                self._read_stream(selector, fd)
 
     def _read_control(self, selector: selectors.BaseSelector) -> None:
         assert self.control is not None

@@ -96,7 +96,7 @@ def _plain_object(value: Any, depth: int) -> Any:
     if items is not None and items <= MAX_ARRAY_ITEMS and callable(getattr(value, "tolist", None)):
         try:
             return _plain(value.tolist(), depth + 1)
-        except Exception:
+        except Exception:  # an array whose values cannot be read (as for .item() above): its text
             return str(value)
     return str(value)
 
@@ -107,7 +107,7 @@ def _element_count(value: Any) -> int | None:
     if callable(numel) and getattr(value, "dim", None) is not None:  # a torch.Tensor
         try:
             return int(numel())
-        except Exception:
+        except Exception:  # a tensor whose size cannot be read: treated as no array
             return None
     size = getattr(value, "size", None)
     if isinstance(size, int) and hasattr(value, "ndim") and hasattr(value, "dtype"):  # numpy

@@ -101,7 +101,7 @@ def _metric_value(key: str, value: Any) -> Any:
 def _read(key: str, item: Any) -> Any:
     try:
         return item()
-    except Exception as exc:
+    except Exception as exc:  # whatever the value's own .item() raises: one TypeError for the caller
         raise TypeError(f"metric {key!r}: the value cannot be read ({type(exc).__name__}: {exc})") from None
 
 
@@ -186,7 +186,7 @@ def checked_step(step: Any) -> int:
             raise TypeError(f"step: a tensor on the {step.device.type!r} device has no value")
         try:
             step = item()
-        except Exception as exc:
+        except Exception as exc:  # whatever the step's own .item() raises: one TypeError for the caller
             raise TypeError(f"step: the value cannot be read ({type(exc).__name__}: {exc})") from None
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, not {type(step).__name__}")

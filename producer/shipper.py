@@ -687,7 +687,7 @@ class Shipper(threading.Thread):
             data = self._redacted_log(data)
         try:
             blob = encode_data(kind, data)
-        except Exception as exc:
+        except Exception as exc:  # whatever a value's read raises: counted as a drop, never fatal
             # Values were checked by log(); a device tensor whose read fails (its device died)
             # lands here. It counts as dropped, so its gap is explained and finish() says so.
             self.failed_encodes += 1

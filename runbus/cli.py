@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
+    except Exception as exc:  # the CLI's last stop: expected errors in a line, a bug as a traceback
         if isinstance(exc, _expected_errors()):
             print(f"runbus: {printable(redact_text(_one_line(exc), known))}", file=sys.stderr)
             return 1

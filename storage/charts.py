@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from itertools import pairwise
 from operator import itemgetter
 from typing import Literal
@@ -187,6 +188,30 @@ async def envelope(
     spans = extent.axis_spans(axis)
     other = sum(s.n for s in extent.spans if s.axis != axis)
     labels = extent.labels.get(axis, 0)
+    lo, hi = await _x_range(reader, run_id, key, spans, unit, axis, start, end)
+    # The chart with nothing drawn yet: what the exact and rolled-up reads fill in.
+    empty = Envelope(run_id, key, unit, 1, True, labels, start, end, [], [], labels <= all_lines_up_to, other)
+    if hi < lo:
+        return empty
+    total = sum(s.n for s in spans)
+    in_view = total * (hi - lo + 1) / max(1, max(s.x_hi for s in spans) - min(s.x_lo for s in spans) + 1)
+    if total <= RAW_POINTS or (empty.all_lines and in_view <= RAW_POINTS):
+        return await _exact_envelope(reader, empty, axis, lo, hi, total, points, outliers, shown)
+    return await _rolled_up_envelope(reader, empty, axis, lo, hi, points, outliers, shown)
+
+
+async def _x_range(
+    reader: RollupReader,
+    run_id: str,
+    key: str,
+    spans: list[Span],
+    unit: XUnit,
+    axis: int,
+    start: float | None,
+    end: float | None,
+) -> tuple[int, int]:
+    """The x range lo..hi of the chart's view on `axis` (empty when hi < lo): the ts
+    `start`..`end` as the steps logged then where the key has steps and x is ts."""
     lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
     if unit == "ts" and axis == STEP_AXIS and (start is not None or end is not None):
         lo, hi = await _steps_between(reader, run_id, key, spans, start, end)
@@ -196,32 +221,56 @@ async def envelope(
     else:
         lo = max(lo, math.ceil(start)) if start is not None else lo
         hi = min(hi, math.floor(end)) if end is not None else hi
-    empty = Envelope(run_id, key, unit, 1, True, labels, start, end, [], [], labels <= all_lines_up_to, other)
-    if hi < lo:
-        return empty
-    by_ts = unit == "ts" and axis == STEP_AXIS
-    total = sum(s.n for s in spans)
+    return lo, hi
+
+
+async def _exact_envelope(
+    reader: RollupReader,
+    empty: Envelope,
+    axis: int,
+    lo: int,
+    hi: int,
+    total: int,
+    points: int,
+    outliers: int,
+    shown: list[str],
+) -> Envelope:
+    """envelope from the stored values in view (few enough to read): an exact band and lines."""
+    run_id, key, start, end, all_lines = empty.run_id, empty.key, empty.start, empty.end, empty.all_lines
+    by_ts = empty.x == "ts" and axis == STEP_AXIS
+    values = await _stored_values(reader, run_id, key, axis, lo, hi, total)
+    generations = await _generations(reader, run_id, key, axis)
+    raw_width = exact_width(len({v[3] for v in values}), hi - lo + 1, points)
+    band = _exact_band(values, generations, raw_width, by_ts, start, end)
+    ranked: list[tuple[str, float]] = []
+    if not all_lines and (outliers > 0 or shown):
+        ranking = exact_width(RANKING_BUCKETS + 1, hi - lo + 1, RANKING_BUCKETS)
+        ranked = _rank_values(values, generations, _shift(ranking))
+    drawn = set(_chosen(ranked, outliers, shown))
+    mine = values if all_lines else [v for v in values if v[0] in drawn]
+    exact_rows = _label_rows(mine, generations, raw_width)
+    lines = (
+        _lines(exact_rows, by_ts, start, end)
+        if all_lines
+        else _chosen_lines(exact_rows, ranked, outliers, shown, by_ts, start, end)
+    )
+    return replace(empty, width=raw_width, band=band, lines=lines)
+
+
+async def _rolled_up_envelope(
+    reader: RollupReader,
+    empty: Envelope,
+    axis: int,
+    lo: int,
+    hi: int,
+    points: int,
+    outliers: int,
+    shown: list[str],
+) -> Envelope:
+    """envelope from the rollups: the band and lines of the narrowest width that fits `points`."""
+    run_id, key, start, end, all_lines = empty.run_id, empty.key, empty.start, empty.end, empty.all_lines
+    by_ts = empty.x == "ts" and axis == STEP_AXIS
     width = choose_width(hi - lo + 1, points)
-    in_view = total * (hi - lo + 1) / max(1, max(s.x_hi for s in spans) - min(s.x_lo for s in spans) + 1)
-    all_lines = labels <= all_lines_up_to
-    if total <= RAW_POINTS or (all_lines and in_view <= RAW_POINTS):
-        values = await _stored_values(reader, run_id, key, axis, lo, hi, total)
-        generations = await _generations(reader, run_id, key, axis)
-        raw_width = exact_width(len({v[3] for v in values}), hi - lo + 1, points)
-        band = _exact_band(values, generations, raw_width, by_ts, start, end)
-        ranked: list[tuple[str, float]] = []
-        if not all_lines and (outliers > 0 or shown):
-            ranking = exact_width(RANKING_BUCKETS + 1, hi - lo + 1, RANKING_BUCKETS)
-            ranked = _rank_values(values, generations, _shift(ranking))
-        drawn = set(_chosen(ranked, outliers, shown))
-        mine = values if all_lines else [v for v in values if v[0] in drawn]
-        exact_rows = _label_rows(mine, generations, raw_width)
-        lines = (
-            _lines(exact_rows, by_ts, start, end)
-            if all_lines
-            else _chosen_lines(exact_rows, ranked, outliers, shown, by_ts, start, end)
-        )
-        return Envelope(run_id, key, unit, raw_width, True, labels, start, end, band, lines, all_lines, other)
     first, last = lo >> _shift(width), hi >> _shift(width)
     open_rows = await reader.open_buckets(run_id, key, axis, None)  # read once for the whole chart
     band_rows = await run_rows(reader, run_id, key, axis, width, first, last, open_rows)
@@ -238,7 +287,7 @@ async def envelope(
             else []
         )
         lines = _chosen_lines(rows, ranked, outliers, shown, by_ts, start, end)
-    return Envelope(run_id, key, unit, width, False, labels, start, end, band, lines, all_lines, other)
+    return replace(empty, width=width, exact=False, band=band, lines=lines)
 
 
 def _shift(width: int) -> int:
@@ -366,30 +415,36 @@ def _exact_band(
         ts = [v[4] for v in mine]
         if by_ts and not ((start is None or max(ts) >= start) and (end is None or min(ts) <= end)):
             continue
-        numbers = [v[5] for v in mine]
-        real = [v for v in numbers if v == v]
-        finite = sorted(v for v in real if v - v == 0)
-        x_lo, x_hi = (min(ts), max(ts)) if by_ts else (min(v[3] for v in mine), max(v[3] for v in mine))
-        quantiles = _exact_quantiles(finite)
-        row = BandBucket(
-            x_lo,
-            x_hi,
-            len(numbers),
-            len(numbers) - len(real),
-            len(real) - len(finite),
-            min(real) if real else None,
-            quantiles[0],
-            quantiles[1],
-            quantiles[2],
-            max(real) if real else None,
-            sum(finite) / len(finite) if finite else None,
-        )
         if not segments or segments[-1].generation != generation:
             segments.append(BandSegment(generation, [], []))
-        segments[-1].buckets.append(row)
+        segments[-1].buckets.append(_exact_bucket(mine, by_ts))
     for segment in segments:
         segment.gaps.extend(gaps([(b.x_lo, b.x_hi) for b in segment.buckets], 0 if by_ts else width))
     return segments
+
+
+def _exact_bucket(mine: Sequence[Value], by_ts: bool) -> BandBucket:
+    """One bucket of an exact band from its stored values: x bounds (their ts where `by_ts`),
+    counts, min, max, mean and the exact quantiles of the finite ones."""
+    ts = [v[4] for v in mine]
+    numbers = [v[5] for v in mine]
+    real = [v for v in numbers if v == v]
+    finite = sorted(v for v in real if v - v == 0)
+    x_lo, x_hi = (min(ts), max(ts)) if by_ts else (min(v[3] for v in mine), max(v[3] for v in mine))
+    quantiles = _exact_quantiles(finite)
+    return BandBucket(
+        x_lo,
+        x_hi,
+        len(numbers),
+        len(numbers) - len(real),
+        len(real) - len(finite),
+        min(real) if real else None,
+        quantiles[0],
+        quantiles[1],
+        quantiles[2],
+        max(real) if real else None,
+        sum(finite) / len(finite) if finite else None,
+    )
 
 
 def _rank_values(
@@ -599,34 +654,50 @@ async def stragglers(
     if hi < lo:
         return Stragglers(run_id, source, not time_key, 0, [], [], [])
     total = sum(s.n for s in spans)
-    # (label, bucket) -> [seconds, steps] summed over the label's epochs, or [sum, count] of values
-    cells: dict[tuple[str, int], list[float]]
+    width, cells = await _straggler_cells(reader, run_id, key, lo, hi, total, buckets, time_key)
+    present = sorted({bucket for _, bucket in cells})
+    times = _step_times(cells, present)
+    median: list[float | None] = []
+    for i in range(len(present)):
+        found = sorted(t for t in (mine[i] for mine in times.values()) if t is not None)
+        median.append(found[len(found) // 2] if found else None)
+    names = list(times)
+    ranges = [(max(lo, b << _shift(width)), min(hi, ((b + 1) << _shift(width)) - 1)) for b in present]
+    step_counts = [last - first + 1 for first, last in ranges]
+    labels = [_straggler(name, times[name], median, step_counts, ranges) for name in names]
+    labels.sort(key=lambda s: (-(s.mean_ratio or 0.0), s.label))
+    return Stragglers(run_id, source, not time_key, width, ranges, median, labels)
+
+
+async def _straggler_cells(
+    reader: RollupReader, run_id: str, key: str, lo: int, hi: int, total: int, buckets: int, time_key: bool
+) -> tuple[int, dict[tuple[str, int], list[float]]]:
+    """The bucket width and stragglers' cells of steps lo..hi: (label, bucket) -> [seconds,
+    steps] summed over the label's epochs, or [sum, count] of values where `time_key`."""
     if total <= RAW_POINTS:
         values = await _stored_values(reader, run_id, key, STEP_AXIS, lo, hi, total)
         # Whatever steps were logged, a bucket is a run of consecutive steps (as in the rollups).
         width = exact_width(buckets + 1, hi - lo + 1, buckets)
         cells = _value_cells(values, _shift(width)) if time_key else _derived_cells(values, _shift(width))
-    else:
-        width = choose_width(hi - lo + 1, buckets)
-        first, last = lo >> _shift(width), hi >> _shift(width)
-        rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
-        cells = _rollup_cells(rows, time_key)
-    present = sorted({bucket for _, bucket in cells})
+        return width, cells
+    width = choose_width(hi - lo + 1, buckets)
+    first, last = lo >> _shift(width), hi >> _shift(width)
+    rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
+    return width, _rollup_cells(rows, time_key)
+
+
+def _step_times(
+    cells: dict[tuple[str, int], list[float]], present: list[int]
+) -> dict[str, list[float | None]]:
+    """Each label's (in natural order) time per step in each bucket of `present`, None where it
+    has no steps."""
     names = sorted({label for label, _ in cells}, key=natural_key)
     column = {bucket: i for i, bucket in enumerate(present)}
     times: dict[str, list[float | None]] = {name: [None] * len(present) for name in names}
     for (label, bucket), (amount, steps) in cells.items():
         if steps > 0:
             times[label][column[bucket]] = amount / steps
-    median: list[float | None] = []
-    for i in range(len(present)):
-        found = sorted(t for t in (mine[i] for mine in times.values()) if t is not None)
-        median.append(found[len(found) // 2] if found else None)
-    ranges = [(max(lo, b << _shift(width)), min(hi, ((b + 1) << _shift(width)) - 1)) for b in present]
-    step_counts = [last - first + 1 for first, last in ranges]
-    labels = [_straggler(name, times[name], median, step_counts, ranges) for name in names]
-    labels.sort(key=lambda s: (-(s.mean_ratio or 0.0), s.label))
-    return Stragglers(run_id, source, not time_key, width, ranges, median, labels)
+    return times
 
 
 def _rollup_cells(rows: Iterable[LabelBucket], time_key: bool) -> dict[tuple[str, int], list[float]]:
@@ -691,11 +762,7 @@ def _straggler(
     typical = sum(m * n for _, m, n in shared)  # the median label's seconds for the same steps
     slow = sum(1 for r, _ in ratios if r >= SLOW)
     worst = max(ratios, default=None)
-    kind: Literal["chronic", "one-off", "normal"] = "normal"
-    if slow * 2 >= len(ratios) and typical > 0 and behind >= (SLOW - 1) * typical:
-        kind = "chronic"
-    elif worst is not None and worst[0] >= STALL and behind > 0:
-        kind = "one-off"
+    kind = _straggler_kind(len(ratios), slow, None if worst is None else worst[0], behind, typical)
     mean = sum(r for r, _ in ratios) / len(ratios) if ratios else None
     return StragglerLabel(
         label,
@@ -707,6 +774,18 @@ def _straggler(
         behind,
         kind,
     )
+
+
+def _straggler_kind(
+    buckets: int, slow: int, worst: float | None, behind: float, typical: float
+) -> Literal["chronic", "one-off", "normal"]:
+    """Chronic: slow in at least half of its `buckets` and `behind` the median label by SLOW
+    times its `typical` seconds or more; one-off: behind, with one bucket STALL times slow."""
+    if slow * 2 >= buckets and typical > 0 and behind >= (SLOW - 1) * typical:
+        return "chronic"
+    if worst is not None and worst >= STALL and behind > 0:
+        return "one-off"
+    return "normal"
 
 
 def prefix_end(prefix: str) -> str | None:

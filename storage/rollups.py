@@ -327,52 +327,89 @@ def _fold_axis(
     datas = list(map(_DATA, events))
     seqs = list(map(_SEQ, events))
     ts = list(map(_TS, events))
-    step_column: list[int | None] = [None] * len(seqs) if steps is None else list(steps)
     keys = list(datas[0])
-    values_of = None
-    # The common case: every event logs the same keys (each has all of the first's, and no more).
-    if sum(map(len, datas)) == len(keys) * len(datas):
-        try:
-            values_of = [list(map(itemgetter(key), datas)) for key in keys]
-        except KeyError:
-            values_of = None
-    if values_of is not None:
-        rising = xs[0] <= xs[-1] and xs == sorted(xs)
-        spans = list(_spans(xs)) if rising else []
-        if ts == sorted(ts):
-            ranges = [(ts[a], ts[b - 1]) for _, a, b in spans]
-        else:
-            ranges = [(min(ts[a:b]), max(ts[a:b])) for _, a, b in spans]
-        for key, values in zip(keys, values_of, strict=True):
-            stored_key = key if "\x00" not in key else storable_text(key)
-            rows.append((label_id, stored_key, epoch, seqs, step_column, ts, values))
-            if not rising:
-                for bucket, part in fold(xs, seqs, ts, values):
-                    _add(out, (label_id, stored_key, epoch, axis, bucket), part)
-                continue
-            for (bucket, a, b), (ts_lo, ts_hi) in zip(spans, ranges, strict=True):
-                chunk = values[a:b]
-                total = sum(chunk)
-                if total - total == 0:  # all finite: _chunk's fast case, inline
-                    part = [
-                        b - a,
-                        0,
-                        0,
-                        total,
-                        min(chunk),
-                        max(chunk),
-                        chunk[-1],
-                        seqs[b - 1],
-                        xs[a],
-                        xs[b - 1],
-                        ts_lo,
-                        ts_hi,
-                        seqs[a],
-                    ]
-                else:
-                    part = _chunk(chunk, xs[a:b], seqs[a:b], ts[a:b])
-                _add(out, (label_id, stored_key, epoch, axis, bucket), part)
+    values_of = _same_keys(datas, keys)
+    if values_of is None:
+        _fold_by_key(rows, out, label_id, epoch, axis, datas, xs, seqs, ts, steps)
         return
+    step_column: list[int | None] = [None] * len(seqs) if steps is None else list(steps)
+    rising = xs[0] <= xs[-1] and xs == sorted(xs)
+    spans = list(_spans(xs)) if rising else []
+    if ts == sorted(ts):
+        ranges = [(ts[a], ts[b - 1]) for _, a, b in spans]
+    else:
+        ranges = [(min(ts[a:b]), max(ts[a:b])) for _, a, b in spans]
+    for key, values in zip(keys, values_of, strict=True):
+        stored_key = key if "\x00" not in key else storable_text(key)
+        rows.append((label_id, stored_key, epoch, seqs, step_column, ts, values))
+        if not rising:
+            for bucket, part in fold(xs, seqs, ts, values):
+                _add(out, (label_id, stored_key, epoch, axis, bucket), part)
+            continue
+        _fold_rising(out, (label_id, stored_key, epoch, axis), values, spans, ranges, xs, seqs, ts)
+
+
+def _same_keys(datas: list[dict[str, Any]], keys: list[str]) -> list[list[Any]] | None:
+    """The common case: every event logs the same keys (each has all of the first's, and no
+    more): each key's values, in `keys`' order; else None."""
+    if sum(map(len, datas)) != len(keys) * len(datas):
+        return None
+    try:
+        return [list(map(itemgetter(key), datas)) for key in keys]
+    except KeyError:
+        return None
+
+
+def _fold_rising(
+    out: dict[FineKey, Partial],
+    at: tuple[int, str, int, int],
+    values: list[Any],
+    spans: list[tuple[int, int, int]],
+    ranges: list[tuple[float, float]],
+    xs: list[int],
+    seqs: list[int],
+    ts: list[float],
+) -> None:
+    """The partials of one key's values at rising `xs`, a bucket per span (`at`: the fine key
+    without its bucket)."""
+    label_id, stored_key, epoch, axis = at
+    for (bucket, a, b), (ts_lo, ts_hi) in zip(spans, ranges, strict=True):
+        chunk = values[a:b]
+        total = sum(chunk)
+        if total - total == 0:  # all finite: _chunk's fast case, inline
+            part = [
+                b - a,
+                0,
+                0,
+                total,
+                min(chunk),
+                max(chunk),
+                chunk[-1],
+                seqs[b - 1],
+                xs[a],
+                xs[b - 1],
+                ts_lo,
+                ts_hi,
+                seqs[a],
+            ]
+        else:
+            part = _chunk(chunk, xs[a:b], seqs[a:b], ts[a:b])
+        _add(out, (label_id, stored_key, epoch, axis, bucket), part)
+
+
+def _fold_by_key(
+    rows: list[KeyColumns],
+    out: dict[FineKey, Partial],
+    label_id: int,
+    epoch: int,
+    axis: int,
+    datas: list[dict[str, Any]],
+    xs: list[int],
+    seqs: list[int],
+    ts: list[float],
+    steps: list[int] | None,
+) -> None:
+    """Rows and partials of events that log different keys: each key's columns gathered first."""
     columns: dict[str, tuple[list[int], list[int], list[float], list[Any], list[int | None]]] = {}
     for x, seq, when, data, step in zip(xs, seqs, ts, datas, steps or repeat(None), strict=False):
         for key, value in data.items():

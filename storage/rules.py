@@ -157,19 +157,10 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
             primary, start_pos, start_data = event.data["primary"], pos, redact(event.data)
         elif kind in ("heartbeat", "finish") and event.data.get("dropped_ranges"):
             dropped = merge_dropped(dropped, event.epoch, event.data["dropped_ranges"])
-        if kind == "finish":
-            code = event.data["exit_code"]
-            if code is None:  # ended with no known status: crashed, unless a finish said how
-                if state not in ENDED and event.epoch >= start_pos[0]:
-                    state, exit_code, state_pos, state_ts = CRASHED, None, pos, ts
-            elif (pos > state_pos) if state in ENDED else (event.epoch >= start_pos[0]):
-                exit_code = code
-                state, state_pos, state_ts = (FINISHED if code == 0 else FAILED), pos, ts
-        elif state in ENDED:
-            if kind == "start" and event.epoch > state_pos[0]:  # a restarted process: a new life
-                state, exit_code, state_pos, state_ts = RUNNING, None, ORIGIN, None
-        elif state == CRASHED and pos > state_pos:
-            state, exit_code, state_pos, state_ts = RUNNING, None, ORIGIN, None
+        if kind == "finish" or state != RUNNING:
+            state, exit_code, state_pos, state_ts = _state_after(
+                (state, exit_code, state_pos, state_ts), event, start_pos[0]
+            )
     return replace(
         label,
         epoch=top[0],
@@ -185,6 +176,31 @@ def _fold_each(label: LabelState, events: Iterable[Event]) -> LabelState:
         start_data=start_data,
         dropped=dropped,
     )
+
+
+# A label's state, exit code, and the (epoch, seq) and ts of the event that set them.
+_State = tuple[str, int | None, tuple[int, int], float | None]
+_ALIVE: _State = (RUNNING, None, ORIGIN, None)
+
+
+def _state_after(current: _State, event: Event, start_epoch: int) -> _State:
+    """_fold_each's state once `event` is folded (`start_epoch`: the epoch of the label's latest
+    start so far)."""
+    state, _, state_pos, _ = current
+    pos = (event.epoch, event.seq)
+    if event.kind == "finish":
+        code = event.data["exit_code"]
+        if code is None:  # ended with no known status: crashed, unless a finish said how
+            if state not in ENDED and event.epoch >= start_epoch:
+                return CRASHED, None, pos, event.ts
+        elif (pos > state_pos) if state in ENDED else (event.epoch >= start_epoch):
+            return (FINISHED if code == 0 else FAILED), code, pos, event.ts
+    elif state in ENDED:
+        if event.kind == "start" and event.epoch > state_pos[0]:  # a restarted process: a new life
+            return _ALIVE
+    elif state == CRASHED and pos > state_pos:
+        return _ALIVE
+    return current
 
 
 # How far beyond a label's highest stored seq (in its latest epoch, or from 0 in a newer one) an

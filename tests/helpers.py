@@ -167,13 +167,40 @@ async def assert_idle_connections_closed(port: int, path: str, count: int = 200,
             writer.close()
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """Poll `check` until it returns something true (returned), failing after `timeout` seconds."""
+def wait_for(
+    what: str, check: Callable[[], Any], timeout: float = 30.0, *, running: subprocess.Popen | None = None
+) -> Any:
+    """Poll `check` until it returns something true (returned), failing after `timeout` seconds,
+    or as soon as the process `running` (when given) has exited."""
     deadline = time.monotonic() + timeout
     while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        _still_waiting(what, deadline, running)
         time.sleep(0.05)
     return result
+
+
+async def wait_for_async(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 30.0,  # noqa: ASYNC109 (wait_for's arguments, in its order)
+    *,
+    running: subprocess.Popen | None = None,
+) -> Any:
+    """wait_for inside an event loop: `check` may also be a coroutine function."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        _still_waiting(what, deadline, running)
+        await asyncio.sleep(0.05)
+
+
+def _still_waiting(what: str, deadline: float, running: subprocess.Popen | None) -> None:
+    assert running is None or running.poll() is None, f"exited with {running.returncode} before {what}"
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
 
 
 # What undoes schema 8 (column chunks) in a store whose values are all still head rows (see

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +18,7 @@ from runbus.errors import AccessDenied
 from runbus.ingester.localredis import LocalRedis, RedisServerNotFound, free_port
 from runbus.ingester.worker import Worker, WorkerSettings
 from tests.conftest import missing_server, private_redis
-from tests.helpers import ingest, read_store, run_cli, xadd_event
+from tests.helpers import ingest, read_store, run_cli, wait_for, xadd_event
 from tests.pgserver import LocalPostgres
 
 PASSWORD = "right horse"
@@ -33,6 +32,11 @@ def guarded_redis() -> Iterator[LocalRedis]:
 
 def with_password(url: str, password: str, user: str = "") -> str:
     return url.replace("redis://", f"redis://{user}:{password.replace(' ', '%20')}@")
+
+
+def wrong_passwords(admin: redis.Redis) -> int:
+    """How many times this server has answered WRONGPASS."""
+    return admin.info("errorstats").get("errorstat_WRONGPASS", {}).get("count", 0)
 
 
 def errors_in(stderr: str) -> list[str]:
@@ -162,13 +166,13 @@ def test_a_producer_refused_by_redis_logs_once_buffers_and_ships_once_fixed(guar
     )  # never raises into training code
     for step in range(200):
         run.log({"loss": float(step)}, step=step)
-    time.sleep(1.5)  # several retries, each refused
-    refusals = [r for r in caplog.records if "refused the credentials" in r.getMessage()]
-    assert len(refusals) == 1 and refusals[0].levelno == logging.ERROR, caplog.text
-    assert "buffering up to" in refusals[0].getMessage() and "changed" not in caplog.text
-
-    # Once the server wants the password the producer has, what it buffered is shipped.
     with redis.Redis.from_url(with_password(guarded_redis.url, PASSWORD)) as admin:
+        wait_for("several retries, each refused", lambda: wrong_passwords(admin) >= 3)
+        refusals = [r for r in caplog.records if "refused the credentials" in r.getMessage()]
+        assert len(refusals) == 1 and refusals[0].levelno == logging.ERROR, caplog.text
+        assert "buffering up to" in refusals[0].getMessage() and "changed" not in caplog.text
+
+        # Once the server wants the password the producer has, what it buffered is shipped.
         admin.config_set("requirepass", later)
     assert run.finish(timeout=30)
     ingest(url, store_url)

@@ -20,7 +20,7 @@ import redis
 
 import runbus
 from runbus import wire
-from tests.helpers import ingest, read_store
+from tests.helpers import ingest, read_store, wait_for
 
 
 def init(redis_url: str, run_id: str, **options) -> runbus.Run:
@@ -122,7 +122,9 @@ def test_sigterm_during_back_pressure_finishes_the_label_without_a_gap(redis_url
     # torchrun stops a rank with SIGTERM, most likely while log() waits for room: the handler
     # finishes the label at once (the interrupted call never took a seq), then the rank dies.
     proc = start_endless_loop(redis_url, "stopped")
-    time.sleep(1.0)
+    key = wire.stream_key("stopped", "rank0")
+    with redis.Redis.from_url(redis_url) as client:  # twenty times its buffer: waiting for room by now
+        wait_for("the loop under back pressure", lambda: client.xlen(key) > 2000)
     proc.send_signal(signal.SIGTERM)
     assert stopped_within(proc, 60) == -signal.SIGTERM
     client = redis.Redis.from_url(redis_url)
@@ -298,8 +300,9 @@ def test_nothing_follows_the_finish_while_redis_pauses_writes(local_redis, store
     )
     for step in range(100):
         run.log({"loss": float(step)}, step=step)
-    time.sleep(0.3)  # heartbeats go out
     client = redis.Redis.from_url(local_redis.url)
+    key = wire.stream_key("paused", "rank0")
+    wait_for("heartbeats out", lambda: any(f[b"kind"] == b"heartbeat" for _, f in client.xrange(key)))
     # Writes hang for 12 s, longer than the socket timeout (10 s): the shipper times out, backs
     # off and tries again, while its heartbeat timer keeps firing.
     client.execute_command("CLIENT", "PAUSE", 12000, "WRITE")

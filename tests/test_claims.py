@@ -7,7 +7,7 @@ import asyncio
 import re
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import asyncpg
@@ -18,7 +18,7 @@ from runbus import wire
 from runbus.ingester.localredis import free_port
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.storage import open_store
-from tests.helpers import pending_count, read_store, run_cli, xadd_event
+from tests.helpers import pending_count, read_store, run_cli, wait_for_async, xadd_event
 
 LABELS = ("rank0", "rank1", "rank2", "rank3")
 
@@ -30,14 +30,6 @@ async def burst(redis_url: str, store_url: str, **settings) -> Worker:
     )
     await worker.async_run()
     return worker
-
-
-async def wait_until(what: str, check: Callable[[], bool]) -> None:
-    """Until `check()` holds, for at most a minute."""
-    deadline = time.monotonic() + 60
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 @asynccontextmanager
@@ -95,7 +87,7 @@ async def test_a_store_held_past_claim_idle_makes_no_self_claim_and_no_duplicate
         async with store_held(any_store_url):
             worker = asyncio.create_task(burst(redis_url, any_store_url, claim_idle=1.0, batch_size=10))
             # The first batch, the one read ahead, and the next read ahead while the store waits.
-            await wait_until("three batches read", lambda: pending() >= 3 * 10 * len(LABELS))
+            await wait_for_async("three batches read", lambda: pending() >= 3 * 10 * len(LABELS), 60)
             await asyncio.sleep(3.5)  # the store stays held for more than three claim-idle periods
         stats = (await asyncio.wait_for(worker, timeout=120)).stats  # the burst ends
         assert stats.claimed == 0

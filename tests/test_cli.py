@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,16 @@ from runbus import storage
 from runbus.cli import ROUTES
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
-from tests.helpers import FIRST_LIFE, SECOND_LIFE, ingest, read_store, restarted_run, run_cli, xadd_event
+from tests.helpers import (
+    FIRST_LIFE,
+    SECOND_LIFE,
+    ingest,
+    read_store,
+    restarted_run,
+    run_cli,
+    wait_for_async,
+    xadd_event,
+)
 from tests.pgserver import public_tables
 
 
@@ -183,19 +192,18 @@ def test_unknown_run_and_bad_store_are_clear_errors(redis_url, store_url):
     )
 
 
-def test_a_running_worker_picks_up_a_new_producer_stream(redis_url, store_url):
+def test_a_running_worker_picks_up_a_new_producer_stream(redis_url, store_url, caplog):
+    caplog.set_level(logging.INFO, logger="runbus.ingester")
+
     async def scenario():
         worker = Worker(WorkerSettings(redis_url=redis_url, store_url=store_url, handle_signals=False))
         task = asyncio.create_task(worker.async_run())
-        await asyncio.sleep(0.3)  # the worker is up and has found no streams yet
+        await wait_for_async("the worker up, with no streams yet", lambda: "on all 0 streams" in caplog.text)
         run = runbus.init(
             run_id="live", label="rank0", redis_url=redis_url, system_interval=None, hardware=False
         )
         run.log({"loss": 1.0}, step=0)
-        deadline = time.monotonic() + 10
-        while worker.stats.stored < 2:
-            assert time.monotonic() < deadline, "the new stream was never consumed"
-            await asyncio.sleep(0.05)
+        await wait_for_async("the new stream consumed", lambda: worker.stats.stored >= 2, 10)
         run.finish()
         worker.request_stop()
         await task

@@ -25,8 +25,7 @@ import pytest
 import redis
 
 from runbus import wire
-from tests.helpers import ingest, ingest_command, read_store
-from tests.test_integrity import wait_for
+from tests.helpers import ingest, ingest_command, read_store, wait_for
 from tests.test_launch import clean_env, wait_for_lines
 
 # The script: an optional runbus.init(), then the ending, given as a statement in argv[1].

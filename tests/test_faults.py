@@ -19,6 +19,7 @@ import redis
 
 import runbus
 from runbus import wire
+from runbus.errors import StoreUnavailable
 from runbus.ingester.worker import Worker, WorkerSettings
 from tests.helpers import (
     ingest,
@@ -27,6 +28,8 @@ from tests.helpers import (
     read_store,
     run_cli,
     store_group,
+    wait_for,
+    wait_for_async,
     xadd_event,
 )
 
@@ -148,10 +151,13 @@ def pending(client: redis.Redis, key: str) -> int:
 
 def wait_pending(client: redis.Redis, key: str, count: int) -> None:
     """Until a worker has read (and not acknowledged) `count` entries of `key`."""
-    deadline = time.monotonic() + 20
-    while pending(client, key) < count:
-        assert time.monotonic() < deadline, f"{count} entries of {key} were never read"
-        time.sleep(0.05)
+    wait_for(f"{count} entries of {key} read", lambda: pending(client, key) >= count, 20)
+
+
+def idle_ms(client: redis.Redis, key: str) -> int:
+    """The least time any entry of `key` read and not acknowledged has been idle, in ms."""
+    group = client.xinfo_groups(key)[0]["name"]
+    return min(entry["time_since_delivered"] for entry in client.xpending_range(key, group, "-", "+", 1000))
 
 
 def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url):
@@ -165,7 +171,7 @@ def test_a_killed_worker_s_entries_are_claimed_by_the_other(redis_url, store_url
         lock.rollback()
         lock.close()
         assert ingest(redis_url, store_url, claim_idle=60.0).claimed == 0  # not idle long enough yet
-        time.sleep(1.0)
+        wait_for("the entries idle for a second", lambda: idle_ms(client, key) >= 1000)
         stats = ingest(redis_url, store_url, claim_idle=1.0)
         assert stats.claimed == 50 and stats.stored == 50
         assert pending(client, key) == 0
@@ -212,12 +218,11 @@ def test_a_slow_commit_is_kept_alive_and_not_stolen(redis_url, store_url, tmp_pa
         return other.stats.claimed
 
     assert asyncio.run(watch_other_worker()) == 0
-    deadline = time.monotonic() + 20
-    while read_store(store_url, "run", "slow").counts["metric"] < 15:
-        if time.monotonic() > deadline:
-            slow.kill()
-            raise AssertionError(slow.communicate()[1])
-        time.sleep(0.1)
+    try:
+        wait_for("all 15 stored", lambda: read_store(store_url, "run", "slow").counts["metric"] >= 15, 20)
+    except AssertionError:
+        slow.kill()
+        raise AssertionError(slow.communicate()[1]) from None
     slow.send_signal(signal.SIGTERM)
     _, err = slow.communicate(timeout=30)
     assert slow.returncode == 0 and " 0 claimed" in err and "15 stored" in err
@@ -264,9 +269,11 @@ def test_redis_killed_and_restarted_during_a_run_loses_nothing(local_redis, stor
     procs = [start_producer(local_redis.url, "redis-kill", r, count, PACE="0.0005") for r in range(ranks)]
     for proc in procs:
         assert proc.stdout.readline() == "ready\n"
-    time.sleep(0.8)
+    keys = [wire.stream_key("redis-kill", f"rank{r}") for r in range(ranks)]
+    with redis.Redis.from_url(local_redis.url) as client:
+        wait_for("every rank shipping", lambda: all(client.xlen(key) > 200 for key in keys))
     local_redis.kill()
-    time.sleep(1.5)
+    time.sleep(1.5)  # the outage: the ranks log on meanwhile
     local_redis.start()
     results = finish_producers(procs)
     assert all(r["complete"] and r["dropped"] == 0 for r in results)
@@ -291,10 +298,7 @@ def log_while_down(local_redis, run_id: str, count: int, **options):
     )
     for step in range(count):
         run.log({"loss": float(step)}, step=step)
-    deadline = time.monotonic() + 10
-    while run._outbox:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for("the queue encoded", lambda: not run._outbox, 10)
     local_redis.start()
     return run
 
@@ -376,15 +380,17 @@ def test_a_killed_rank_and_its_run_become_crashed(redis_url, store_url):
             )
         )
         task = asyncio.create_task(w.async_run())
-        await asyncio.sleep(1.0)
+
+        async def stored(state: str, labels: int):
+            try:
+                run = await w.store.run("crash")
+            except StoreUnavailable:  # not connected by the worker yet
+                return None
+            return run if run is not None and run.state == state and len(run.labels) == labels else None
+
+        await wait_for_async("both ranks stored, running", lambda: stored("running", 2), 20)
         primary.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while True:
-            run = await w.store.run("crash")
-            if run is not None and run.state == "crashed":
-                break
-            assert time.monotonic() < deadline, "the run was never marked crashed"
-            await asyncio.sleep(0.2)
+        run = await wait_for_async("the run marked crashed", lambda: stored("crashed", 2), 20)
         w.request_stop()
         await task
         return run

@@ -12,7 +12,7 @@ import redis
 
 from runbus import wire
 from runbus.config import DECODER_ENV
-from tests.helpers import T0, ingest, pending_count, read_store, run_cli, xadd_event
+from tests.helpers import T0, ingest, pending_count, read_store, run_cli, wait_for_async, xadd_event
 
 
 @pytest.fixture
@@ -323,8 +323,8 @@ def test_a_batch_is_written_while_the_one_before_is_acknowledged_and_no_more_ove
         await commits.start(commit(2))  # waits for 1's write only
         assert log == ["write 1"]
         third = asyncio.create_task(commits.start(commit(3)))
-        await asyncio.sleep(0.01)
-        assert log == ["write 1", "write 2"] and not third.done()  # 1 is still acknowledging
+        await wait_for_async("2's write", lambda: log == ["write 1", "write 2"], 5)
+        assert not third.done()  # 1 is still acknowledging
         acks[1].set()
         await third
         acks[2].set()

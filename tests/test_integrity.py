@@ -21,6 +21,7 @@ import redis
 
 from runbus import wire
 from runbus.ingester import demo
+from runbus.ingester.localredis import free_port
 from runbus.ingester.worker import Worker, WorkerSettings
 from runbus.wire import Event
 from tests.helpers import (
@@ -31,8 +32,11 @@ from tests.helpers import (
     read_store,
     run_cli,
     store_group,
+    wait_for,
+    wait_for_async,
     xadd_event,
 )
+from tests.test_ops_http import scrape
 
 # The consumer group every store's ingesters shared before each store had its own (wire.store_group).
 LEGACY_GROUP = "runbus"
@@ -59,14 +63,6 @@ def stored_run(store_url: str, run_id: str) -> tuple[str, int] | None:
     finally:
         con.close()
     return None if row is None else (row[0], row[1])
-
-
-def wait_for(what: str, check, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 # -- a label's finish stands -----------------------------------------------------------------------
@@ -260,13 +256,9 @@ async def test_a_registered_stream_is_never_created_by_discovery(redis_url):
         await client.aclose()
 
 
-async def until(condition, within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        if condition():
-            return
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
+async def blocked_in_xreadgroup(client: redis.asyncio.Redis) -> bool:
+    """Whether a connection to this Redis waits in a blocking XREADGROUP."""
+    return any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in await client.client_list())
 
 
 async def test_a_stream_deleted_or_replaced_while_read_is_let_go(redis_url, store_url):
@@ -280,15 +272,21 @@ async def test_a_stream_deleted_or_replaced_while_read_is_let_go(redis_url, stor
         for key in (swapped, gone):
             await client.xadd(key, {"v": "1"})
             await client.sadd(wire.REGISTRY_KEY, key)
-        await until(lambda: worker.discovery is not None and {swapped, gone} <= set(worker.discovery.streams))
-        await asyncio.sleep(0.3)  # blocked in XREADGROUP on both
+        await wait_for_async(
+            "both streams found",
+            lambda: worker.discovery is not None and {swapped, gone} <= set(worker.discovery.streams),
+        )
+        await wait_for_async("a read blocked on both", lambda: blocked_in_xreadgroup(client))
         await client.delete(swapped, gone)  # unblocks the read with an error
         await client.set(swapped, "not a stream any more")
-        await asyncio.sleep(1.5)  # reads and claim passes over them
+        await wait_for_async(
+            "both streams let go",
+            lambda: worker.discovery is not None and not {swapped, gone} & set(worker.discovery.streams),
+        )
         fields = wire.encode_fields("start", "swap", "rank2", 1, 1, T0, b'{"primary": true}', None)
         await client.xadd(later, fields)
         await client.sadd(wire.REGISTRY_KEY, later)
-        await until(lambda: running.done() or worker.stats.stored >= 1)
+        await wait_for_async("the later stream stored", lambda: running.done() or worker.stats.stored >= 1)
         assert not running.done(), running.exception()
         assert worker.discovery is not None
         # The registry still names both: the deleted one is not made again, the other is skipped.
@@ -325,8 +323,11 @@ def test_sigterm_while_store_writes_fail_exits_cleanly_leaving_the_batches_pendi
         xadd_event(client, "locked", "rank0", "metric", 1, seq, {"x": float(seq)}, step=seq)
     lock = sqlite3.connect(store_url.removeprefix("sqlite:///"), isolation_level=None, timeout=30)
     lock.execute("BEGIN EXCLUSIVE")  # another connection holds the write lock: every write fails
+    port = free_port()
     worker = subprocess.Popen(
-        ingest_command(redis_url, store_url, "--batch-size", "10", "--drain-timeout", "1"),
+        ingest_command(
+            redis_url, store_url, "--batch-size", "10", "--drain-timeout", "1", "--http", f"127.0.0.1:{port}"
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -334,9 +335,15 @@ def test_sigterm_while_store_writes_fail_exits_cleanly_leaving_the_batches_pendi
     key = wire.stream_key("locked", "rank0")
     try:
         wait_for("batches read and failing", lambda: pending_count(client, key) >= 20)
-        # Failed writes are retried after longer and longer waits (up to 5 s): the drain timeout
-        # then runs out in a wait, and the loop is cancelled before the write gives up.
-        time.sleep(8.0)
+        # Failed writes are retried after longer and longer waits (up to 5 s): from the sixth on
+        # they outlast the drain timeout, which then runs out in a wait, and the loop is
+        # cancelled before the write gives up.
+        wait_for(
+            "waits longer than the drain timeout",
+            lambda: (m := scrape(port)) and m["runbus_store_retries_total"] >= 6,
+            timeout=60,
+            running=worker,
+        )
         stopped = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)

@@ -25,7 +25,7 @@ from runbus.ingester.localredis import LocalRedis
 from runbus.producer import environment
 from runbus.producer.child import ChildLabel
 from tests.conftest import private_redis
-from tests.helpers import QUIET, ingest, read_store, run_cli
+from tests.helpers import QUIET, ingest, read_store, run_cli, wait_for
 
 RANK = textwrap.dedent(
     """
@@ -190,16 +190,12 @@ def test_a_lease_taken_by_another_process_stops_the_old_holder(redis_url, client
         run_id="stolen", label="rank0", redis_url=redis_url, heartbeat_interval=0.2, lease_ttl=5.0, **QUIET
     )
     run.log({"before": 1.0})
-    while run.buffered:
-        time.sleep(0.01)
+    wait_for("everything shipped", lambda: not run.buffered)
     key = wire.lease_key("stolen", "rank0")
     # As if this process had been away longer than its lease and a restart had taken the label.
     client.delete(key)
     client.hset(key, mapping={"token": "someone-else", "host": "elsewhere", "pid": 4242})
-    deadline = time.monotonic() + 10
-    while run._shipper.refused is None:
-        assert time.monotonic() < deadline, "the heartbeat never noticed"
-        time.sleep(0.05)
+    wait_for("the heartbeat to notice", lambda: run._shipper.refused is not None, 10)
     run.log({"after": 1.0})  # still never raises into training code
     assert run.finish() is False
     assert "pid 4242 on elsewhere" in caplog.text and caplog.text.count("ships nothing more") == 1
@@ -253,8 +249,7 @@ def test_after_a_sigkill_the_restart_takes_the_label_at_once(redis_url, client, 
 
 def test_this_process_takes_back_a_lease_it_could_not_give_back(local_redis):
     first = runbus.init(run_id="own", label="rank0", redis_url=local_redis.url, max_backoff=0.2, **QUIET)
-    while first.epoch is None or first.buffered:
-        time.sleep(0.01)
+    wait_for("the lease taken and everything shipped", lambda: first.epoch is not None and not first.buffered)
     local_redis.kill()  # AOF: the lease outlives the restart, still naming this process
     assert first.finish(timeout=0.5) is False
     local_redis.start()
@@ -276,8 +271,7 @@ def test_a_holder_elsewhere_blocks_the_label_until_its_lease_lapses(redis_url, c
     hand_written_lease(client, "far", 1500)
     with pytest.raises(runbus.LabelInUse, match="pid 1 on far-away"):
         runbus.init(run_id="far", label="rank0", redis_url=redis_url, **QUIET)
-    while client.exists(wire.lease_key("far", "rank0")):
-        time.sleep(0.05)
+    wait_for("the lease to lapse", lambda: not client.exists(wire.lease_key("far", "rank0")))
     with runbus.init(run_id="far", label="rank0", redis_url=redis_url, **QUIET) as run:
         assert run.epoch is not None
     assert client.get(wire.epoch_key("far", "rank0")) == str(run.epoch).encode()

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ import runbus
 from runbus import wire
 from runbus.errors import InvalidName, RunFinished
 from runbus.redact import MARKER
-from tests.helpers import QUIET, ingest, read_store, run_cli, xadd_event
+from tests.helpers import QUIET, ingest, read_store, run_cli, wait_for, xadd_event
 from tests.test_secrets import store_contents
 
 SECRET = "sekrit-key-1"
@@ -168,13 +167,13 @@ def live(redis_url):
     run.finish()
 
 
-def sent(redis_url: str, run_id: str = "meta-live", label: str = "rank0") -> list[dict]:
-    """The data of every meta event in the stream so far (after a flush)."""
-    time.sleep(0.3)  # the shipper's flush interval is 0.05 s
+def sent(redis_url: str, run: runbus.Run) -> list[dict]:
+    """The data of every meta event `run` has sent, once it has shipped everything to Redis."""
+    wait_for("every event shipped", lambda: not run.buffered)
     with redis.Redis.from_url(redis_url) as client:
         return [
             orjson.loads(fields[b"data"])
-            for _, fields in client.xrange(wire.stream_key(run_id, label))
+            for _, fields in client.xrange(wire.stream_key(run.run_id, run.label))
             if fields[b"kind"] == b"meta"
         ]
 
@@ -201,7 +200,7 @@ def test_values_json_cannot_hold_become_plain_json(redis_url, live):
             "opaque": object,
         }
     )
-    [data] = sent(redis_url)
+    [data] = sent(redis_url, live)
     config = data["config"]
     assert config["path"] == "/data/x" and config["ids"] == [1, 2, 3] and config["pair"] == [1, 2.5]
     assert (config["colour"], config["nan"], config["inf"], config["np_int"]) == (1, "NaN", "-Infinity", 7)
@@ -210,7 +209,7 @@ def test_values_json_cannot_hold_become_plain_json(redis_url, live):
     assert config["huge_int"] == str(2**80) and config["opaque"] == "<class 'object'>"
     assert dict(live.config) == config  # what this label set, as sent
     live.summary.update({"loss": torch.tensor(float("nan"))}, acc=np.float32(0.25))
-    assert sent(redis_url)[-1] == {"summary": {"loss": "NaN", "acc": 0.25}}
+    assert sent(redis_url, live)[-1] == {"summary": {"loss": "NaN", "acc": 0.25}}
     live.config.update(argparse.Namespace(batch=32))  # an argparse.Namespace, as at init
     assert live.config["batch"] == 32
 
@@ -242,7 +241,7 @@ def test_bad_updates_raise_and_send_nothing(redis_url, live):
             call()
     with pytest.raises(AttributeError):
         live.config = {}  # type: ignore[misc]
-    assert sent(redis_url) == [] and dict(live.config) == {} and dict(live.summary) == {}
+    assert sent(redis_url, live) == [] and dict(live.config) == {} and dict(live.summary) == {}
 
 
 def test_a_label_sets_at_most_max_meta_keys_in_all(redis_url, live):
@@ -250,7 +249,7 @@ def test_a_label_sets_at_most_max_meta_keys_in_all(redis_url, live):
     live.config.update({"k0": "again"})  # a key it set already
     with pytest.raises(ValueError, match="would hold 10001 keys from this label"):
         live.config["one more"] = 1
-    assert len(live.config) == wire.MAX_META_KEYS and len(sent(redis_url)) == 2
+    assert len(live.config) == wire.MAX_META_KEYS and len(sent(redis_url, live)) == 2
 
 
 def test_bad_names_and_tags_are_clear_errors(redis_url, live):
@@ -281,12 +280,12 @@ def test_bad_names_and_tags_are_clear_errors(redis_url, live):
         runbus.init(run_id="meta-bad", redis_url=redis_url, tags=["no spaces please"], **QUIET)
     with pytest.raises(ValueError, match="white space"):
         runbus.init(run_id="meta-bad", redis_url=redis_url, name="x ", **QUIET)
-    assert sent(redis_url) == [] and (live.name, live.tags) == (None, ())
+    assert sent(redis_url, live) == [] and (live.name, live.tags) == (None, ())
     live.set_tags(["a", "b", "a", "κ-1", "lr=3e-4"])
     live.name = "ünï ✓ (baseline)"
     assert (live.name, live.tags) == ("ünï ✓ (baseline)", ("a", "b", "κ-1", "lr=3e-4"))
     live.tags = []
-    assert sent(redis_url) == [
+    assert sent(redis_url, live) == [
         {"tags": ["a", "b", "κ-1", "lr=3e-4"]},
         {"name": "ünï ✓ (baseline)"},
         {"tags": []},
@@ -303,7 +302,7 @@ def test_secrets_in_keys_and_values_never_leave_the_process(redis_url, live):
         }
     )
     live.summary["note"] = f"used {TOKEN}"
-    data = sent(redis_url)
+    data = sent(redis_url, live)
     assert data == [
         {
             "config": {

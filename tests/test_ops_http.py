@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
@@ -37,6 +36,8 @@ from tests.helpers import (
     read_store,
     run_cli,
     store_group_async,
+    wait_for,
+    wait_for_async,
     xadd_event,
 )
 from tests.test_supervisor import free_ports
@@ -101,19 +102,6 @@ async def running(worker: Worker, server: OpsServer | None = None):
         worker.request_stop()
         await task
         await server.stop()
-
-
-async def wait_until(condition, within: float = 20.0) -> None:
-    """Poll `condition` (a function, or a coroutine function) until it holds."""
-    deadline = time.monotonic() + within
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def test_parse_address():
@@ -194,7 +182,7 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
     async with running(worker) as session:
         async with session.get("/healthz") as response:
             assert response.status == 200 and (await response.json())["consumer"] == "ops-test"
-        await wait_until(lambda: worker.stats.entries >= 13)
+        await wait_for_async("13 entries read", lambda: worker.stats.entries >= 13, 20)
         async with session.get("/metrics") as response:
             assert response.status == 200
             assert response.headers["Content-Type"] == TEXT_FORMAT
@@ -209,7 +197,7 @@ async def test_metrics_count_what_the_worker_did(redis_url, store_url):
             async with session.get("/metrics") as response:
                 return 'runbus_missing_events{run="ops"}' in await response.text()
 
-        await wait_until(gaps_known)  # the first scrape starts computing them
+        await wait_for_async("the gaps", gaps_known, 20)  # the first scrape starts computing them
         async with session.get("/metrics") as response:
             final_text = await response.text()
             final = parse_metrics(final_text)
@@ -241,7 +229,7 @@ async def test_readyz_says_what_is_unreachable(store_url):
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
     worker = Worker(WorkerSettings(redis_url=dead_redis, store_url=store_url, handle_signals=False))
     async with running(worker) as session:
-        await wait_until(lambda: worker.stats.reconnects >= 1)
+        await wait_for_async("a reconnect", lambda: worker.stats.reconnects >= 1, 20)
         async with session.get("/readyz") as response:
             body = await response.json()
             assert response.status == 503
@@ -273,7 +261,7 @@ async def test_readyz_is_ready_with_redis_and_store_and_refuses_foreign_hosts(re
                     "store": "ok",
                 }
 
-        await wait_until(ready)
+        await wait_for_async("ready", ready, 20)
         # Bound to loopback: a page that rebinds its own name to 127.0.0.1 is refused.
         async with session.get("/metrics", headers={"Host": "attacker.example:80"}) as response:
             assert response.status == 403
@@ -300,16 +288,6 @@ def scrape(port: int) -> dict[str, float] | None:
         return None
 
 
-def wait_for(condition, proc: subprocess.Popen, within: float = 60.0):
-    """Poll `condition` until it returns something true, while `proc` runs."""
-    deadline = time.monotonic() + within
-    while not (result := condition()):
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-    return result
-
-
 def assert_set_up(samples: dict[str, float]) -> None:
     """The worker process's garbage collector is tuned and its start-up objects frozen."""
     thresholds = [samples[f'runbus_gc_threshold{{generation="{g}"}}'] for g in range(3)]
@@ -334,8 +312,14 @@ def test_the_cli_serves_them_set_up_and_drains_on_sigterm(redis_url, store_url):
         stderr=subprocess.PIPE,
         text=True,
     ) as proc:
-        wait_for(lambda: status(f"http://127.0.0.1:{port}/readyz") == 200, proc)  # 503 until connected
-        samples = wait_for(lambda: (m := scrape(port)) and m["runbus_entries_total"] == 500 and m, proc)
+        ready = f"http://127.0.0.1:{port}/readyz"
+        wait_for("ready", lambda: status(ready) == 200, 60, running=proc)  # 503 until connected
+        samples = wait_for(
+            "500 entries",
+            lambda: (m := scrape(port)) and m["runbus_entries_total"] == 500 and m,
+            60,
+            running=proc,
+        )
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
@@ -356,8 +340,15 @@ def test_every_worker_of_a_supervisor_is_set_up_and_serves(redis_url, store_url)
     base = free_ports(2)
     command = ingest_command(redis_url, store_url, "--workers", "2", "--consumer", "sup", "--http", str(base))
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
-        both = wait_for(lambda: (m := [scrape(base), scrape(base + 1)]) and all(m) and m, proc)
-        wait_for(lambda: sum(scrape(base + i)["runbus_entries_total"] for i in range(2)) == 300, proc)
+        both = wait_for(
+            "both workers", lambda: (m := [scrape(base), scrape(base + 1)]) and all(m) and m, 60, running=proc
+        )
+        wait_for(
+            "300 entries",
+            lambda: sum(scrape(base + i)["runbus_entries_total"] for i in range(2)) == 300,
+            60,
+            running=proc,
+        )
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

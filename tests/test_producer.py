@@ -8,14 +8,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+import redis
 
 import runbus
 from runbus.ingester.localredis import free_port
 from runbus.producer import environment
-from tests.helpers import ingest, read_store, run_cli
+from tests.helpers import ingest, read_store, run_cli, wait_for
 
 
 def init(redis_url, run_id, label, **kw):
@@ -157,10 +157,7 @@ def test_log_never_waits_for_an_absent_redis():
     )
     for step in range(250):
         run.log({"loss": 1.0}, step=step)
-    deadline = time.monotonic() + 10
-    while run._outbox:  # until the shipper has encoded what was queued
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for("the queue encoded", lambda: not run._outbox, 10)
     assert run.dropped > 0 and run.buffered < 251  # bounded
     assert run.buffered + run.dropped == 251  # start + 250 metrics: every one kept or counted
     assert run.epoch is None
@@ -240,13 +237,17 @@ def test_importing_runbus_and_the_producer_is_cheap():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def system_sampled(client: redis.Redis, key: str) -> bool:
+    """Whether stream `key` holds a system sample."""
+    return any(fields[b"kind"] == b"system" for _, fields in client.xrange(key))
+
+
 def test_start_event_describes_the_host(redis_url, store_url):
-    with runbus.init(run_id="hw", label="rank0", redis_url=redis_url, system_interval=0.5) as run:
-        deadline = time.monotonic() + 10
-        while run.buffered or run._shipper.shipped < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(1.2)  # at least one system sample
+    with (
+        runbus.init(run_id="hw", label="rank0", redis_url=redis_url, system_interval=0.5) as run,
+        redis.Redis.from_url(redis_url) as client,
+    ):
+        wait_for("a system sample in Redis", lambda: system_sampled(client, run.stream), 10)
     ingest(redis_url, store_url)
     stored = read_store(store_url, "run", "hw")
     start = stored.labels[0].start

@@ -34,6 +34,7 @@ def run(tool: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.typecheck  # the slowest test (~45 s): `-m "not typecheck"` skips it locally; CI runs it
 def test_types_check_with_zero_errors(tree: Path) -> None:
     result = run(["-m", "mypy", "--config-file", CONFIG, "-p", "runbus"], tree)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -21,7 +21,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.rules import SEQ_REACH
 from runbus.wire import Event
-from tests.helpers import OpenStore
+from tests.helpers import OpenStore, wait_for_async
 from tests.pgserver import LocalPostgres, create_database, public_tables
 
 RUN = "run-1"
@@ -1082,15 +1082,14 @@ async def test_sessions_ended_by_an_administrator_are_unavailable_then_reconnect
             await holder.start()
             await admin.execute("SELECT 1 FROM runs FOR UPDATE")
             blocked = asyncio.create_task(store.write([metric(2, {"x": 1.0})]))
-            for _ in range(200):
-                waiting = await admin.fetch(
+            waiting = await wait_for_async(
+                "the store's write waiting on the held row",
+                lambda: admin.fetch(
                     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
                     "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-                )
-                if waiting:
-                    break
-                await asyncio.sleep(0.05)
-            assert waiting, "the store's write never waited on the held row"
+                ),
+                10,
+            )
             await admin.execute("SELECT pg_terminate_backend($1)", waiting[0]["pid"])
             with pytest.raises(StoreUnavailable):
                 await blocked

@@ -21,7 +21,7 @@ from runbus import wire
 from runbus.ingester.localredis import free_port
 from runbus.ingester.supervisor import Supervisor, SupervisorSettings
 from runbus.ingester.worker import WorkerSettings, stream_share
-from tests.helpers import ingest, ingest_command, read_store, run_cli, xadd_event
+from tests.helpers import ingest, ingest_command, read_store, run_cli, wait_for, xadd_event
 from tests.test_faults import assert_every_event_once, finish_producers, start_producer
 
 
@@ -54,27 +54,28 @@ def healthz(port: int) -> dict | None:
         return None
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def groups(client: redis.Redis, key: bytes) -> list[dict]:
+    """The consumer groups of stream `key`: none while it is registered and not yet written."""
+    try:
+        return client.xinfo_groups(key)
+    except redis.ResponseError:  # no such key yet
+        return []
+
+
+def held_by(client: redis.Redis, key: bytes, group: bytes, consumer: str) -> bool:
+    """Whether `consumer` of `group` has entries of `key` read and not yet acknowledged."""
+    consumers = client.xpending(key, group)["consumers"]
+    return any(c["name"].decode() == consumer and c["pending"] for c in consumers)
 
 
 def holding_entries(redis_url: str, consumer: str, timeout: float) -> bool:
     """Wait (at most `timeout`) until `consumer` has entries read and not yet acknowledged."""
     deadline = time.monotonic() + timeout
     with redis.Redis.from_url(redis_url) as client:
-        keys = [key.decode() for key in client.smembers(wire.REGISTRY_KEY)]
         while time.monotonic() < deadline:
-            for key in keys:
-                for group in client.xinfo_groups(key):
-                    consumers = client.xpending(key, group["name"])["consumers"]
-                    if any(c["name"].decode() == consumer and c["pending"] for c in consumers):
-                        return True
+            for key in client.smembers(wire.REGISTRY_KEY):
+                if any(held_by(client, key, group["name"], consumer) for group in groups(client, key)):
+                    return True
             time.sleep(0.002)
     return False
 
@@ -103,17 +104,16 @@ def test_three_workers_one_sigkilled_store_every_event_once(redis_url, any_store
         ) as supervisor,
     ):
         try:
-            pids = [wait_for(lambda p=base + i: healthz(p), 60, f"worker {i}")["pid"] for i in range(workers)]
+            pids = [wait_for(f"worker {i}", lambda p=base + i: healthz(p), 60)["pid"] for i in range(workers)]
             assert [healthz(base + i)["consumer"] for i in range(workers)] == ["sup-0", "sup-1", "sup-2"]
             producers = [start_producer(redis_url, "scaled", r, count, PACE="0.0005") for r in range(ranks)]
             for proc in producers:
                 assert proc.stdout.readline() == "ready\n"
-            time.sleep(0.5)
             victim = pids[1]
             holding_entries(redis_url, "sup-1", timeout=3.0)  # best effort: kill it mid-batch
             os.kill(victim, signal.SIGKILL)
             restarted = wait_for(
-                lambda: (h := healthz(base + 1)) and h["pid"] != victim and h, 60, "the restarted worker"
+                "the restarted worker", lambda: (h := healthz(base + 1)) and h["pid"] != victim and h, 60
             )
             assert restarted["consumer"] == "sup-1"
             finish_producers(producers)
@@ -139,7 +139,7 @@ def test_a_worker_that_keeps_failing_is_restarted_with_growing_delays(redis_url,
     thread = threading.Thread(target=lambda: codes.append(supervisor.run()))
     thread.start()
     try:
-        wait_for(lambda: supervisor.slots[0].restarts >= 4, 60, "four restarts")
+        wait_for("four restarts", lambda: supervisor.slots[0].restarts >= 4, 60)
     finally:
         supervisor.request_stop()
         thread.join(timeout=60)

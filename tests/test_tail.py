@@ -16,7 +16,7 @@ import redis
 
 from runbus import wire
 from runbus.dashboard.tail import Tail, TailSettings, format_line
-from tests.helpers import T0, ingest, read_store, xadd_event
+from tests.helpers import T0, ingest, read_store, wait_for, xadd_event
 
 RUN = "tail-run"
 
@@ -53,10 +53,13 @@ class TailProcess:
             raise AssertionError(f"no line within {timeout} s; stderr: {self.err}") from None
 
     def wait_ready(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any("following run" in line or "already finished" in line for line in self.err):
-            assert time.monotonic() < deadline and self.process.poll() is None, f"tail not ready: {self.err}"
-            time.sleep(0.02)
+        def ready() -> bool:
+            return any("following run" in line or "already finished" in line for line in self.err)
+
+        try:
+            wait_for("the tail ready", ready, timeout, running=self.process)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; stderr: {self.err}") from None
 
     def wait(self, timeout: float = 15.0) -> int:
         code = self.process.wait(timeout=timeout)

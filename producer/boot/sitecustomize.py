@@ -56,7 +56,7 @@ if __name__ == "sitecustomize":  # not when imported as runbus.producer.boot.sit
         sys.stderr.write("Error in sitecustomize: " + type(exc).__name__ + ": " + str(exc) + "\n")
     try:
         _claim_console()
-    except Exception as exc:
+    except Exception as exc:  # at interpreter start: the user's program runs whatever fails here
         sys.stderr.write(
             "runbus: console capture did not start: " + type(exc).__name__ + ": " + str(exc) + "\n"
         )
