@@ -65,6 +65,15 @@ CLAIMS_REMEMBERED = 65536
 
 
 @dataclass
+class _Due:
+    """When the worker loop next claims idle entries, runs maintenance, logs its stats."""
+
+    claim: float
+    maintenance: float
+    stats: float
+
+
+@dataclass
 class Commits:
     """The batches being committed, in the order they were read: one written at a time (the
     store takes a batch after the other), while the batch before it is still acknowledged. So
@@ -510,11 +519,7 @@ class Worker:
         settings = self.settings
         claim_every = max(0.5, settings.claim_idle / 2)
         now = time.monotonic()
-        next_claim, next_maintenance, next_stats = (
-            now,
-            now + settings.maintenance_interval,
-            now + STATS_INTERVAL,
-        )
+        due = _Due(now, now + settings.maintenance_interval, now + STATS_INTERVAL)
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
         # New entries are read and decoded while the previous batch is written (in the store's
@@ -529,16 +534,12 @@ class Worker:
                 await self._with_redis(self._discovery.refresh)
                 now = time.monotonic()
                 if pending_first:
-                    entries = await self._with_redis(lambda: self._read("0"))
-                    if entries:
-                        await self._process(entries, redelivered=True)
-                    elif entries is not None:
-                        pending_first = False
+                    pending_first = await self._redeliver_own()
                     continue
-                if now >= next_claim:
+                if now >= due.claim:
                     await commits.settle()
                     took_over = await self._take_over_idle()
-                    next_claim = now if took_over else now + claim_every
+                    due.claim = now if took_over else now + claim_every
                     if took_over:
                         continue
                 if read_ahead is None:
@@ -553,40 +554,65 @@ class Worker:
                 else:
                     await commits.settle()
                     if entries is not None and settings.burst:
-                        # Before a burst finishes, whatever other consumers left idle is its too,
-                        # and so is anything of its own still pending.
-                        if await self._take_over_idle() or await self._take_back_own():
-                            continue
-                        if not await self._with_redis(lambda: self._discovery.refresh(force=True)):
+                        left = await self._burst_left()
+                        if left is not None:
+                            if left:
+                                continue
                             break
                 await self._relieve_memory(now)
-                if now >= next_maintenance and not settings.burst:
-                    next_maintenance = now + settings.maintenance_interval
-                    await commits.settle()
-                    await self._maintain()
-                if now >= next_stats:
-                    next_stats = now + STATS_INTERVAL
-                    s = self.stats
-                    log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+                await self._on_schedule(now, due, commits)
             finished = True
         finally:
-            # Stopping or done: the batches in flight commit, then what was read ahead. Cancelled
-            # because the drain timed out, or on an error: all are cancelled, and stay pending
-            # for another worker (or this one, restarted under its name).
-            current = asyncio.current_task()  # this loop's task: never None in a coroutine
-            cancelled = current is not None and current.cancelling() > 0
-            keep_ahead = finished and not cancelled
-            if read_ahead is not None and not keep_ahead:
-                read_ahead.cancel()
-            if cancelled:
-                commits.cancel()
+            await self._wind_down(commits, read_ahead, finished)
+
+    async def _redeliver_own(self) -> bool:
+        """One batch of this consumer's own pending entries processed (a restart under its
+        name); whether any may be left (Redis unanswered counts as maybe)."""
+        entries = await self._with_redis(lambda: self._read("0"))
+        if entries:
+            await self._process(entries, redelivered=True)
+        return entries is None or bool(entries)
+
+    async def _burst_left(self) -> bool | None:
+        """A burst that read nothing new: True where it took entries over (go on at once), False
+        where no stream has anything left (the burst ends), None where streams were found."""
+        # Before a burst finishes, whatever other consumers left idle is its too, and so is
+        # anything of its own still pending.
+        if await self._take_over_idle() or await self._take_back_own():
+            return True
+        if not await self._with_redis(lambda: self._discovery.refresh(force=True)):
+            return False
+        return None
+
+    async def _on_schedule(self, now: float, due: _Due, commits: Commits) -> None:
+        """Maintenance (never in a burst) and the stats line, when due."""
+        if now >= due.maintenance and not self.settings.burst:
+            due.maintenance = now + self.settings.maintenance_interval
+            await commits.settle()
+            await self._maintain()
+        if now >= due.stats:
+            due.stats = now + STATS_INTERVAL
+            s = self.stats
+            log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
+
+    async def _wind_down(self, commits: Commits, read_ahead: asyncio.Task | None, finished: bool) -> None:
+        """Stopping or done: the batches in flight commit, then what was read ahead. Cancelled
+        because the drain timed out, or on an error: all are cancelled, and stay pending for
+        another worker (or this one, restarted under its name)."""
+        current = asyncio.current_task()  # the loop's task: never None in a coroutine
+        cancelled = current is not None and current.cancelling() > 0
+        keep_ahead = finished and not cancelled
+        if read_ahead is not None and not keep_ahead:
+            read_ahead.cancel()
+        if cancelled:
+            commits.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await commits.settle()
+        if read_ahead is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await commits.settle()
-            if read_ahead is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    ahead = await read_ahead
-                    if ahead and keep_ahead:
-                        await self._process(ahead)
+                ahead = await read_ahead
+                if ahead and keep_ahead:
+                    await self._process(ahead)
 
     def _read_new_ahead(self) -> asyncio.Task | None:
         """The next read of new entries, started now; None once a stop is requested.
@@ -982,7 +1008,7 @@ class Worker:
                 continue
             except AccessDenied:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # the data, not the store: halved until the events at fault are found
                 return await self._isolate(events, sources, dead, exc, holders)
             self.stats.write_seconds.observe(time.perf_counter() - write_started)
             if failing_since is not None:
@@ -1043,7 +1069,7 @@ class Worker:
         while True:
             try:
                 result = await call()
-            except Exception as exc:
+            except Exception as exc:  # sorted below: denied, away (retried), or anything else raised again
                 denied = access_denied(exc, self.settings.redis_url)
                 if denied is not None:
                     raise denied from exc
