@@ -168,6 +168,7 @@ class Shipper(threading.Thread):
         # Why this process ships nothing (more): the label is another's, or the run not to join.
         self.refused: RunbusError | None = None
         self.shipped = 0
+        self.left_in_spool = 0  # events left in the spool file at the end (none shipped since)
         self.failed_encodes = 0
         self.describe_hardware = True
         self.describe_git = True
@@ -214,7 +215,7 @@ class Shipper(threading.Thread):
     @property
     def unshipped(self) -> int:
         """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
-        return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
+        return len(self.outbox) + len(self.backlog) + (self._held_start is not None) + self.left_in_spool
 
     def may_wait(self) -> bool:
         """Whether a put that finds the outbox full should wait for room rather than drop: this
@@ -551,6 +552,7 @@ class Shipper(threading.Thread):
         if spool is None:
             log.warning("runbus: finish() gave up with %d events not shipped to Redis", self.unshipped)
             return
+        self.left_in_spool = spool.held
         self._close_spool(remove=False)
         self._say_spooled(spool.held, spool.path)
 
