@@ -30,7 +30,9 @@ RANK = """
 import json, os, sys, time, runbus
 steps, buffer_bytes = int(sys.argv[1]), int(sys.argv[2])
 rank = int(os.environ["RANK"])
-run = runbus.init(system_interval=None, hardware=False, git=False, console="off", max_buffer_bytes=buffer_bytes)
+run = runbus.init(
+    system_interval=None, hardware=False, git=False, console="off", max_buffer_bytes=buffer_bytes
+)
 for step in range(steps):
     run.log({"loss": float(rank * 1_000_000 + step)}, step=step)
 run.summary["final"] = float(rank)
@@ -119,7 +121,7 @@ def test_ranks_without_redis_exit_promptly_and_sync_stores_every_event_once(redi
 
 
 @pytest.mark.parametrize("then", ["sync", "init"])
-def test_a_sync_killed_midway_then_shipped_again_stores_every_event_once(redis_url, store_url, tmp_path, then):
+def test_a_sync_killed_midway_then_shipped_again_stores_each_event_once(redis_url, store_url, tmp_path, then):
     spool = tmp_path / "spool"
     steps = 200_000
     offline_ranks(spool, 1, steps)
@@ -161,7 +163,8 @@ def test_sync_ships_what_it_can_and_says_what_it_cannot(redis_url, store_url, tm
     (good,) = spool.iterdir()
     lines = good.read_bytes().splitlines(keepends=True)
     # Lines that are no record, in the middle: said, skipped, never fatal.
-    good.write_bytes(b"".join([*lines[:3], b'{"not": "a record"}\n', b"\x00garbage\n", b"[1, 2]\n", *lines[3:]]))
+    odd = [b'{"not": "a record"}\n', b"\x00garbage\n", b"[1, 2]\n"]
+    good.write_bytes(b"".join([*lines[:3], *odd, *lines[3:]]))
     junk = spool / "notes.spool"
     junk.write_text("written by hand\n")
     locked = spool / "other-run.rank0.4242.spool"
@@ -185,7 +188,8 @@ def test_sync_of_one_run_leaves_the_others(redis_url, tmp_path):
     spool = tmp_path / "spool"
     offline_ranks(spool, 1, 10)
     other = spool / "another.rank0.7.spool"
-    other.write_bytes(b'["spool", "another", "rank0"]\n' + b'["metric", 0, 1, 1700000000.0, null, "{\\"x\\":1}"]\n')
+    record = b'["metric", 0, 1, 1700000000.0, null, "{\\"x\\":1}"]\n'
+    other.write_bytes(b'["spool", "another", "rank0"]\n' + record)
     result = sync(redis_url, spool, "another")
     assert "shipped 1 events of 1 label(s) from 1 file(s)" in result.stdout
     assert len(list(spool.iterdir())) == 1  # offline-job's, not named
