@@ -191,10 +191,10 @@ def sync(found: list[Spooled], redis_url: str) -> Outcome:
 def _ship_file(client: SyncClient, item: Spooled, progress: Progress, outcome: Outcome) -> None:
     run, label, spool = item.run, item.label, item.spool
     if _held_by_another(client, run, label):
-        print(
+        progress.say(
             f"runbus sync: {run}/{label} is being logged by a live process now: {spool.path} is "
             "skipped (sync it once that process has finished)",
-            file=sys.stderr,
+            sys.stderr,
         )
         outcome.problems += 1
         return
@@ -211,7 +211,7 @@ def _ship_file(client: SyncClient, item: Spooled, progress: Progress, outcome: O
     count = ship_spool(
         spool,
         _sender(client, run, label, secrets),
-        _epoch_taker(client, item, secrets),
+        _epoch_taker(client, item, secrets, progress),
         BATCH,
         shipped,
     )
@@ -219,12 +219,12 @@ def _ship_file(client: SyncClient, item: Spooled, progress: Progress, outcome: O
     outcome.files += 1
     progress.advance()
     epoch = spool.epoch if spool.epoch is not None else item.epoch
-    print(f"runbus sync: {run}/{label}: {count:,} events (epoch {epoch}) from {printable(spool.path)}")
+    progress.say(f"runbus sync: {run}/{label}: {count:,} events (epoch {epoch}) from {printable(spool.path)}")
     if spool.skipped:
-        print(
+        progress.say(
             f"runbus sync: {spool.skipped} line(s) of {printable(spool.path)} were no runbus record "
             "and were skipped",
-            file=sys.stderr,
+            sys.stderr,
         )
 
 
@@ -249,12 +249,12 @@ def _sender(
 
 
 def _epoch_taker(
-    client: SyncClient, item: Spooled, secrets: dict[int, bytes]
+    client: SyncClient, item: Spooled, secrets: dict[int, bytes], progress: Progress
 ) -> Callable[[], tuple[int, bytes]]:
     """take_epoch() for a file without one: a new epoch of the label, sealed with a new secret."""
 
     def take() -> tuple[int, bytes]:
-        _say_later_writer(client, item)
+        _say_later_writer(client, item, progress)
         lease = LabelLease(item.run, item.label, 0, "allow", ttl=30.0, primary_ttl=30.0)
         epoch = lease.earlier_epoch(client)  # none spare: the label's next epoch, sealed
         secrets[epoch] = lease.secret
@@ -263,7 +263,7 @@ def _epoch_taker(
     return take
 
 
-def _say_later_writer(client: SyncClient, item: Spooled) -> None:
+def _say_later_writer(client: SyncClient, item: Spooled, progress: Progress) -> None:
     """Say so when the label was given an epoch after this file's process began: the synced
     events take a newer epoch, so they order after that process's."""
     last: Any = client.get(wire.epoch_key(item.run, item.label))
@@ -273,8 +273,9 @@ def _say_later_writer(client: SyncClient, item: Spooled) -> None:
     except ValueError:
         return
     if later:
-        print(
+        progress.say(
             f"runbus sync: {item.run}/{item.label} was logged by another process after "
-            f"{printable(item.spool.path)} was written: its events are stored after that process's",
-            file=sys.stderr,
+            f"{printable(item.spool.path)} was written: the file's events take a newer epoch, so they "
+            "are ordered after that process's",
+            sys.stderr,
         )

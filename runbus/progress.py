@@ -79,6 +79,15 @@ class Progress:
             text += f" {self.note}"
         return printable(text.replace("\n", " "))
 
+    def say(self, text: str, stream: TextIO | None = None) -> None:
+        """Print a line of the command's own (on stdout, or `stream`) without garbling the
+        progress line: it is erased first, and drawn again below."""
+        self.close()
+        print(text, file=sys.stdout if stream is None else stream, flush=True)
+        if self.shown:
+            self._drawn_at = 0.0
+            self.update()
+
     def close(self) -> None:
         """Erase the line (if one was drawn)."""
         if self._drawn:
