@@ -195,6 +195,37 @@ def test_sync_of_one_run_leaves_the_others(redis_url, tmp_path):
     assert len(list(spool.iterdir())) == 1  # offline-job's, not named
 
 
+def test_sync_shows_progress_on_a_terminal_and_stays_quiet_in_a_pipe(redis_url, tmp_path):
+    spool = tmp_path / "spool"
+    offline_ranks(spool, 2, 10)
+    terminal, its_end = os.openpty()
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "runbus", "sync", "--redis", redis_url, "--spool-dir", str(spool)],
+            stdout=subprocess.PIPE,
+            stderr=its_end,
+            timeout=120,
+            check=True,
+        )
+        os.close(its_end)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(terminal, 65536)
+            except OSError:  # EIO: the other end is closed and everything was read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(terminal)
+    assert b"runbus sync: 0/2 files (0%)" in drawn and b"\r\x1b[K" in drawn
+    offline_ranks(spool, 2, 10)
+    piped = sync(redis_url, spool)
+    assert piped.stderr == ""
+    assert "shipped 26 events" in piped.stdout
+
+
 def test_progress_is_drawn_on_a_terminal_only():
     piped = io.StringIO()
     with Progress("sync", total=4, unit="files", stream=piped) as progress:
