@@ -246,3 +246,39 @@ def test_runbus_spool_dir_off_means_no_spool(monkeypatch):
     monkeypatch.delenv("RUNBUS_SPOOL_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
     assert config.spool_dir() == "/somewhere/runbus/spool"
+
+
+def test_sync_leaves_a_label_a_live_process_holds(redis_url, tmp_path):
+    spool = tmp_path / "spool"
+    offline_ranks(spool, 1, 10)
+    client = redis.Redis.from_url(redis_url)
+    client.hset(wire.lease_key(RUN, "rank0"), mapping={"token": "live", "host": "elsewhere", "pid": 1})
+    held = sync(redis_url, spool, check=False)
+    assert held.returncode == 1 and f"{RUN}/rank0 is being logged by a live process now" in held.stderr
+    assert len(list(spool.iterdir())) == 1 and not client.exists(wire.stream_key(RUN, "rank0"))
+    client.delete(wire.lease_key(RUN, "rank0"))  # it finished
+    assert "shipped 13 events" in sync(redis_url, spool).stdout
+    client.close()
+
+
+def test_a_spool_is_shipped_only_as_the_run_and_label_it_names(redis_url, store_url, tmp_path):
+    # Run "a", label "b.c" and run "a.b", label "c" both make files named a.b.c.PID.spool.
+    spool = tmp_path / "spool"
+    code = (
+        "import os, runbus\n"
+        "run = runbus.init(run_id='a', label='b.c', redis_url=os.environ['ABSENT'], system_interval=None,"
+        " hardware=False, git=False, console='off')\n"
+        "run.log({'x': 1.0})\n"
+        "run.finish()\n"
+    )
+    absent = f"redis://127.0.0.1:{free_port()}/0"
+    env = {**os.environ, "ABSENT": absent, "RUNBUS_SPOOL_DIR": str(spool)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    (left,) = spool.iterdir()
+    assert left.name.startswith("a.b.c.")
+    with runbus.init(run_id="a.b", label="c", redis_url=redis_url, spool_dir=str(spool), **QUIET):
+        pass
+    assert list(spool.iterdir()) == [left]  # not a.b/c's to ship
+    assert "shipped 3 events of 1 label(s)" in sync(redis_url, spool).stdout
+    ingest(redis_url, store_url)
+    assert [p.label for p in read_store(store_url, "metrics", "a", key="x")] == ["b.c"]
