@@ -420,9 +420,12 @@ class Backlog:
         if self.spool is None:
             return 0
         moved = self.held
-        while self.memory:
-            self.spool.append_lines(self.memory.popleft().lines)
-        self.bytes = self.held = 0
+        while self.memory:  # a chunk leaves memory once in the file (OSError: it stays)
+            chunk = self.memory[0]
+            self.spool.append_lines(chunk.lines)
+            self.memory.popleft()
+            self.held -= chunk.count
+            self.bytes -= chunk.size
         return moved
 
     def __len__(self) -> int:

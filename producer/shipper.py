@@ -547,8 +547,12 @@ class Shipper(threading.Thread):
         while self._encode_batch(taking=False):
             pass
         self._encode_held_start(force=True)
-        self.backlog.persist()
         spool = self.backlog.spool
+        try:
+            self.backlog.persist()
+        except OSError as exc:  # an unwritable directory, a full disk: the events stay in memory
+            log.error("runbus: cannot write the spool %s: %s", spool and spool.path, exc)
+            spool = None
         if spool is None:
             log.warning("runbus: finish() gave up with %d events not shipped to Redis", self.unshipped)
             return

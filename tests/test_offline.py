@@ -282,3 +282,27 @@ def test_a_spool_is_shipped_only_as_the_run_and_label_it_names(redis_url, store_
     assert "shipped 3 events of 1 label(s)" in sync(redis_url, spool).stdout
     ingest(redis_url, store_url)
     assert [p.label for p in read_store(store_url, "metrics", "a", key="x")] == ["b.c"]
+
+
+def test_an_unwritable_spool_directory_loses_the_events_but_never_hangs_or_crashes(tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory\n")
+    code = (
+        "import json, os, sys, time, runbus\n"
+        "run = runbus.init(run_id='nowhere', label='rank0', redis_url=os.environ['ABSENT'],"
+        " system_interval=None, hardware=False, git=False, console='off')\n"
+        "run.log({'x': 1.0})\n"
+        "began = time.monotonic()\n"
+        "print(json.dumps([run.finish(), time.monotonic() - began]))\n"
+    )
+    env = {
+        **os.environ,
+        "ABSENT": f"redis://127.0.0.1:{free_port()}/0",
+        "RUNBUS_SPOOL_DIR": str(in_the_way / "spool"),
+    }
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    complete, took = json.loads(result.stdout)
+    assert complete is False and took < 5
+    assert "cannot write the spool" in result.stderr and "Traceback" not in result.stderr
+    assert "gave up with 3 events not shipped" in result.stderr
