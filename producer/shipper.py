@@ -564,8 +564,6 @@ class Shipper(threading.Thread):
         """Where the events that did not reach Redis wait, and the command that ships them: the
         primary says it for the run (a warning), every other label for itself (info) when the
         process never reached Redis, else as a warning."""
-        from runbus import config
-
         ident = self.identity
         directory = os.path.dirname(path)
         command = f"runbus sync {ident.run_id}"
