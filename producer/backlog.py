@@ -121,6 +121,10 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+def _existing(path: str, flags: int) -> int:
+    return os.open(path, flags & ~os.O_CREAT)
+
+
 def parsed_line(line: bytes) -> Record | list[Any] | None:
     """A spool line as a Record, a header or epoch line (a list), or None if it is neither."""
     try:
@@ -158,16 +162,23 @@ class Spool:
         self.skipped = 0  # lines read that were no record (corrupt, or written by hand)
         self.held = 0  # records this process appended and has not shipped
 
-    def open(self, blocking: bool = True) -> bool:
-        """Open and lock the file; False if another live process holds it (only when not blocking)."""
+    def open(self, blocking: bool = True, left: bool = False) -> bool:
+        """Open and lock the file; False if another live process holds it (only when not
+        blocking). `left`: a file another process left, never made here: False once it is gone
+        (shipped and removed by whoever held it meanwhile); FileNotFoundError if it never was."""
         # Owner-only, the directory (where runbus makes it) and the file: it records the process's
         # seal secret (note_epoch), and what it logged.
-        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-        handle = open(self.path, "a+b", opener=_private)  # noqa: SIM115 (held open for the life of the spool)
+        if not left:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        opener = _existing if left else _private
+        handle = open(self.path, "a+b", opener=opener)  # noqa: SIM115 (held open for the life of the spool)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             handle.close()
+            return False
+        if left and os.fstat(handle.fileno()).st_nlink == 0:
+            handle.close()  # removed while we waited for the lock: shipped by its holder
             return False
         self._file = handle
         self.size = handle.seek(0, os.SEEK_END)
@@ -440,7 +451,7 @@ def orphan_spools(spool_dir: str, run: str, label: str, own_pid: int) -> list[Sp
             continue
         spool = Spool(path)
         try:
-            if not spool.open(blocking=False):
+            if not spool.open(blocking=False, left=True):
                 continue
         except OSError as exc:  # another user's file in a shared directory
             log.warning("runbus: cannot open the spool %s: %s", path, exc)

@@ -133,12 +133,16 @@ class SpoolSkipped(Exception):
 
 
 def _opened(path: str) -> Spooled | None:
-    """The file at `path`, locked, and what it records; None for an empty one (a process that
-    only just made it)."""
+    """The file at `path`, locked, and what it records; None for one that is gone (another sync
+    shipped it) or empty (a process only just made it)."""
     spool = Spool(path)
     try:
-        if not spool.open(blocking=False):
+        if not spool.open(blocking=False, left=True):
+            if not os.path.exists(path):
+                return None  # shipped and removed by another sync meanwhile
             raise SpoolSkipped(f"{path} is in use (a live process logging, or another sync): skipped")
+    except FileNotFoundError:
+        return None  # shipped and removed by another sync since it was listed
     except OSError as exc:
         raise SpoolSkipped(f"cannot open {path}: {exc.strerror or exc}") from None
     if spool.size == 0:

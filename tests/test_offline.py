@@ -306,3 +306,19 @@ def test_an_unwritable_spool_directory_loses_the_events_but_never_hangs_or_crash
     assert complete is False and took < 5
     assert "cannot write the spool" in result.stderr and "Traceback" not in result.stderr
     assert "gave up with 3 events not shipped" in result.stderr
+
+
+def test_two_syncs_at_once_ship_each_file_once(redis_url, store_url, tmp_path):
+    spool = tmp_path / "spool"
+    ranks, steps = 2, 100_000
+    offline_ranks(spool, ranks, steps)
+    command = [sys.executable, "-m", "runbus", "sync", "--redis", redis_url, "--spool-dir", str(spool)]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    both = [subprocess.Popen(command, **pipes) for _ in "ab"]
+    outputs = [proc.communicate(timeout=300) for proc in both]
+    assert all("Traceback" not in err for _, err in outputs)
+    shipped = sum(int(out.split("shipped ")[1].split(" events")[0].replace(",", "")) for out, _ in outputs)
+    assert shipped == ranks * (steps + 3)  # each file by one of them
+    assert list(spool.iterdir()) == []
+    ingest(redis_url, store_url)
+    assert_stored_once_in_order(store_url, ranks, steps)
