@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from runbus import config, wire
 from runbus.cli import add_redis_option
 from runbus.errors import CommandError, InvalidName
-from runbus.producer.backlog import Record, Spool, ship_spool
+from runbus.producer.backlog import Record, Spool, parsed_line, ship_spool
 from runbus.producer.lease import LabelLease
 from runbus.progress import Progress
 from runbus.terminal import printable
@@ -113,6 +113,8 @@ def find_spools(directory: str, runs: set[str]) -> tuple[list[Spooled], int]:
     found: list[Spooled] = []
     problems = 0
     for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.spool"))):
+        if runs and _owner_named(path) not in (None, *runs):
+            continue  # another run's: not even looked at (it may be in use)
         try:
             item = _opened(path)
         except SpoolSkipped as exc:
@@ -158,6 +160,20 @@ def _opened(path: str) -> Spooled | None:
     return Spooled(spool, owner[0], owner[1], epoch, secret, spool.first_record())
 
 
+def _owner_named(path: str) -> str | None:
+    """The run a spool file is of, read without locking it (its first line, else its name);
+    None if neither says."""
+    try:
+        with open(path, "rb") as file:
+            item = parsed_line(file.readline(4096))
+    except OSError:
+        return None
+    if isinstance(item, list) and item[0] == "spool" and len(item) == 3:
+        return str(item[1])
+    owner = owner_from_name(path)
+    return None if owner is None else owner[0]
+
+
 def owner_from_name(path: str) -> tuple[str, str] | None:
     """(run, label) from a spool file's name, RUN.LABEL.PID.spool, where that is unambiguous."""
     parts = os.path.basename(path).removesuffix(".spool").split(".")
@@ -184,9 +200,10 @@ def sync(found: list[Spooled], redis_url: str) -> Outcome:
         with Progress("sync", total=len(found), unit="files") as progress:
             for _, items in sorted(labels.items()):
                 items.sort(key=Spooled.order)
+                files = outcome.files
                 for item in items:
                     _ship_file(client, item, progress, outcome)
-                outcome.labels += 1
+                outcome.labels += outcome.files > files
     finally:
         client.close()
     return outcome

@@ -322,3 +322,16 @@ def test_two_syncs_at_once_ship_each_file_once(redis_url, store_url, tmp_path):
     assert list(spool.iterdir()) == []
     ingest(redis_url, store_url)
     assert_stored_once_in_order(store_url, ranks, steps)
+
+
+def test_sync_of_a_run_ignores_the_files_of_others_even_in_use(redis_url, tmp_path):
+    spool = tmp_path / "spool"
+    offline_ranks(spool, 1, 10)
+    busy = spool / "a.b.c.4242.spool"  # an ambiguous name: its first line says whose it is
+    busy.write_bytes(b'["spool", "a.b", "c"]\n')
+    with open(busy, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = sync(redis_url, spool, RUN)
+    assert result.stderr == ""
+    assert "shipped 13 events of 1 label(s) from 1 file(s)" in result.stdout
+    assert [p.name for p in spool.iterdir()] == ["a.b.c.4242.spool"]
