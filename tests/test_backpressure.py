@@ -263,6 +263,7 @@ def test_start_and_finish_are_kept_when_the_buffers_are_full_and_redis_is_down(l
         max_buffer_events=1,
         max_buffer_bytes=1,  # no room for anything but the vital events
         finish_timeout=60,
+        spool_dir=False,  # nor a spool, whose finish() would not wait for Redis to come back
     )
     started = time.monotonic()
     for step in range(2000):
