@@ -582,13 +582,13 @@ class Shipper(threading.Thread):
         elif self.primary:
             log.warning(
                 "runbus: Redis at %s was not reachable: run %s waits on this machine in %s "
-                "(%d events of label %s, and each rank's own file); once Redis is up, bring it in "
-                "with: %s",
+                "(%d events of label %s%s); once Redis is up, bring it in with: %s",
                 safe_url(ident.redis_url),
                 ident.run_id,
                 directory,
                 count,
                 ident.label,
+                ", and each other rank's in a file of its own" if (ident.world_size or 1) > 1 else "",
                 command,
             )
         else:

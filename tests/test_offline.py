@@ -102,7 +102,7 @@ def test_ranks_without_redis_exit_promptly_and_sync_stores_every_event_once(redi
     # RUNBUS_SPOOL_DIR is the default directory, which the command then needs not name.
     assert f"waits on this machine in {spool} " in primary_err
     assert primary_err.endswith(f"bring it in with: runbus sync {RUN}\n")
-    assert "was not reachable" in primary_err
+    assert "was not reachable" in primary_err and "and each other rank's in a file of its own" in primary_err
     assert all("runbus sync" not in err for _, err in outcomes[1:])  # the primary speaks for the run
     files = sorted(spool.iterdir())
     assert len(files) == ranks
