@@ -83,7 +83,20 @@ def _split_options(options: dict[str, Any]) -> tuple[RunOptions, ShipperOptions]
     from runbus.producer import console
 
     run_kw["console"] = console.check_mode(run_kw.get("console") or console.default_mode())
-    return RunOptions(**run_kw), ShipperOptions(**{k: v for k, v in options.items() if k in _SHIPPER_OPTIONS})
+    shipper_kw = {k: v for k, v in options.items() if k in _SHIPPER_OPTIONS}
+    shipper_kw["spool_dir"] = _spool_dir(options.get("spool_dir"))
+    return RunOptions(**run_kw), ShipperOptions(**shipper_kw)
+
+
+def _spool_dir(given: Any) -> str | None:
+    """spool_dir as given (a path), RUNBUS_SPOOL_DIR's or the default for None, no spool for False."""
+    if given is None:
+        return settings.spool_dir()
+    if given is False or given == "":
+        return None
+    if given is True:
+        raise TypeError("spool_dir takes a directory, None (the default one) or False (no spool)")
+    return os.fspath(given)
 
 
 def check_arguments(**arguments: Any) -> None:
@@ -139,11 +152,15 @@ def init(
     nothing is dropped: a log() call that finds the queue full waits until the shipper has taken
     some (back-pressure, only when the loop logs faster than events can be shipped). log() never
     waits on Redis for more than about 100 ms: while Redis is away, paused, slow or answering
-    -OOM, events are encoded into max_buffer_bytes (128 MiB in memory), then spool_dir (None:
-    then an append-only file there, up to max_spool_bytes, 4 GiB, shipped on reconnect or by the
-    next init() of this run and label); what finds those bounds full is dropped, counted, and
+    -OOM, events are encoded into max_buffer_bytes (128 MiB in memory), then an append-only file
+    in spool_dir (RUNBUS_SPOOL_DIR, else ~/.cache/runbus/spool; owner-only; False or
+    RUNBUS_SPOOL_DIR=off: none), up to max_spool_bytes (4 GiB), shipped on reconnect or by the
+    next init() of this run and label; what finds those bounds full is dropped, counted, and
     reported as explained gaps (start and finish never are). finish() returns False when
-    anything was dropped or left unshipped.
+    anything was dropped or left unshipped. Offline (Redis never reached by this process),
+    finish() does not wait for it: after one more try it leaves the events in the spool and
+    returns, and the primary says where the run waits; `runbus sync` ships it later, once
+    (docs/offline.md).
 
     Run metadata: `config` (a dict or an argparse.Namespace; secrets redacted) is this label's
     config at start; `run.config.update()` adds to it, `run.summary[...]` sets final values, and

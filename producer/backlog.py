@@ -7,7 +7,13 @@ touches a Backlog; a chunk being shipped is sealed, and read (decoded) by the co
 
 Records are kept without their epoch when it is not known yet (Redis unreachable since init):
 epoch 0 means "this process's epoch", filled in when shipped, or, for a spool left by a dead
-process, from the epoch line the spool recorded.
+process, from the epoch line the spool recorded (runbus.producer.sync takes one for a spool that
+has none, and records it there before it ships anything).
+
+A spool file's lines: `["spool", RUN, LABEL]` first (whose file it is: its name alone is
+ambiguous, as run ids and labels may hold dots), `["epoch", EPOCH, SECRET_HEX]` once the epoch is
+known, and records. A line that is none of these (written by hand, torn) is skipped, said once
+in the log, never fatal.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
 
@@ -114,6 +121,29 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+def _existing(path: str, flags: int) -> int:
+    return os.open(path, flags & ~os.O_CREAT)
+
+
+def parsed_line(line: bytes) -> Record | list[Any] | None:
+    """A spool line as a Record, a header or epoch line (a list), or None if it is neither."""
+    try:
+        item = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(item, list) or not item:
+        return None
+    if item[0] in ("epoch", "spool"):
+        return item
+    if len(item) != len(Record._fields) or not isinstance(item[0], str):
+        return None
+    kind, epoch, seq, ts, step, data = item
+    fine = type(epoch) is int and type(seq) is int and isinstance(ts, float | int)
+    if not fine or not (step is None or type(step) is int) or not isinstance(data, str):
+        return None
+    return Record(kind, epoch, seq, float(ts), step, data)
+
+
 def spool_path(spool_dir: str, run: str, label: str, pid: int) -> str:
     return os.path.join(spool_dir, f"{run}.{label}.{pid}.spool")
 
@@ -121,26 +151,41 @@ def spool_path(spool_dir: str, run: str, label: str, pid: int) -> str:
 class Spool:
     """An append-only file of records, read back in order; locked while its process lives."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, owner: tuple[str, str] | None = None) -> None:
         self.path = path
+        self.owner = owner  # (run, label): written as the file's first line
         self._file: BinaryIO | None = None
         self.read_offset = 0
         self.size = 0
         self.epoch: int | None = None
         self.secret = b""
+        self.skipped = 0  # lines read that were no record (corrupt, or written by hand)
+        self.held = 0  # records this process appended and has not shipped
 
-    def open(self, blocking: bool = True) -> bool:
-        """Open and lock the file; False if another live process holds it (only when not blocking)."""
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        # Owner-only: the file records the process's seal secret (note_epoch).
-        handle = open(self.path, "a+b", opener=_private)  # noqa: SIM115 (held open for the life of the spool)
+    def open(self, blocking: bool = True, left: bool = False) -> bool:
+        """Open and lock the file; False if another live process holds it (only when not
+        blocking). `left`: a file another process left, never made here: False once it is gone
+        (shipped and removed by whoever held it meanwhile); FileNotFoundError if it never was."""
+        # Owner-only, the directory (where runbus makes it) and the file: it records the process's
+        # seal secret (note_epoch), and what it logged.
+        if not left:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        opener = _existing if left else _private
+        handle = open(self.path, "a+b", opener=opener)  # noqa: SIM115 (held open for the life of the spool)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         except BlockingIOError:
             handle.close()
             return False
+        if left and os.fstat(handle.fileno()).st_nlink == 0:
+            handle.close()  # removed while we waited for the lock: shipped by its holder
+            return False
         self._file = handle
         self.size = handle.seek(0, os.SEEK_END)
+        if self.size == 0 and self.owner is not None:
+            header = orjson.dumps(["spool", *self.owner]) + b"\n"
+            handle.write(header)
+            self.size = self.read_offset = len(header)
         if self.epoch is not None:
             self._write_epoch()
         return True
@@ -159,6 +204,7 @@ class Spool:
             self.open()
         self._opened.write(lines)
         self.size += len(lines)
+        self.held += lines.count(b"\n")
         return len(lines)
 
     def note_epoch(self, epoch: int, secret: bytes = b"") -> None:
@@ -172,7 +218,27 @@ class Spool:
     def _write_epoch(self) -> None:
         line = orjson.dumps(["epoch", self.epoch, self.secret.hex()]) + b"\n"
         self._opened.write(line)
+        self._opened.flush()  # in the file before any entry of the epoch leaves (a rerun reads it)
         self.size += len(line)
+
+    def recorded_owner(self) -> tuple[str, str] | None:
+        """The (run, label) the file's first line names, if it has that line."""
+        file = self._opened
+        file.seek(0)
+        item = parsed_line(file.readline())
+        if isinstance(item, list) and item[0] == "spool" and len(item) == 3:
+            return str(item[1]), str(item[2])
+        return None
+
+    def first_record(self) -> Record | None:
+        """The file's first record (its process's first event left here), if any."""
+        file = self._opened
+        file.seek(0)
+        for line in file:
+            item = parsed_line(line)
+            if isinstance(item, Record):
+                return item
+        return None
 
     def recorded_epoch(self) -> int | None:
         """The epoch line a (dead) process wrote into this file, if any."""
@@ -203,25 +269,36 @@ class Spool:
             if not line.endswith(b"\n"):
                 break  # end, or a torn last line from a crash
             offset += len(line)
-            try:
-                item = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                log.error("runbus: skipping a corrupt line in spool %s", self.path)
-                continue
-            if item[0] == "epoch":
+            item = parsed_line(line)
+            if isinstance(item, Record):
+                records.append(item)
+            elif item is None:
+                self.skipped += 1
+                log.error(
+                    "runbus: skipping a line of spool %s at byte %d: not a runbus record",
+                    self.path,
+                    offset - len(line),
+                )
+            elif item[0] == "epoch":
                 epoch = item[1]
-                continue
-            kind, rec_epoch, seq, ts, step, data = item
-            records.append(Record(kind, rec_epoch, seq, ts, step, data))
         return records, offset, epoch
 
     def unread(self) -> bool:
         return self._file is not None and self.read_offset < self.size
 
     def reset(self) -> None:
-        """Everything was shipped: empty the file."""
-        self._opened.truncate(0)
-        self.read_offset = self.size = 0
+        """Everything was shipped: empty the file, but for whose it is and its epoch (what a
+        process that ships it after this one died needs)."""
+        file = self._opened
+        file.truncate(0)
+        self.read_offset = self.size = self.held = 0
+        if self.owner is not None:
+            header = orjson.dumps(["spool", *self.owner]) + b"\n"
+            file.write(header)
+            self.size = len(header)
+        if self.epoch is not None:
+            self._write_epoch()
+        self.read_offset = self.size
 
     def close(self, remove: bool) -> None:
         if self._file is None:
@@ -323,6 +400,8 @@ class Backlog:
         spool = self._unread_spool()
         if spool is not None:
             records, self._peeked_offset, _ = spool.read(limit)
+            if not records:
+                self.shipped(records)  # what was left held no record (an epoch line): done with it
             return records
         return []
 
@@ -342,6 +421,7 @@ class Backlog:
             spool = self.spool
             assert spool is not None, "records were peeked from a spool"
             spool.read_offset, self._peeked_offset = self._peeked_offset, None
+            spool.held = max(0, spool.held - len(batch))
             if not spool.unread():
                 spool.reset()
                 self._spooling = False
@@ -351,9 +431,12 @@ class Backlog:
         if self.spool is None:
             return 0
         moved = self.held
-        while self.memory:
-            self.spool.append_lines(self.memory.popleft().lines)
-        self.bytes = self.held = 0
+        while self.memory:  # a chunk leaves memory once in the file (OSError: it stays)
+            chunk = self.memory[0]
+            self.spool.append_lines(chunk.lines)
+            self.memory.popleft()
+            self.held -= chunk.count
+            self.bytes -= chunk.size
         return moved
 
     def __len__(self) -> int:
@@ -367,6 +450,46 @@ def orphan_spools(spool_dir: str, run: str, label: str, own_pid: int) -> list[Sp
         if path == spool_path(spool_dir, run, label, own_pid):
             continue
         spool = Spool(path)
-        if spool.open(blocking=False):
-            found.append(spool)
+        try:
+            if not spool.open(blocking=False, left=True):
+                continue
+        except OSError as exc:  # another user's file in a shared directory
+            log.warning("runbus: cannot open the spool %s: %s", path, exc)
+            continue
+        owner = spool.recorded_owner()
+        if owner is not None and owner != (run, label):  # run "a", label "b.c" for run "a.b"
+            spool.close(remove=False)
+            continue
+        found.append(spool)
     return found
+
+
+def ship_spool(
+    spool: Spool,
+    send: Callable[[list[Record], int], object],
+    take_epoch: Callable[[], tuple[int, bytes]],
+    batch_size: int,
+    shipped: Callable[[int], object] | None = None,
+) -> int:
+    """Ship a spool another process left (locked, opened), in order, a batch at a time, through
+    `send(records, epoch)`: records without an epoch (0) are of the epoch the spool recorded, else
+    of a new one, `take_epoch()` -> (epoch, secret), which is written into the spool before any
+    of its records is sent. So shipping it again after a crash midway (the same file, by anyone)
+    sends the same (epoch, seq) pairs, which the ingester stores once. `shipped(n)` is told of
+    each batch sent. Returns how many records were shipped; the caller removes the file."""
+    epoch, _ = spool.recorded_seal()
+    spool.read_offset = 0
+    count = 0
+    while True:
+        records, offset, _ = spool.read(batch_size)
+        if not records:
+            return count
+        if epoch is None and any(r.epoch == 0 for r in records):
+            # That process never reached Redis: its events get an epoch of their own.
+            epoch, secret = take_epoch()
+            spool.note_epoch(epoch, secret)
+        send(records, epoch or 0)
+        spool.read_offset = offset
+        count += len(records)
+        if shipped is not None:
+            shipped(len(records))

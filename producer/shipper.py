@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,16 @@ import orjson
 from runbus import config, wire
 from runbus.config import safe_url
 from runbus.errors import LabelInUse, PrimaryConflict, RunbusError, RunExists, RunNotFound
-from runbus.producer.backlog import Backlog, Chunk, Record, Spool, orphan_spools, rows_of, spool_path
+from runbus.producer.backlog import (
+    Backlog,
+    Chunk,
+    Record,
+    Spool,
+    orphan_spools,
+    rows_of,
+    ship_spool,
+    spool_path,
+)
 from runbus.producer.courier import Call, Courier
 from runbus.producer.environment import Identity
 from runbus.producer.lease import LabelLease, default_ttl
@@ -159,13 +169,15 @@ class Shipper(threading.Thread):
         # Why this process ships nothing (more): the label is another's, or the run not to join.
         self.refused: RunbusError | None = None
         self.shipped = 0
+        self.left_in_spool = 0  # events left in the spool file at the end (none shipped since)
         self.failed_encodes = 0
         self.describe_hardware = True
         self.describe_git = True
         self.gpu_device_ids: tuple[int, ...] | None = None
         spool = None
         if options.spool_dir:
-            spool = Spool(spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid()))
+            path = spool_path(options.spool_dir, identity.run_id, identity.label, os.getpid())
+            spool = Spool(path, owner=(identity.run_id, identity.label))
         self.backlog = Backlog(
             options.max_buffer_bytes, spool, options.max_spool_bytes, outbox.drops, options.batch_size
         )
@@ -195,6 +207,7 @@ class Shipper(threading.Thread):
         self.watched_thread: int | None = None
         self._outage_since: float | None = None
         self._outage_failures = 0
+        self._failures_at_stop = 0  # _outage_failures when stop() was called
         self._denied_logged = False  # an AccessDenied logged in this outage
         self._oom_warned_at: float | None = None  # the last -OOM warning (OOM_WARN_EVERY)
         self._outage_oom = False  # the outage is Redis answering -OOM, nothing else
@@ -207,7 +220,7 @@ class Shipper(threading.Thread):
     @property
     def unshipped(self) -> int:
         """Events not yet in Redis (queued, encoded in memory, or spooled: at least 1 if any)."""
-        return len(self.outbox) + len(self.backlog) + (self._held_start is not None)
+        return len(self.outbox) + len(self.backlog) + (self._held_start is not None) + self.left_in_spool
 
     def may_wait(self) -> bool:
         """Whether a put that finds the outbox full should wait for room rather than drop: this
@@ -388,6 +401,9 @@ class Shipper(threading.Thread):
     def stop(self, deadline: float | None = None) -> None:
         """Ship what is queued, then end; past `deadline` (monotonic), spool the rest and end."""
         self._deadline = deadline
+        self._failures_at_stop = self._outage_failures
+        if self.epoch is None:
+            self._next_try = 0.0  # Redis never answered: one more try now, not after the backoff
         self._stopping.set()
         self.outbox.demand.set()
 
@@ -419,10 +435,22 @@ class Shipper(threading.Thread):
         if not self.unshipped:
             self._close_spool(remove=True)
             return True
-        if self._time_left() <= 0:
+        if self._time_left() <= 0 or self._offline():
             self._give_up()
             return True
         return False
+
+    def _offline(self) -> bool:
+        """At finish: whether this process never reached Redis, and a try since finish() began
+        failed too, with a spool to keep the events in: then it ends now, not at the deadline
+        (`runbus sync` ships the spool)."""
+        return (
+            self.epoch is None
+            and self.refused is None
+            and self.backlog.spool is not None
+            and self._outage_since is not None
+            and self._outage_failures > self._failures_at_stop
+        )
 
     def _rest(self) -> None:
         """Wait a flush interval, or less: until a put finds the outbox full, a Redis call is
@@ -519,22 +547,64 @@ class Shipper(threading.Thread):
         return float("inf") if self._deadline is None else self._deadline - time.monotonic()
 
     def _give_up(self) -> None:
-        """Out of time at finish: keep what is left in the spool (if any) for the next init()."""
+        """Out of time at finish, or offline: keep what is left in the spool (if any) for
+        `runbus sync` or the next init() of this run and label."""
         while self._encode_batch(taking=False):
             pass
         self._encode_held_start(force=True)
-        spooled = self.backlog.persist()
-        left = self.unshipped
-        if self.backlog.spool is not None:
+        spool = self.backlog.spool
+        try:
+            self.backlog.persist()
+        except OSError as exc:  # an unwritable directory, a full disk: the events stay in memory
+            log.error("runbus: cannot write the spool %s: %s", spool and spool.path, exc)
+            spool = None
+        if spool is None:
+            log.warning("runbus: finish() gave up with %d events not shipped to Redis", self.unshipped)
+            return
+        self.left_in_spool = spool.held
+        self._close_spool(remove=False)
+        self._say_spooled(spool.held, spool.path)
+
+    def _say_spooled(self, count: int, path: str) -> None:
+        """Where the events that did not reach Redis wait, and the command that ships them: the
+        primary says it for the run (a warning), every other label for itself (info) when the
+        process never reached Redis, else as a warning."""
+        ident = self.identity
+        directory = os.path.dirname(path)
+        command = f"runbus sync {ident.run_id}"
+        if os.path.abspath(directory) != os.path.abspath(config.spool_dir() or ""):
+            command += f" --spool-dir {shlex.quote(directory)}"
+        if self.epoch is not None:
             log.warning(
-                "runbus: %d events could not reach Redis in time and wait in %s for the next "
-                "init() of this run and label",
-                spooled,
-                self.backlog.spool.path,
+                "runbus: %d events of %s/%s could not reach Redis in time and wait in %s: `%s` "
+                "ships them (so does the next init() of this run and label)",
+                count,
+                ident.run_id,
+                ident.label,
+                path,
+                command,
             )
-            self._close_spool(remove=False)
+        elif self.primary:
+            log.warning(
+                "runbus: Redis at %s was not reachable: run %s waits on this machine in %s "
+                "(%d events of label %s%s); once Redis is up, bring it in with: %s",
+                safe_url(ident.redis_url),
+                ident.run_id,
+                directory,
+                count,
+                ident.label,
+                ", and each other rank's in a file of its own" if (ident.world_size or 1) > 1 else "",
+                command,
+            )
         else:
-            log.warning("runbus: finish() gave up with %d events not shipped to Redis", left)
+            log.info(
+                "runbus: %d events of %s/%s wait in %s for `%s`",
+                count,
+                ident.run_id,
+                ident.label,
+                path,
+                command,
+            )
 
     def _close_spool(self, remove: bool) -> None:
         if self.backlog.spool is not None:
@@ -746,20 +816,16 @@ class Shipper(threading.Thread):
             epoch, secret = spool.recorded_seal()
             if epoch is not None and secret:
                 self._secrets.setdefault(epoch, secret)
-            shipped = 0
-            while True:
-                records, offset, _ = spool.read(self.options.batch_size)
-                if not records:
-                    break
-                if epoch is None and any(r.epoch == 0 for r in records):
-                    # That process never reached Redis: its events get an epoch of their own.
-                    epoch = self.lease.earlier_epoch(client)
-                    self._secrets[epoch] = self.lease.secret
-                self._send(records, epoch or 0)
-                spool.read_offset = offset
-                shipped += len(records)
+            shipped = ship_spool(
+                spool, self._send, lambda: self._earlier_epoch(client), self.options.batch_size
+            )
             log.warning("runbus: shipped %d events left in %s by an earlier process", shipped, spool.path)
             spool.close(remove=True)
+
+    def _earlier_epoch(self, client: SyncClient) -> tuple[int, bytes]:
+        epoch = self.lease.earlier_epoch(client)
+        self._secrets[epoch] = self.lease.secret
+        return epoch, self.lease.secret
 
 
 def out_of_memory(exc: BaseException) -> bool:

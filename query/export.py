@@ -4,7 +4,8 @@ The tables are the notebook API's (query/frames.py), complete, with the same col
 CSV and JSON lines go to stdout unless --out names a file; Parquet needs --out. A file is written
 beside its final name and moved there once complete, so a failed export leaves none half-written.
 In JSON lines, ts is ISO 8601 with its UTC offset and a non-finite value is "NaN", "Infinity" or
-"-Infinity", as `runbus metrics --json` writes it.
+"-Infinity", as `runbus metrics --json` writes it. On a terminal, stderr shows the rows written
+(runbus.progress), unless the rows themselves go to it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import orjson
 
 from runbus.cli import add_redis_option, add_store_option
 from runbus.errors import CommandError, MissingDependency
+from runbus.progress import Progress, shown_on
 from runbus.query import frames
 from runbus.query.cli import REDIS_HELP, add_catch_up_option, catching_up, known_run, read_run
 from runbus.query.documents import json_value
@@ -37,7 +39,7 @@ TABLES: dict[str, Callable[[Store, str], Any]] = {
     "logs": frames.logs_table,
     "system": frames.system_table,
 }
-JSON_ROWS = 10_000  # rows turned into JSON lines at a time
+CHUNK_ROWS = 10_000  # rows turned into CSV or JSON lines at a time
 
 
 def add_export(parser: argparse.ArgumentParser) -> None:
@@ -82,12 +84,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         run = await known_run(store, args.run, args.redis, catching_up(args))
         return await build(store, run.run_id)
 
-    table: pd.DataFrame = read_run(args, exported)
-    if to_stdout:
-        write(table, form, sys.stdout.buffer)
-        return 0
-    with written(Path(args.out)) as out:
-        write(table, form, out)
+    # Progress on stderr, when it is a terminal and the rows are not printed on one.
+    with Progress(
+        "export", unit="rows", show=shown_on(sys.stderr) and not (to_stdout and shown_on(sys.stdout))
+    ) as progress:
+        progress.update(note=f"reading {args.run}")
+        table: pd.DataFrame = read_run(args, exported)
+        progress.update(0, total=len(table), note=f"writing {form}")
+        if to_stdout:
+            write(table, form, sys.stdout.buffer, progress)
+            return 0
+        with written(Path(args.out)) as out:
+            write(table, form, out, progress)
     return 0
 
 
@@ -103,24 +111,37 @@ def require_pyarrow(what: str = "parquet files") -> None:
         ) from exc
 
 
-def write(table: pd.DataFrame, form: str, out: IO[bytes]) -> None:
-    """`table` written to the binary stream `out` as `form`."""
+def write(table: pd.DataFrame, form: str, out: IO[bytes], progress: Progress | None = None) -> None:
+    """`table` written to the binary stream `out` as `form` (rows told to `progress`)."""
     if form == "csv":
-        table.to_csv(out, index=False, encoding="utf-8")
+        write_csv(table, out, progress)
     elif form == "jsonl":
-        write_jsonl(table, out)
+        write_jsonl(table, out, progress)
     else:
         table.to_parquet(out, engine="pyarrow", index=False)
+        if progress is not None:
+            progress.update(len(table))
 
 
-def write_jsonl(table: pd.DataFrame, out: IO[bytes]) -> None:
+def write_csv(table: pd.DataFrame, out: IO[bytes], progress: Progress | None = None) -> None:
+    """CSV with a header line, CHUNK_ROWS rows at a time (the same text as in one call)."""
+    table.iloc[:0].to_csv(out, index=False, encoding="utf-8")
+    for start in range(0, len(table), CHUNK_ROWS):
+        table.iloc[start : start + CHUNK_ROWS].to_csv(out, index=False, header=False, encoding="utf-8")
+        if progress is not None:
+            progress.update(min(len(table), start + CHUNK_ROWS))
+
+
+def write_jsonl(table: pd.DataFrame, out: IO[bytes], progress: Progress | None = None) -> None:
     """One JSON object per row, with the table's column names (see the module for ts and NaN)."""
-    for start in range(0, len(table), JSON_ROWS):
-        chunk = table.iloc[start : start + JSON_ROWS]
+    for start in range(0, len(table), CHUNK_ROWS):
+        chunk = table.iloc[start : start + CHUNK_ROWS]
         columns = [_json_column(chunk[name]) for name in chunk.columns]
         names = [str(name) for name in chunk.columns]
         rows = (orjson.dumps(dict(zip(names, row, strict=True))) for row in zip(*columns, strict=True))
         out.write(b"\n".join(rows) + b"\n")
+        if progress is not None:
+            progress.update(start + len(chunk))
 
 
 def _json_column(column: pd.Series) -> list[Any]:

@@ -52,6 +52,9 @@ ROUTES: dict[str, Route] = {
     "serve": Route("the web dashboard and its JSON API", "runbus.dashboard.cli:add_serve"),
     "tail": Route("follow every rank's log lines live, from the streams", "runbus.dashboard.cli:add_tail"),
     "run": Route("run a training command (any launcher) as one run", "runbus.producer.launch:add_run"),
+    "sync": Route(
+        "ship runs logged while Redis was away (spool files) to Redis", "runbus.producer.sync:add_sync"
+    ),
 }
 
 

@@ -34,6 +34,7 @@ QUIET_ENV = "RUNBUS_QUIET"
 REQUIRE_SEAL_ENV = "RUNBUS_REQUIRE_SEAL"
 GIT_ENV = "RUNBUS_GIT"
 CATCH_UP_ENV = "RUNBUS_CATCH_UP"
+SPOOL_DIR_ENV = "RUNBUS_SPOOL_DIR"
 # Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
 # process: a child that inherits the id learns whose it is.
 RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
@@ -122,6 +123,24 @@ def data_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "runbus"
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """runbus's per-user cache directory: `$XDG_CACHE_HOME/runbus`, else `~/.cache/runbus`."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "runbus"
+
+
+def spool_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """Where producers keep the events Redis has not taken (runbus.producer.backlog): the
+    directory RUNBUS_SPOOL_DIR names, else `spool` in the per-user cache directory; None (no
+    spool: events beyond the memory buffer are dropped) when RUNBUS_SPOOL_DIR is `off`."""
+    env = os.environ if env is None else env
+    given = env.get(SPOOL_DIR_ENV, "").strip()
+    if given.lower() == "off":
+        return None
+    return given or str(cache_dir(env) / "spool")
 
 
 def default_store_url(env: Mapping[str, str] | None = None) -> str:

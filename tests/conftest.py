@@ -26,6 +26,15 @@ def missing_server(what: str) -> None:
     pytest.skip(f"{what} is not available")
 
 
+@pytest.fixture(autouse=True)
+def private_spool_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Producers' default spool directory (RUNBUS_SPOOL_DIR) is the test's own, for it and the
+    processes it starts: never the user's cache, never another test's."""
+    directory = str(tmp_path_factory.mktemp("spool"))
+    monkeypatch.setenv("RUNBUS_SPOOL_DIR", directory)
+    return directory
+
+
 @pytest.fixture(params=sorted(decoding.DECODERS))
 def decoder(request: pytest.FixtureRequest) -> Iterator[decoding.Decoder]:
     """The ingester decoding with each of its paths in turn (runbus.ingester.decoding: the fast

@@ -167,6 +167,12 @@ async def assert_idle_connections_closed(port: int, path: str, count: int = 200,
             writer.close()
 
 
+def unset_runbus() -> dict[str, str]:
+    """os.environ without its RUNBUS_* settings, but for RUNBUS_SPOOL_DIR: the test's own spool
+    directory (tests/conftest.py), never the user's."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") or k == "RUNBUS_SPOOL_DIR"}
+
+
 def wait_for(
     what: str, check: Callable[[], Any], timeout: float = 30.0, *, running: subprocess.Popen | None = None
 ) -> Any:

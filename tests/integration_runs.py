@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import sys
 
-from tests.helpers import ingest, read_store
+from tests.helpers import ingest, read_store, unset_runbus
 
 LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "MASTER_PORT"}
 
 
 def clean_env() -> dict[str, str]:
     """This process's environment without any RUNBUS_* variable, nor a launcher's rank."""
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k not in LAUNCHER_VARIABLES
-    }
+    return {k: v for k, v in unset_runbus().items() if k not in LAUNCHER_VARIABLES}
 
 
 def run_job(argv: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:

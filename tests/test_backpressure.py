@@ -157,6 +157,7 @@ SIGTERM_INSIDE = textwrap.dedent(
         system_interval=None, hardware=False, console="off", max_buffer_events=100, batch_size=50,
         max_backoff=0.2, finish_timeout=5, quiet=True,
         max_buffer_bytes=int(os.environ.get("TEST_BUFFER_BYTES", 128 << 20)),
+        spool_dir=False,  # past the byte buffer, events are dropped (where the SIGTERM lands)
     )
     fired = False
 
@@ -265,6 +266,7 @@ def test_start_and_finish_are_kept_when_the_buffers_are_full_and_redis_is_down(l
         max_buffer_events=1,
         max_buffer_bytes=1,  # no room for anything but the vital events
         finish_timeout=60,
+        spool_dir=False,  # nor a spool, whose finish() would not wait for Redis to come back
     )
     started = time.monotonic()
     for step in range(2000):

@@ -314,7 +314,7 @@ def test_an_outage_longer_than_memory_is_spooled_to_disk(local_redis, store_url,
 
 
 def test_without_a_spool_drops_are_counted_and_explained(local_redis, store_url):
-    run = log_while_down(local_redis, "dropping", 3000)
+    run = log_while_down(local_redis, "dropping", 3000, spool_dir=False)
     dropped = run.dropped
     assert dropped > 0
     assert run.finish(timeout=30) is False  # shipped what was kept, but not everything

@@ -5,7 +5,6 @@ Redis, live producer processes, and a real ingester (`runbus ingest --burst`).""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shlex
 import subprocess
@@ -27,7 +26,7 @@ from runbus.ingester import decoding
 from runbus.ingester.fence import Fences
 from runbus.ingester.localredis import LocalRedis
 from tests.conftest import private_redis
-from tests.helpers import QUIET, T0, read_store, run_cli, xadd_event
+from tests.helpers import QUIET, T0, read_store, run_cli, unset_runbus, xadd_event
 from tests.helpers import ingest as ingest_here
 
 # A rank that logs, says when everything is in Redis, then finishes when told (a line on stdin).
@@ -48,7 +47,7 @@ RANK = textwrap.dedent(
 
 
 def start_rank(redis_url: str, run_id: str, rank: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    variables = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k != "RANK"}
+    variables = {k: v for k, v in unset_runbus().items() if k != "RANK"}
     return subprocess.Popen(
         [sys.executable, "-c", RANK],
         env={
@@ -294,7 +293,7 @@ DIES_IN_AN_OUTAGE = textwrap.dedent(
 
 def test_a_dead_process_s_spool_is_shipped_with_its_own_epoch_s_seals(local_redis, store_url, tmp_path):
     spool = tmp_path / "spool"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k != "RANK"}
+    env = {k: v for k, v in unset_runbus().items() if k != "RANK"}
     dying = subprocess.Popen(
         [sys.executable, "-c", DIES_IN_AN_OUTAGE, str(spool)],
         env={**env, "RUNBUS_REDIS_URL": local_redis.url},

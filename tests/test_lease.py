@@ -25,7 +25,7 @@ from runbus.ingester.localredis import LocalRedis
 from runbus.producer import environment
 from runbus.producer.child import ChildLabel
 from tests.conftest import private_redis
-from tests.helpers import QUIET, ingest, read_store, run_cli, wait_for
+from tests.helpers import QUIET, ingest, read_store, run_cli, unset_runbus, wait_for
 
 RANK = textwrap.dedent(
     """
@@ -56,7 +56,7 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TO
 
 def clean_env(**env: str) -> dict[str, str]:
     """os.environ without any rank identity or RUNBUS_* setting, plus `env`."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RUNBUS_") and k not in RANK_VARIABLES}
+    base = {k: v for k, v in unset_runbus().items() if k not in RANK_VARIABLES}
     return {**base, **env}
 
 
@@ -211,7 +211,10 @@ def test_a_conflict_found_after_an_outage_stops_shipping_with_one_error(local_re
         holder_pid = line(holder)["pid"]
         line(holder)
         local_redis.kill()  # AOF, fsync always: the holder's lease survives the restart
-        late = start_rank(url, "late", OPTIONS=json.dumps({"max_backoff": 0.2}), STEPS="50")
+        # No spool: its finish() waits for Redis to come back, as a spool's would not (it leaves
+        # the events to `runbus sync` when Redis does not answer at once).
+        options = {"max_backoff": 0.2, "spool_dir": False}
+        late = start_rank(url, "late", OPTIONS=json.dumps(options), STEPS="50")
         assert "pid" in line(late)  # init() returned at once, Redis being away
         local_redis.start()
         code, docs, err = outcome(late)

@@ -344,6 +344,7 @@ def test_metadata_is_kept_when_the_buffers_are_full_and_redis_is_down(local_redi
         max_buffer_events=1,
         max_buffer_bytes=1,  # no room for anything but what is never dropped
         finish_timeout=60,
+        spool_dir=False,  # nor a spool
         name="kept",
         tags=["t"],
         **QUIET,
