@@ -11,6 +11,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError, WatchError
 
 from runbus import wire
+from runbus.progress import Progress
 from runbus.storage.base import Store
 
 if TYPE_CHECKING:
@@ -157,19 +158,23 @@ COMPACT_REPORT_S = 10.0
 
 async def compact_backlog(store: Store) -> int:
     """Compact every label epoch already due (a store migrated from value rows to column chunks:
-    storage/chunking.py), a slice at a time between the batches; how many were compacted."""
+    storage/chunking.py), a slice at a time between the batches; how many were compacted. On a
+    terminal the count is a progress line; elsewhere (a pipe, a service's log) a log line now
+    and then says how far it is and how long is left."""
     left = await store.compact_due(0)
     if not left:
         return 0
     total, started, reported = left, time.monotonic(), time.monotonic()
     log.info("compacting the values of %d label epochs into column chunks, while ingesting", total)
-    while left:
-        left = await store.compact_due(COMPACT_SLICE)
-        now = time.monotonic()
-        if left and now - reported >= COMPACT_REPORT_S:
-            done = total - left
-            eta = (now - started) / max(done, 1) * left
-            log.info("compacted %d of %d label epochs (about %.0fs left)", done, total, eta)
-            reported = now
+    with Progress("migration", total=total, unit="label epochs compacted") as progress:
+        while left:
+            left = await store.compact_due(COMPACT_SLICE)
+            progress.update(total - left)
+            now = time.monotonic()
+            if left and not progress.shown and now - reported >= COMPACT_REPORT_S:
+                done = total - left
+                eta = (now - started) / max(done, 1) * left
+                log.info("compacted %d of %d label epochs (about %.0fs left)", done, total, eta)
+                reported = now
     log.info("compacted %d label epochs into column chunks in %.1fs", total, time.monotonic() - started)
     return total
