@@ -224,3 +224,24 @@ def keep_values_in_rows(monkeypatch: Any) -> None:
     from runbus.storage import chunking
 
     monkeypatch.setattr(chunking, "is_due", lambda head, added, ended: False)
+
+
+def stderr_on_a_terminal(command: list[str], timeout: float = 300) -> bytes:
+    """What `command` writes on its stderr when that is a terminal (a pty), once it has ended;
+    its stdout goes to a pipe. It must exit 0."""
+    terminal, its_end = os.openpty()
+    try:
+        subprocess.run(command, stdout=subprocess.PIPE, stderr=its_end, timeout=timeout, check=True)
+        os.close(its_end)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(terminal, 65536)
+            except OSError:  # EIO: the other end is closed and everything was read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        return drawn
+    finally:
+        os.close(terminal)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import math
-import os
 import random
 import signal
 import sqlite3
@@ -25,7 +24,16 @@ import redis
 from runbus.storage import Store, open_store, values
 from runbus.storage.chunking import COMPACT_EVENTS
 from tests import old_stores
-from tests.helpers import T0, OpenStore, ingest, ingest_command, read_store, wait_for, xadd_event
+from tests.helpers import (
+    T0,
+    OpenStore,
+    ingest,
+    ingest_command,
+    read_store,
+    stderr_on_a_terminal,
+    wait_for,
+    xadd_event,
+)
 from tests.test_faults import start_ingester
 from tests.test_storage import RUN, finish, metric, start, system
 
@@ -271,33 +279,13 @@ async def test_a_store_written_before_chunks_is_migrated_and_compacted_resumably
     assert loss == sorted(loss) and loss[-1] == last + 1
 
 
-def _stderr_on_a_terminal(command: list[str]) -> bytes:
-    """What `command` writes to its stderr when that is a terminal (a pty), once it has ended."""
-    terminal, its_end = os.openpty()
-    try:
-        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=its_end, timeout=300, check=True)
-        os.close(its_end)
-        drawn = b""
-        while True:
-            try:
-                chunk = os.read(terminal, 65536)
-            except OSError:  # EIO: the other end is closed and everything was read
-                break
-            if not chunk:
-                break
-            drawn += chunk
-        return drawn
-    finally:
-        os.close(terminal)
-
-
 def test_a_migration_shows_its_progress_on_a_terminal_and_logs_it_in_a_pipe(
     redis_url: str, tmp_path: Path
 ) -> None:
     on_terminal, in_pipe = (f"sqlite:///{tmp_path / name}.db" for name in ("terminal", "pipe"))
     for url in (on_terminal, in_pipe):
         asyncio.run(restore_old_store(url))
-    drawn = _stderr_on_a_terminal(ingest_command(redis_url, on_terminal, "--burst"))
+    drawn = stderr_on_a_terminal(ingest_command(redis_url, on_terminal, "--burst"))
     assert b"runbus migration: 5/5 label epochs compacted (100%)" in drawn and b"\r\x1b[K" in drawn
     piped = subprocess.run(
         ingest_command(redis_url, in_pipe, "--burst"), capture_output=True, timeout=300, check=True

@@ -21,7 +21,7 @@ import runbus
 from runbus import wire
 from runbus.ingester.localredis import free_port
 from runbus.progress import Progress
-from tests.helpers import QUIET, ingest, read_store, run_cli, wait_for
+from tests.helpers import QUIET, ingest, read_store, run_cli, stderr_on_a_terminal, wait_for
 
 RUN = "offline-job"
 # One rank of a job: logs `steps` losses (rank * 1e6 + step), a summary, and finishes; prints
@@ -198,27 +198,9 @@ def test_sync_of_one_run_leaves_the_others(redis_url, tmp_path):
 def test_sync_shows_progress_on_a_terminal_and_stays_quiet_in_a_pipe(redis_url, tmp_path):
     spool = tmp_path / "spool"
     offline_ranks(spool, 2, 10)
-    terminal, its_end = os.openpty()
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "runbus", "sync", "--redis", redis_url, "--spool-dir", str(spool)],
-            stdout=subprocess.PIPE,
-            stderr=its_end,
-            timeout=120,
-            check=True,
-        )
-        os.close(its_end)
-        drawn = b""
-        while True:
-            try:
-                chunk = os.read(terminal, 65536)
-            except OSError:  # EIO: the other end is closed and everything was read
-                break
-            if not chunk:
-                break
-            drawn += chunk
-    finally:
-        os.close(terminal)
+    drawn = stderr_on_a_terminal(
+        [sys.executable, "-m", "runbus", "sync", "--redis", redis_url, "--spool-dir", str(spool)], timeout=120
+    )
     assert b"runbus sync: 0/2 files (0%)" in drawn and b"\r\x1b[K" in drawn
     offline_ranks(spool, 2, 10)
     piped = sync(redis_url, spool)
