@@ -1,3 +1,4 @@
+// @ts-check
 // The runbus dashboard: the runs list, one run's page (charts, stragglers, hardware), and runs
 // compared, over the JSON API of `runbus serve`. Every string that came from the bus (labels,
 // metric names, hosts, log text, config, argv) reaches the page through textContent or an

@@ -1,3 +1,4 @@
+// @ts-check
 // Talking to `runbus serve`: the token, JSON GETs, and a cap on requests in flight.
 
 import { clock, setStatus } from './dom.js';

@@ -1,3 +1,4 @@
+// @ts-check
 // One chart panel drawn by uPlot (vendor/uplot): its header and buttons, the plot, a tooltip, a
 // legend, and its exports (CSV of the data, PNG of the picture). What to draw comes from plan.js;
 // the page's settings (x axis, smoothing, hidden and shown labels) and its zoom are shared by
@@ -388,6 +389,7 @@ export class Panel {
     const data = this.u.data;
     const lines = [header.map(csvText).join(',')];
     for (let i = 0; i < data[0].length; i += 1) {
+      /** @type {Array<number|string>} */
       const row = [data[0][i]];
       let any = false;
       for (let si = 1; si < data.length; si += 1) {

@@ -1,3 +1,4 @@
+// @ts-check
 // A page of chart panels, in sections by key prefix (`train/`, `eval/`), fetched only while in
 // view: a panel scrolled into view is fetched once, and each refresh fetches at most
 // REFRESH_LIMIT of the panels in view, whatever the number of keys.

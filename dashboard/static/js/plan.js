@@ -1,3 +1,4 @@
+// @ts-check
 // What a chart draws, decided without the DOM: from lines and envelopes and the chart settings
 // (x axis, smoothing, log scale, hidden labels) to uPlot's tables, series and bands, plus the
 // marks drawn over them (restarts, gaps, non-finite values).

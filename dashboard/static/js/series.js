@@ -1,3 +1,4 @@
+// @ts-check
 // Pure work on series, no DOM: the API's series documents as lines, EMA smoothing, the envelope
 // of many lines (system figures; the server sends metric envelopes), gaps. Shapes:
 //
@@ -15,6 +16,10 @@ const GAP_FACTOR = 5;
 
 // The rows of a series document (`columns` names them) as Lines, one per label and epoch. An
 // `epoch` column (or a series' own `epoch`) splits a label; `ts`/`step` columns give the other x.
+/**
+ * @param {{columns?: string[], x?: string, series?: Array<{label: string, data: any[][], epoch?: number, host?: string, downsampled?: boolean}>}} doc
+ * @param {(label: string, series: object) => string} [named] a line's name from its label and series
+ */
 export function linesFromSeriesDoc(doc, named = (label) => label) {
   const col = Object.fromEntries((doc.columns || []).map((name, index) => [name, index]));
   const xIsStep = doc.x === 'step';
