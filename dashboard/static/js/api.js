@@ -76,6 +76,12 @@ export async function api(path, params = {}) {
   return body;
 }
 
+// For a refresh started by a control or a timer: an API error has been shown in the status
+// already; anything else is a bug, and is thrown on.
+export function ignoreApiErrors(error) {
+  if (!(error instanceof ApiError)) throw error;
+}
+
 export function runPath(runId, tail = '') {
   return '/api/runs/' + encodeURIComponent(runId) + tail;
 }

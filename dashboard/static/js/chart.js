@@ -41,8 +41,13 @@ export class Zoom {
   }
 }
 
+// The page's zoom as the sources take it: null, or the x kind and range.
+export function zoomed(zoom) {
+  return zoom.range ? { kind: zoom.kind, range: zoom.range } : null;
+}
+
 export class Panel {
-  // page: {settings, zoom, labelClicked(label)}; settings: see Settings in app.js.
+  // page: {settings, zoom, labelClicked(label)}; settings: see js/settings.js.
   // timed: the data is only ever by time (system samples): no note when steps are asked for.
   constructor(key, title, page, { extraInfo = null, timed = false } = {}) {
     this.timed = timed;
