@@ -16,7 +16,7 @@
 
 import { ApiError, api, runPath } from './api.js';
 import { num } from './dom.js';
-import { byName, envelopeOf, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './series.js';
+import { byName, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './series.js';
 
 export const KEYS_PER_PAGE = 60;
 const SERIES_POINTS = 2000;
