@@ -664,6 +664,30 @@ def test_hardware_of_every_label(page, site):
     assert groups.count() == 1 and groups.locator(".hw-count").inner_text() == f"{seeds.SWEEP_RANKS} labels"
 
 
+def test_tabs_change_within_one_run_page_and_an_unknown_run_is_not_found(context, page, site):
+    url = site[0]
+    page.goto(f"{url}#/run/{RUN}")
+    page.wait_for_selector(".labels-table tbody tr")
+    page.eval_on_selector(".run-header", "h => { h.dataset.first = 'yes'; }")
+    for tab in ("stragglers", "hardware", "charts"):
+        address = f"#/run/{RUN}" + ("" if tab == "charts" else "/" + tab)
+        page.evaluate("hash => { location.hash = hash; }", address)
+        page.wait_for_selector(f".tab.active[data-tab='{tab}'][aria-current='page']")
+        shown = page.locator(".pane").evaluate_all("ps => ps.filter(p => !p.hidden).map(p => p.dataset.pane)")
+        assert shown == [tab]
+        # The same page, another tab: nothing was built again.
+        assert page.locator(".run-header[data-first='yes']").count() == 1
+    page.wait_for_selector("#straggler-key option", state="attached")  # filled when first opened
+    assert page.locator("#hardware tbody tr").count() == RANKS
+    # Another page: its 404s are the point here, where `page` counts any as a fault.
+    other = context.new_page()
+    other.goto(f"{url}#/run/no-such-run/hardware")
+    other.wait_for_selector(".error-card")
+    assert other.locator(".error-card h2").inner_text() == "Not found"
+    assert other.locator(".error-card a").get_attribute("href") == "#/"
+    other.close()
+
+
 def test_labels_are_in_natural_order_in_every_list_of_the_page(page, site):
     url = site[0]
     natural = [f"rank{i}" for i in range(seeds.SWEEP_RANKS)]  # rank2 before rank10

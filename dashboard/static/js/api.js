@@ -1,3 +1,4 @@
+// @ts-check
 // Talking to `runbus serve`: the token, JSON GETs, and a cap on requests in flight.
 
 import { clock, setStatus } from './dom.js';
@@ -73,6 +74,12 @@ export async function api(path, params = {}) {
   if (!response.ok) throw new ApiError(response.status, (body && body.error) || response.statusText);
   setStatus('ok', 'Updated ' + clock(Date.now() / 1000));
   return body;
+}
+
+// For a refresh started by a control or a timer: an API error has been shown in the status
+// already; anything else is a bug, and is thrown on.
+export function ignoreApiErrors(error) {
+  if (!(error instanceof ApiError)) throw error;
 }
 
 export function runPath(runId, tail = '') {

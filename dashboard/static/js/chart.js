@@ -1,3 +1,4 @@
+// @ts-check
 // One chart panel drawn by uPlot (vendor/uplot): its header and buttons, the plot, a tooltip, a
 // legend, and its exports (CSV of the data, PNG of the picture). What to draw comes from plan.js;
 // the page's settings (x axis, smoothing, hidden and shown labels) and its zoom are shared by
@@ -40,8 +41,13 @@ export class Zoom {
   }
 }
 
+// The page's zoom as the sources take it: null, or the x kind and range.
+export function zoomed(zoom) {
+  return zoom.range ? { kind: zoom.kind, range: zoom.range } : null;
+}
+
 export class Panel {
-  // page: {settings, zoom, labelClicked(label)}; settings: see Settings in app.js.
+  // page: {settings, zoom, labelClicked(label)}; settings: see js/settings.js.
   // timed: the data is only ever by time (system samples): no note when steps are asked for.
   constructor(key, title, page, { extraInfo = null, timed = false } = {}) {
     this.timed = timed;
@@ -388,6 +394,7 @@ export class Panel {
     const data = this.u.data;
     const lines = [header.map(csvText).join(',')];
     for (let i = 0; i < data[0].length; i += 1) {
+      /** @type {Array<number|string>} */
       const row = [data[0][i]];
       let any = false;
       for (let si = 1; si < data.length; si += 1) {

@@ -1,3 +1,4 @@
+// @ts-check
 // A label's colour comes from its name alone, so it is the same on every chart, every page and
 // every load: `rank7` (any name ending in a number under a common prefix) takes slot 7, any other
 // name a slot from a hash of its text. The first ten slots are Tableau 10; later ones walk the

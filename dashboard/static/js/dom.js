@@ -1,3 +1,4 @@
+// @ts-check
 // Building the page and writing numbers and times. Every string from the bus reaches the page
 // through el() (textContent, attribute values, dataset): never as markup, and the text people
 // read (text, titles, labels) through printable().

@@ -1,3 +1,4 @@
+// @ts-check
 // The logs card of a run page: filters by label, level and text, paging, and follow mode.
 
 import { api, poll, runPath } from './api.js';

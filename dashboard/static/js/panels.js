@@ -1,17 +1,29 @@
+// @ts-check
 // A page of chart panels, in sections by key prefix (`train/`, `eval/`), fetched only while in
 // view: a panel scrolled into view is fetched once, and each refresh fetches at most
 // REFRESH_LIMIT of the panels in view, whatever the number of keys.
 
+import { ignoreApiErrors } from './api.js';
 import { el, count } from './dom.js';
 import { Panel } from './chart.js';
 
 export const REFRESH_LIMIT = 24;
 const SETTLE_MS = 150;        // a panel must stay in view this long before it is fetched
 const OPEN_SECTIONS = 8;      // more sections than this: only the first two start open
+const ZOOM_SETTLE_MS = 250;   // a zoom asks again once the dragging has stopped this long
 
 export function sectionOf(key) {
   const slash = key.indexOf('/');
   return slash > 0 ? key.slice(0, slash) : '';
+}
+
+// A zoom asks the server again for the range in view, in finer buckets.
+export function refreshOnZoom(zoom, grid) {
+  let zooming = null;
+  zoom.onChange(() => {
+    clearTimeout(zooming);
+    zooming = setTimeout(() => grid.refresh().catch(ignoreApiErrors), ZOOM_SETTLE_MS);
+  });
 }
 
 export class PanelGrid {

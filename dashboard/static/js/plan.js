@@ -1,3 +1,4 @@
+// @ts-check
 // What a chart draws, decided without the DOM: from lines and envelopes and the chart settings
 // (x axis, smoothing, log scale, hidden labels) to uPlot's tables, series and bands, plus the
 // marks drawn over them (restarts, gaps, non-finite values).
@@ -12,6 +13,14 @@ import { ema, gapsIn } from './series.js';
 
 export const X_KINDS = ['step', 'wall', 'relative'];
 
+/**
+ * @typedef {import('./series.js').Line} Line
+ * @typedef {import('./series.js').Envelope} Envelope
+ * @typedef {{label: string, kind: string, step: number|null, ts: number}} NonFinite
+ * @typedef {{lines: Line[], envelope?: Envelope|Envelope[], t0?: number|null, color?: string,
+ *   prefix?: string, outliers?: string[], nonFinite?: NonFinite[]}} Part
+ */
+
 function xsOf(source, kind, t0) {
   if (kind === 'step') return source.step;
   if (!source.ts) return null;
@@ -20,12 +29,14 @@ function xsOf(source, kind, t0) {
 
 // A part's envelope segments: one per generation of the run (an elastic restart of every label
 // begins a new one), or one.
+/** @param {Part} part @returns {Envelope[]} */
 export function envelopesOf(part) {
   if (!part.envelope) return [];
   return Array.isArray(part.envelope) ? part.envelope : [part.envelope];
 }
 
 // The x the chart can draw: the one asked for if every line has it, else steps, else wall time.
+/** @param {Part[]} parts @param {string} wanted @returns {string} */
 export function xKindFor(parts, wanted) {
   const sources = parts.flatMap((part) => [...part.lines, ...envelopesOf(part)]);
   const has = (kind) => sources.every((s) => (kind === 'step' ? s.step : s.ts));
@@ -38,6 +49,10 @@ function cleanY(y, log) {
   return log && y <= 0 ? null : y;
 }
 
+/**
+ * @param {Part[]} parts
+ * @param {{xMode?: string, smoothing?: number, log?: boolean, hidden?: Set<string>}} [settings]
+ */
 export function plan(parts, { xMode = 'step', smoothing = 0, log = false, hidden = new Set() } = {}) {
   const xKind = xKindFor(parts, xMode);
   const out = {

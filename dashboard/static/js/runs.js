@@ -1,3 +1,4 @@
+// @ts-check
 // The runs list: a page of the store's runs at a time, searched (id, name, tag, label), filtered
 // (state, start dates), sorted by a column, with the count of every run that matches. The list's
 // question lives in the address (#/?q=…&state=…&sort=…&offset=…), so going back to the list finds
@@ -187,7 +188,7 @@ export function runsView({ picked, maxCompared, compareHref }) {
     total.textContent = count(doc.total) + (doc.total === 1 ? ' run' : ' runs') + (filtered ? ' match' + (doc.total === 1 ? 'es' : '') : '');
     empty.hidden = doc.total > 0;
     empty.textContent = filtered ? 'No runs match.'
-      : 'No runs yet. Log from your job with producer.init(), and keep `runbus ingest` running.';
+      : 'No runs yet. Log from your job with runbus.init(), and keep `runbus ingest` running.';
     pages.set({ offset: doc.offset, shown: doc.runs.length, total: doc.total, limit });
     rows.replaceChildren(...doc.runs.map((run) => runRow(run, picked, pickedChanged, maxCompared)));
   }, RUNS_EVERY_MS);

@@ -1,3 +1,4 @@
+// @ts-check
 // Pure work on series, no DOM: the API's series documents as lines, EMA smoothing, the envelope
 // of many lines (system figures; the server sends metric envelopes), gaps. Shapes:
 //
@@ -9,12 +10,25 @@
 
 import { num } from './dom.js';
 
+/**
+ * @typedef {{label: string, name: string, epoch: number, host?: string|null, step: number[]|null,
+ *   ts: number[]|null, y: number[], lo: number[], hi: number[], downsampled: boolean,
+ *   distance?: number|null, outlier?: boolean}} Line
+ * @typedef {{step: number[]|null, ts: number[]|null, count: number[], min: number[], p10: number[],
+ *   median: number[], p90: number[], max: number[], mean: number[], outliers?: string[], labels: number,
+ *   gaps?: number[][], generation?: number}} Envelope
+ */
+
 export const MAX_LINES = 16;
 export const OUTLIERS = 3;
 const GAP_FACTOR = 5;
 
 // The rows of a series document (`columns` names them) as Lines, one per label and epoch. An
 // `epoch` column (or a series' own `epoch`) splits a label; `ts`/`step` columns give the other x.
+/**
+ * @param {{columns?: string[], x?: string, series?: Array<{label: string, data: any[][], epoch?: number, host?: string, downsampled?: boolean}>}} doc
+ * @param {(label: string, series: object) => string} [named] a line's name from its label and series
+ */
 export function linesFromSeriesDoc(doc, named = (label) => label) {
   const col = Object.fromEntries((doc.columns || []).map((name, index) => [name, index]));
   const xIsStep = doc.x === 'step';
@@ -49,12 +63,18 @@ export function linesFromSeriesDoc(doc, named = (label) => label) {
 }
 
 // Names in their natural order: rank2 before rank10.
+/** @param {string} a @param {string} b */
 export function byName(a, b) {
   return a.localeCompare(b, 'en', { numeric: true });
 }
 
 // TensorBoard's smoothing: an exponential moving average, debiased so the start is not pulled
 // towards zero. Non-finite and missing values are skipped (and stay missing).
+/**
+ * @param {Array<number|null|undefined>} values
+ * @param {number} weight in [0, 1)
+ * @returns {Array<number|null|undefined>}
+ */
 export function ema(values, weight) {
   const out = new Array(values.length);
   let last = 0;
@@ -73,6 +93,7 @@ export function ema(values, weight) {
 }
 
 // Where a line has a hole: indices i with x[i] - x[i-1] far above the line's usual spacing.
+/** @param {number[]} xs @returns {number[]} */
 export function gapsIn(xs) {
   if (xs.length < 4) return [];
   const deltas = [];
@@ -85,6 +106,7 @@ export function gapsIn(xs) {
   return gaps;
 }
 
+/** @param {number[]} sorted ascending @param {number} q in [0, 1] */
 export function quantile(sorted, q) {
   if (!sorted.length) return NaN;
   const at = (sorted.length - 1) * q;
@@ -137,6 +159,11 @@ function bucketed(lines, bins) {
 
 // The envelope of one key across labels, computed here from every label's series; the server's
 // envelope (when it sends one) has the same shape.
+/**
+ * @param {Line[]} lines
+ * @param {{bins?: number, outliers?: number}} [options]
+ * @returns {Envelope}
+ */
 export function envelopeOf(lines, { bins = 400, outliers = OUTLIERS } = {}) {
   const { byStep, used, bucketX, cells } = bucketed(lines, bins);
   const stats = { count: [], min: [], p10: [], median: [], p90: [], max: [], mean: [] };

@@ -1,3 +1,4 @@
+// @ts-check
 // What the user chose for the charts of a page: x axis, smoothing, log scales (per key), labels
 // hidden, labels shown over an envelope. The x axis, smoothing and log scales are kept in
 // localStorage, so they hold on the next load.
@@ -24,6 +25,8 @@ export class Settings {
     this.logKeys = new Set(Array.isArray(saved.logKeys) ? saved.logKeys.filter((k) => typeof k === 'string') : []);
     this.hidden = new Set();
     this.shown = new Set();
+    /** How many rows the run page's labels table shows (it starts with a page of them). */
+    this.labelRows = Infinity;
     this.listeners = [];
     this.frame = null;
   }

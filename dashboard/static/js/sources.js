@@ -1,3 +1,4 @@
+// @ts-check
 // Where the charts' data comes from: the one module that knows the API's routes for it, and
 // turns the server's documents into the shapes the charts draw (js/series.js). Every function
 // here costs a fixed number of requests, whatever the run's size:
@@ -15,7 +16,7 @@
 
 import { ApiError, api, runPath } from './api.js';
 import { num } from './dom.js';
-import { byName, envelopeOf, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './series.js';
+import { byName, linesFromSeriesDoc, MAX_LINES, OUTLIERS } from './series.js';
 
 export const KEYS_PER_PAGE = 60;
 const SERIES_POINTS = 2000;
@@ -136,6 +137,11 @@ function describeDoc(doc) {
 // The drawing of one metric key: every label a line up to MAX_LINES labels, else the envelope
 // (median, p10-p90, min-max) with its outlier labels and the labels the user turned on, all in
 // one request. Returns {parts, info}.
+/**
+ * @param {string} runId
+ * @param {string} key
+ * @param {{run?: {started_ts?: number|null}|null, shown?: Set<string>, xMode?: string, range?: {kind: string, range: number[]}|null}} [options]
+ */
 export async function metricChart(runId, key, { run: runDoc, shown = new Set(), xMode = 'step', range = null } = {}) {
   const t0 = runDoc?.started_ts ?? null;
   const labels = [...shown].sort(byName).slice(0, MAX_SHOWN);
@@ -167,6 +173,11 @@ export async function systemFigures(runId) {
 // One system figure over time, across every label's GPUs (or those of `host`, '' for all):
 // every line up to MAX_LINES, else the envelope and its outlying lines. A line is one label's
 // key: `rank3`, or `rank3 · gpu0` in a GPU figure. One request.
+/**
+ * @param {string} runId
+ * @param {string} figure
+ * @param {{run?: {started_ts?: number|null}|null, host?: string}} [options]
+ */
 export async function systemChart(runId, figure, { run: runDoc, host = '' } = {}) {
   const doc = await api(runPath(runId, '/system/envelope'), { key: figure, host, lines: MAX_LINES, outliers: OUTLIERS });
   const t0 = runDoc?.started_ts ?? null;
@@ -189,6 +200,10 @@ export async function systemChart(runId, figure, { run: runDoc, host = '' } = {}
 
 // Seconds per step of every label and step bucket, from when `key` was logged (or, with
 // `timeKey`, from its values: a key of step times), the slowest labels first. One request.
+/**
+ * @param {string} runId
+ * @param {{key?: string, timeKey?: boolean}} [options]
+ */
 export async function stragglers(runId, { key, timeKey = false } = {}) {
   const doc = await api(runPath(runId, '/stragglers'), { [timeKey ? 'time_key' : 'key']: key, buckets: HEAT_BUCKETS });
   const buckets = doc.buckets.map(([from, to]) => ({ from, to }));

@@ -1,3 +1,4 @@
+// @ts-check
 // The straggler view: a label x step heatmap of seconds per step (a canvas; each cell coloured by
 // its ratio to that step bucket's median across labels) and the table of the slowest labels,
 // chronic (behind in most buckets) or one-off (one bad stretch), with how far behind they are: only
@@ -32,6 +33,10 @@ function percent(fraction) {
   return Math.abs(p) < 0.05 ? '0.0%' : (p > 0 ? '+' : '') + p.toFixed(1) + '%';
 }
 
+/**
+ * @param {{labels: string[], buckets: Array<{from: number, to: number}>, cells: number[][], median: number[], slowest: any[]}} data
+ * @param {{hostOf?: (label: string) => string|null|undefined, labelClicked?: (label: string) => void}} [options]
+ */
 export function stragglerView(data, { hostOf = () => null, labelClicked = () => {} } = {}) {
   const { labels, buckets, cells, median, slowest } = data;
   const order = labels.map((label, i) => i);  // rows in the labels' own order (rank order)

@@ -1,3 +1,4 @@
+// @ts-check
 // The system card of a run page: one chart per figure (GPU figures of every index together),
 // read from the rollups: every label a line up to MAX_LINES series, else the envelope across
 // labels and its outliers; a host picker narrows it to one host's labels. The figures are

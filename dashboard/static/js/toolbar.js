@@ -1,3 +1,4 @@
+// @ts-check
 // The controls above a page's charts: panel search (a regular expression), the x axis, smoothing,
 // labels to show over an envelope, and zoom reset. They change the page's Settings and Zoom;
 // the panels listen.
@@ -86,6 +87,7 @@ export function pager(onPage) {
   const element = el('div', { class: 'pager' }, text, prev, next);
   return {
     element,
+    /** @param {{offset: number, shown: number, total: number, all?: number}} page `all`: every key, when a search narrowed them */
     set({ offset, shown, total, all }) {
       const range = total ? (offset + 1).toLocaleString('en-US') + '–' + (offset + shown).toLocaleString('en-US') + ' of ' : '';
       const matching = total.toLocaleString('en-US') + (total === 1 ? ' key' : ' keys');
