@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypedDict, Unpack
 
 from runbus import config as settings
 from runbus.errors import (
@@ -37,6 +37,7 @@ from runbus.wire import check_name
 
 __all__ = [
     "IdentityUnknown",
+    "InitOptions",
     "InvalidName",
     "LabelInUse",
     "PrimaryConflict",
@@ -49,6 +50,31 @@ __all__ = [
 ]
 
 log = logging.getLogger("runbus.producer")
+
+
+class InitOptions(TypedDict, total=False):
+    """runbus.init()'s options beyond its named arguments, each with its default (docs/producer.md
+    says what each does)."""
+
+    system_interval: float | None  # 15 s between system samples; None: none
+    console: Literal["primary", "all", "off"]  # RUNBUS_CONSOLE, else "primary": what is captured and echoed
+    finish_timeout: float  # 30 s that finish() waits for what is unshipped
+    gpu_device_ids: Sequence[int] | None  # the GPUs sampled: by LOCAL_RANK and CUDA_VISIBLE_DEVICES
+    hardware: bool  # True: describe the host (CPUs, GPUs, versions) in the start event
+    git: bool | None  # RUNBUS_GIT, else True: the working directory's git state in the start event
+    max_buffer_events: int  # 50,000 events queued before encoding (then log() waits: back-pressure)
+    flush_interval: float  # 0.05 s between shipments at most
+    batch_size: int  # 2000 events a shipment at most
+    heartbeat_interval: float  # 10 s
+    primary_ttl: float  # 30 s
+    lease_ttl: float | None  # three heartbeats, at least 30 s
+    connect_timeout: float  # 2 s
+    socket_timeout: float  # 10 s
+    max_backoff: float  # 5 s between reconnects at most
+    max_buffer_bytes: int  # 128 MiB of encoded events held in memory while Redis is away
+    spool_dir: str | os.PathLike[str] | Literal[False] | None  # RUNBUS_SPOOL_DIR, else ~/.cache/runbus/spool
+    max_spool_bytes: int  # 4 GiB
+
 
 _RUN_OPTIONS = {"max_buffer_events", "system_interval", "finish_timeout", "gpu_device_ids", "console"}
 _SHIPPER_OPTIONS = {
@@ -126,68 +152,30 @@ def init(
     name: str | None = None,
     tags: Sequence[str] | None = None,
     quiet: bool | None = None,
-    **options: Any,
+    **options: Unpack[InitOptions],
 ) -> Run:
-    """Start logging this process into a run, as one label.
+    """Start logging this process into a run, as one label; the long form is docs/producer.md.
 
-    Zero-config under torchrun, `accelerate launch`, DeepSpeed, Lightning, srun and mpirun (see
-    runbus.producer.environment): the run id is RUNBUS_RUN_ID, else the launcher's id for the job,
-    else the one rank 0 gives the process group (once the script has called init_process_group),
-    else, for a single process, a new one, exported to RUNBUS_RUN_ID for the processes it starts
-    (until its finish). The label is RUNBUS_LABEL, else `rank{RANK}`; primary when the rank is 0
-    (or a single process) and the label is that one (a label passed as an argument, a child's
-    own, is not primary unless primary=True); RUNBUS_REDIS_URL, else redis://127.0.0.1:6379/0.
-    Several ranks that cannot agree on a run id raise IdentityUnknown naming the ways out.
+    Zero-config under torchrun, `accelerate launch`, DeepSpeed, Lightning, srun and mpirun: the run
+    id is RUNBUS_RUN_ID, else the launcher's id for the job, else the one rank 0 gives the process
+    group, else a new one for a single process (exported to RUNBUS_RUN_ID for its children). The
+    label is RUNBUS_LABEL, else `rank{RANK}`; rank 0's is the primary. Ranks that cannot agree on
+    a run id raise IdentityUnknown naming the ways out. A label has one live writer (a lease in
+    Redis); `resume` ("never", "allow", "must") says what to do with a run that exists.
 
-    The primary prints one line on stderr: the run id, its label, `runbus show ID` and, with
-    RUNBUS_DASHBOARD_URL set, the run's page; quiet=True (or RUNBUS_QUIET=1) silences it.
+    log() never does I/O and never waits on an absent Redis: events wait in memory, then in a
+    spool on disk (spool_dir), shipped on reconnect or by `runbus sync`; while Redis answers
+    nothing is dropped. `config`, `name` and `tags` are run metadata (secrets redacted). The
+    other options (InitOptions) tune buffering, sampling, heartbeats and what the start event
+    describes.
 
-    A label has one live writer: this process holds a lease on it in Redis (renewed by its
-    heartbeats, lease_ttl: 3 heartbeats, at least 30 s; given back at finish). resume
-    (RUNBUS_RESUME, else "never") says what to do with a run that exists: "never", a new job
-    (restart count 0) does not continue a finished run; "allow" continues it under new epochs;
-    "must" requires the run to exist. torchrun's elastic restarts always continue their run.
-
-    Buffering: max_buffer_events (50,000 events queued before encoding). While Redis answers
-    nothing is dropped: a log() call that finds the queue full waits until the shipper has taken
-    some (back-pressure, only when the loop logs faster than events can be shipped). log() never
-    waits on Redis for more than about 100 ms: while Redis is away, paused, slow or answering
-    -OOM, events are encoded into max_buffer_bytes (128 MiB in memory), then an append-only file
-    in spool_dir (RUNBUS_SPOOL_DIR, else ~/.cache/runbus/spool; owner-only; False or
-    RUNBUS_SPOOL_DIR=off: none), up to max_spool_bytes (4 GiB), shipped on reconnect or by the
-    next init() of this run and label; what finds those bounds full is dropped, counted, and
-    reported as explained gaps (start and finish never are). finish() returns False when
-    anything was dropped or left unshipped. Offline (Redis never reached by this process),
-    finish() does not wait for it: after one more try it leaves the events in the spool and
-    returns, and the primary says where the run waits; `runbus sync` ships it later, once
-    (docs/offline.md).
-
-    Run metadata: `config` (a dict or an argparse.Namespace; secrets redacted) is this label's
-    config at start; `run.config.update()` adds to it, `run.summary[...]` sets final values, and
-    `name` and `tags` (here, or `run.name = …`, `run.tags = […]` later) name the run; see
-    runbus.producer.metadata for what is accepted. Each label's values are stored apart; shown
-    merged, the primary's value of a key wins, else the latest any other label set.
-
-    Options: system_interval (15 s; None turns sampling off),
-    finish_timeout (30 s), gpu_device_ids, heartbeat_interval (10 s), flush_interval (0.05 s),
-    batch_size (2000), primary_ttl (30 s), connect_timeout (2 s), socket_timeout (10 s),
-    max_backoff (5 s), hardware (True: describe CPU and GPUs in the start event), git
-    (RUNBUS_GIT, else True: record the working directory's git commit, branch, dirty state and
-    origin URL, its credentials hidden, in the start event; see runbus.producer.gitstate), console
-    (RUNBUS_CONSOLE, else "primary": capture stdout, stderr and logging records as log events;
-    only the primary echoes to the terminal, other ranks echo their errors with a `[label] `
-    prefix; "all": every rank echoes, prefixed; "off": no capture; see runbus.producer.console).
-
-    Raises ValueError for invalid names (InvalidName: a run id, label, run name or tag) and
-    configs (TypeError for one that is no dict), LabelInUse (naming its host and pid) when another live
-    process logs as this run and label, RunExists / RunNotFound as resume says, PrimaryConflict
-    when another label is the run's live primary. If Redis cannot be reached, or refuses the
-    credentials (logged once, as an error), init() returns at once and events are buffered; a
-    conflict found once Redis answers is logged as one error, nothing of this Run is shipped, and
-    finish() returns False. init() again in this process for a live label returns that Run.
+    Raises ValueError for invalid names and values (InvalidName), TypeError for an unknown option
+    or a config that is no dict, LabelInUse, RunExists / RunNotFound (as resume says) and
+    PrimaryConflict. A Redis that cannot be reached is no error: init() returns at once.
+    init() again in this process for a live label returns that Run.
     """
     identity: Identity = environment.resolve(run_id, label, primary, redis_url, resume=resume)
-    run_options, shipper_options = _split_options(options)
+    run_options, shipper_options = _split_options(dict(options))
     plain_config = metadata.plain_values(config, "config")
     naming: dict[str, Any] = {}
     if name is not None:

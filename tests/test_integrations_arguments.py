@@ -48,3 +48,16 @@ def test_a_bad_argument_is_refused_when_the_integration_is_built(integration, ar
 def test_good_arguments_build_without_redis(integration):
     # No Redis answers at this address: building must not need it.
     integration(name="baseline", tags=["ddp"], redis_url="redis://127.0.0.1:1/0", system_interval=None)
+
+
+def test_the_typed_options_are_the_options_init_takes():
+    # InitOptions is what editors and type checkers know of init(**options): the same names as
+    # the ones init() accepts at run time, each with a type.
+    from runbus import producer
+
+    typed = set(producer.InitOptions.__annotations__)
+    assert typed == producer._RUN_OPTIONS | producer._SHIPPER_OPTIONS | producer._DESCRIBE_OPTIONS
+    # Where a type admits None, None is accepted as the default.
+    for name in ("system_interval", "gpu_device_ids", "lease_ttl", "git", "spool_dir"):
+        assert "None" in str(producer.InitOptions.__annotations__[name])
+        check_arguments(**{name: None})
