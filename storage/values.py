@@ -25,7 +25,7 @@ import numpy.typing as npt
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
 from runbus.storage.columns import Bounds, bounds
-from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
+from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_many
 from runbus.storage.rules import natural_key
 
 # A chunk row as a read selects it: (label, key, epoch, first seq, data).
@@ -37,6 +37,7 @@ HeadRow = tuple[str, str, int, int, int | None, float, float | bytes | None]
 
 
 SLICE_POINTS = 1 << 17  # points decoded together: a read's workings beyond its columns
+MIN_SLICE_POINTS = 1 << 14  # a slice smaller than this costs more to hand to a thread than it saves
 DECODE_THREADS = 4  # at most, and no more than the machine's cores
 
 # Label and key codes: places in Values.labels and Values.keys.
@@ -196,8 +197,11 @@ def _series_of(chunk: ChunkPart) -> tuple[str, str, int]:
 
 
 def _slices(counts: Ints) -> list[tuple[int, int]]:
-    """(first, end) chunk indexes of slices of about SLICE_POINTS points (a chunk is not cut)."""
-    ends = np.flatnonzero(np.diff(np.cumsum(counts) // SLICE_POINTS)) + 1
+    """(first, end) chunk indexes of slices of about SLICE_POINTS points (a chunk is not cut),
+    or smaller, down to MIN_SLICE_POINTS, so that a smaller read is still shared by the threads."""
+    total = int(counts.sum())
+    size = max(MIN_SLICE_POINTS, min(SLICE_POINTS, -(-total // _thread_count())))
+    ends = np.flatnonzero(np.diff(np.cumsum(counts) // size)) + 1
     edges = [0, *ends.tolist(), len(counts)]
     return [(first, end) for first, end in pairwise(edges) if end > first]
 
@@ -221,10 +225,12 @@ def _threads() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(
-                min(DECODE_THREADS, os.cpu_count() or 1), thread_name_prefix="runbus-decode"
-            )
+            _pool = ThreadPoolExecutor(_thread_count(), thread_name_prefix="runbus-decode")
         return _pool
+
+
+def _thread_count() -> int:
+    return min(DECODE_THREADS, os.cpu_count() or 1)
 
 
 def _forget_threads() -> None:
@@ -233,6 +239,28 @@ def _forget_threads() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_threads)
+
+
+def _decoded(blobs: list[bytes], counts: Ints) -> Arrays:
+    """decode_many of `blobs` (of `counts` points each), in slices side by side, joined."""
+    slices = _slices(counts) if len(blobs) else [(0, 0)]
+    parts: list[Arrays | None] = [None] * len(slices)
+
+    def decode(first: int, end: int) -> None:
+        parts[slices.index((first, end))] = decode_many(blobs[first:end])
+
+    _side_by_side(decode, slices)
+    found = [part for part in parts if part is not None]
+    if len(found) == 1:
+        return found[0]
+    nulls = [p.step_nulls if p.step_nulls is not None else np.zeros(len(p.seqs), np.bool_) for p in found]
+    return Arrays(
+        np.concatenate([p.seqs for p in found]),
+        np.concatenate([p.steps for p in found]),
+        np.concatenate(nulls) if any(p.step_nulls is not None for p in found) else None,
+        np.concatenate([p.ts for p in found]),
+        np.concatenate([p.values.astype(np.float64, copy=False) for p in found]),
+    )
 
 
 class _Clock:
@@ -273,7 +301,7 @@ class _Clock:
             if head.last_seq >= spans[of][0] and head.first_seq <= spans[of][1]:
                 mine.append((of, head.first_seq, head.points, clock[2]))
         mine.sort(key=lambda found: found[:2])
-        arrays = decode_many([blob for _, _, _, blob in mine])
+        arrays = _decoded([blob for _, _, _, blob in mine], np.array([n for _, _, n, _ in mine], np.int64))
         group = np.repeat(np.array([of for of, _, _, _ in mine], np.int64), [n for _, _, n, _ in mine])
         low = min([head.first_seq for head in heads] + ([int(arrays.seqs.min())] if mine else []))
         high = max([head.last_seq for head in heads] + ([int(arrays.seqs.max())] if mine else []))
