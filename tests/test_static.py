@@ -59,7 +59,8 @@ def test_types_check_with_zero_errors() -> None:
 
 @pytest.mark.typecheck
 def test_pyright_finds_every_module_with_zero_errors() -> None:
-    result = run(["-m", "pyright", "--outputjson"], ROOT)
+    # The environment this test runs in (its PATH here names no virtual environment).
+    result = run(["-m", "pyright", "--pythonpath", sys.executable, "--outputjson"], ROOT)
     summary = json.loads(result.stdout)["summary"]
     assert summary["errorCount"] == 0, result.stdout
     assert summary["filesAnalyzed"] == len(package_files()), result.stdout
