@@ -224,7 +224,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
         result = asyncio.run(act())
     except unreachable as exc:
         raise CommandError(f"cannot reach Redis at {safe_url(args.redis)}: {exc}") from exc
-    if args.replay:
+    if isinstance(result, deadletter.Replay):
         print(f"replayed {result.replayed} dead-lettered entries onto their streams")
         if result.taken:
             print(f"{result.taken} were being replayed by another `runbus dead --replay`")

@@ -65,7 +65,8 @@ def run_worker(worker: Worker, http: tuple[str, int] | None = None) -> int:
         else "no signal handlers (handle_signals is off)",
     )
     try:
-        asyncio.run(worker.async_run() if http is None else ops_http.serve_while_running(worker, *http))
+        # ops_http is imported above whenever http is given.
+        asyncio.run(worker.async_run() if http is None else ops_http.serve_while_running(worker, *http))  # pyright: ignore[reportPossiblyUnboundVariable]
     except CannotListen as exc:
         log.error("%s", exc)
         return 1

@@ -321,7 +321,7 @@ class RunbusLogger(Logger):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ended = state.get("_ended", False)
-        self.__dict__.update(state)
+        vars(self).update(state)
         self._reset_process_state()
         self._ended = ended
 

@@ -13,7 +13,7 @@ leave the process, keys by shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from runbus import wire
@@ -103,7 +103,7 @@ def _plain_object(value: Any, depth: int) -> Any:
 
 def _element_count(value: Any) -> int | None:
     """How many elements a tensor or numpy value holds; None for other objects."""
-    numel = getattr(value, "numel", None)
+    numel: Callable[[], int] | None = getattr(value, "numel", None)
     if callable(numel) and getattr(value, "dim", None) is not None:  # a torch.Tensor
         try:
             return int(numel())

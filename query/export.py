@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -94,7 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if to_stdout:
             write(table, form, sys.stdout.buffer, progress)
             return 0
-        with written(Path(args.out)) as out:
+        with written(Path(cast(str, args.out))) as out:
             write(table, form, out, progress)
     return 0
 

@@ -405,7 +405,7 @@ def _text(values: Sequence[str | None] | np.ndarray) -> pd.Series:
     """Text as pandas' own text dtype (`str`; missing values NaN)."""
     import pandas as pd
 
-    return pd.Series(values, dtype="str")
+    return pd.Series(cast(Any, values), dtype="str")
 
 
 def _integers(values: Sequence[int]) -> pd.Series:
@@ -430,7 +430,7 @@ def _times(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> pd.Ser
         # column (8 bytes a value) to change nothing but its type.
         utc = cast(Any, pd.arrays.DatetimeArray)._simple_new(whole, dtype=pd.DatetimeTZDtype("us", "UTC"))
     except (AttributeError, TypeError):  # a pandas without it: the public way
-        return pd.Series(whole, copy=False).dt.tz_localize("UTC")
+        return cast(Any, pd.Series(whole, copy=False)).dt.tz_localize("UTC")
     return pd.Series(utc, copy=False)
 
 

@@ -350,6 +350,7 @@ class RollupReader(Protocol):
         """Up to `limit` of one label's values in `table` (of one `key` if given), in (key, epoch,
         seq) order, from just after the (key, epoch, seq) `after` (from the first if None): a whole
         run read a page at a time, each page a range of the table's primary key."""
+        ...
 
     # The reads below read a metric key's rollups, or with `table` "system" a system sample
     # key's (rollups.series_run).
@@ -359,15 +360,18 @@ class RollupReader(Protocol):
     ) -> list[tuple[str, int, int, int | None, float, float]]:
         """Every stored value of a key: (label, epoch, seq, step, ts, value), each label's
         in (epoch, seq) order, the labels in no order (a lean read for small keys' exact charts)."""
+        ...
 
     async def key_extent(self, run_id: str, key: str, table: PointTable = "metrics") -> KeyExtent | None:
         """A key's spans per axis and generation, and its labels; None if never logged."""
+        ...
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
     ) -> list[RunBucket]:
         """A key's run_rollups buckets lo..hi at `width` on `axis`, every generation's, slots
         merged, in (generation, bucket) order."""
+        ...
 
     async def label_buckets(
         self,
@@ -381,12 +385,14 @@ class RollupReader(Protocol):
         table: PointTable = "metrics",
     ) -> list[LabelBucket]:
         """A key's label_rollups buckets lo..hi at `width` on `axis`, of `labels` (all if None)."""
+        ...
 
     async def open_buckets(
         self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[LabelBucket]:
         """Each label epoch's highest 128-step bucket of a key on `axis` (of `labels`, all if
         None): the open ones, not yet in the wider rows nor the sketch (storage/rollups.py)."""
+        ...
 
 
 class Store(RollupReader, Protocol):
@@ -401,13 +407,16 @@ class Store(RollupReader, Protocol):
 
     async def connect(self) -> None:
         """Open connections and, unless opened with create=False, create or migrate the schema."""
+        ...
 
     async def close(self) -> None:
         """Release every connection."""
+        ...
 
     async def identity(self) -> str:
         """The store's id: random, made with its schema, the same through any URL that reaches
         it (the ingester's default consumer group is named after it)."""
+        ...
 
     async def write(self, events: Sequence[Event], holders: Mapping[str, str | None] | None = None) -> int:
         """Store a batch in one transaction, applying storage.rules; return how many were new.
@@ -416,36 +425,45 @@ class Store(RollupReader, Protocol):
         run, the label that held the producers' live primary claim when the ingester first saw
         the run's primary start (None: no claim was held), which decides a run's primary.
         """
+        ...
 
     async def compact_due(self, limit: int = 64) -> int:
         """Move the head rows of up to `limit` label epochs already due (storage/chunking.py: a
         store migrated from rows, a head left full) into column chunks, in one transaction; how
         many label epochs are due still."""
+        ...
 
     async def mark_crashed(self, silent_since: float) -> list[tuple[str, str]]:
         """Mark running labels not heard from (ingest time) since `silent_since` as crashed,
         with their runs where the label is the primary; return the (run, label)s marked."""
+        ...
 
     async def runs(self) -> list[RunSummary]:
         """Every run, newest first (labels not filled in)."""
+        ...
 
     async def run_page(self, query: RunQuery, labels: bool = False) -> RunPage:
         """The runs `query` matches, in its order, the page it asks for (with their event counts;
         with `labels`, their labels' names, states and primary, read just after), with how many
         match in all, read in one snapshot."""
+        ...
 
     async def run(self, run_id: str) -> RunSummary | None:
         """One run with its labels and event counts, or None if unknown."""
+        ...
 
     async def run_ids(self, prefix: str, limit: int) -> list[str]:
         """Up to `limit` ids of runs that start with `prefix` (not empty), in code point order
         (storage/lookup.py finds a run by its id or a unique prefix of it)."""
+        ...
 
     async def metric_keys(self, run_id: str) -> list[str]:
         """The metric names logged in a run."""
+        ...
 
     async def system_keys(self, run_id: str) -> list[str]:
         """The system sample keys of a run (`gpu.0.util`, `proc.rss_mb` ...), from its rollups."""
+        ...
 
     async def values(
         self,
@@ -459,12 +477,15 @@ class Store(RollupReader, Protocol):
         `steps`, first to last included, values.step_range's) as arrays, by label (natural
         order), key, epoch, seq: read from the chunks and head rows that hold them, and of the
         chunks only those that hold such values."""
+        ...
 
     async def metrics(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """Metric values ordered by label, key, step (then epoch, seq)."""
+        ...
 
     async def system(self, run_id: str, key: str | None = None, label: str | None = None) -> list[Point]:
         """System samples ordered by label, key, ts."""
+        ...
 
     async def logs(
         self,
@@ -476,6 +497,7 @@ class Store(RollupReader, Protocol):
         offset: int = 0,
     ) -> list[LogLine]:
         """Log lines ordered by ts (then label, epoch, seq), filtered and paged."""
+        ...
 
     async def log_page(
         self,
@@ -488,6 +510,7 @@ class Store(RollupReader, Protocol):
     ) -> list[LogLine]:
         """Up to `limit` of one label's log lines, in (epoch, seq) order, from just after the
         (epoch, seq) `after` (from the first if None), filtered as `logs` filters them."""
+        ...
 
     async def key_page(
         self,
@@ -499,10 +522,12 @@ class Store(RollupReader, Protocol):
     ) -> KeyPage:
         """A page of the run's metric keys that start with `prefix` and hold `contains` (ASCII
         letters in any case), in code point order, with how many match in all."""
+        ...
 
     async def label_starts(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Each label's latest start event data (host, rank, hardware with GPUs, driver, CUDA,
         torch, argv ...), by label; {} for a label whose start never arrived."""
+        ...
 
     async def envelope(
         self,
@@ -517,6 +542,7 @@ class Store(RollupReader, Protocol):
         shown: Sequence[str] = (),
     ) -> Envelope | None:
         """One key's chart: charts.envelope."""
+        ...
 
     async def save_beats(self, beats: Sequence[Event]) -> None:
         """Keep each label's latest heartbeat of `beats` (stored already): storage/beats.py."""
@@ -545,3 +571,4 @@ class Store(RollupReader, Protocol):
         buckets: int = DEFAULT_HEAT_BUCKETS,
     ) -> Stragglers | None:
         """Step times per label and step bucket: charts.stragglers."""
+        ...

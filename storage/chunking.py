@@ -91,7 +91,7 @@ def row_columns(rows: Iterable[Sequence[Any]], steps: bool) -> list[KeyColumns]:
     for (label_id, key, epoch), group in by_series.items():
         columns = list(zip(*group, strict=True))
         seqs = list(columns[3])
-        given = list(columns[4]) if steps else [None] * len(seqs)
+        given: list[int | None] = list(columns[4]) if steps else [None] * len(seqs)
         found.append((label_id, key, epoch, seqs, given, list(columns[-2]), list(columns[-1])))
     return found
 
@@ -112,7 +112,7 @@ def split_due(
     direct: list[tuple[PointTable, KeyColumns]] = [
         ("metrics", c) for c in metric_columns if (c[0], c[2]) in due
     ]
-    direct += [("system", c) for c in system_columns if (c[0], c[2]) in due]
+    direct.extend(("system", c) for c in system_columns if (c[0], c[2]) in due)
     return metric_rows, system_rows, direct
 
 

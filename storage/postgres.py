@@ -8,7 +8,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import asyncpg
 
@@ -671,7 +671,7 @@ async def _compact(
     heads: tuple[tuple[PointTable, str], ...] = (("metrics", "m.step"), ("system", "NULL::int8"))
     for table, step in heads:
         taken = await con.fetch(_TAKE_HEAD.format(table=table, step=step), *pairs)
-        found += [(table, c) for c in chunking.row_columns(taken, steps=True)]
+        found.extend((table, c) for c in chunking.row_columns(taken, steps=True))
     ids = await _series_id_map(con, chunking.series_wanted(found, runs), known.series, learned.series)
     records = chunking.chunk_rows(chunking.parts_of(found, runs, ids))
     await con.copy_records_to_table("chunks", records=records, columns=_CHUNK_COLUMNS)
@@ -719,7 +719,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         where = f"postgres {safe_url(self.url)}"
         # A driver's text may quote the DSN or a piece of it (a bad query field): mask its secrets.
         what = redact_text(f"{type(exc).__name__}: {exc}", url_secrets(self.url))
-        sqlstate = (exc.sqlstate or "") if isinstance(exc, asyncpg.PostgresError) else ""
+        sqlstate = (cast(Any, exc).sqlstate or "") if isinstance(exc, asyncpg.PostgresError) else ""
         if sqlstate[:2] == DENIED_CLASS:
             return AccessDenied(f"{where} refused access ({what}): fix the user or password in the store URL")
         if sqlstate == INSUFFICIENT_PRIVILEGE:

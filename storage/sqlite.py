@@ -662,7 +662,7 @@ def _compact(
                 f"SELECT label_id, key, epoch, seq, {step}, ts, value FROM {table} "
                 "WHERE label_id = ? AND epoch = ?"
             )
-            found += [(table, c) for c in chunking.row_columns(con.execute(query, where), steps=True)]
+            found.extend((table, c) for c in chunking.row_columns(con.execute(query, where), steps=True))
             con.execute(f"DELETE FROM {table} WHERE label_id = ? AND epoch = ?", where)
     ids = _series_id_map(con, chunking.series_wanted(found, runs))
     parts = chunking.parts_of(found, runs, ids)

@@ -88,7 +88,8 @@ class Values:
 
     def take(self, index: Any) -> Values:
         """The points at `index` (a slice, a mask or positions)."""
-        return Values(self.labels, self.keys, *(column[index] for column in self.columns()))
+        taken: list[Any] = [column[index] for column in self.columns()]
+        return Values(self.labels, self.keys, *taken)
 
 
 def empty(labels: Sequence[str] = (), keys: Sequence[str] = ()) -> Values:

@@ -1,11 +1,15 @@
-"""Static checks inside the test command: types (mypy), import contracts (import-linter), lint.
+"""Static checks inside the test command: types (mypy, pyright), import contracts (import-linter), lint.
 
-Both mypy and import-linter read the installed layout (tests/layout.py), where producer/ is
-runbus/producer/ as in a wheel; their settings are in pyproject.toml.
+Each runs from the repository root as a developer runs it: runbus/producer and the others are
+committed links to the top-level folders, so every tool finds runbus.* there. Their settings
+are in pyproject.toml. The type checks take minutes: `-m "not typecheck"` leaves them out.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -13,14 +17,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.layout import ROOT, installed_tree
-
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "pyproject.toml")
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return installed_tree(tmp_path_factory.mktemp("installed"))
+def package_files() -> list[str]:
+    """Every module of the package, through the links under runbus/ to the top-level folders."""
+    walk = os.walk(ROOT / "runbus", followlinks=True)
+    return [os.path.join(folder, name) for folder, _, names in walk for name in names if name.endswith(".py")]
+
+
+def test_runbus_links_each_folder_pyproject_installs_under_it() -> None:
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in folders.items():
+        link = ROOT.joinpath(*package.split("."))
+        if package != "runbus":  # a link git keeps, relative, so a clone anywhere resolves it
+            assert link.is_symlink() and os.readlink(link) == f"../{folder}", link
+        assert link.resolve() == (ROOT / folder).resolve() and (link / "__init__.py").is_file()
 
 
 def run(tool: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -34,19 +47,32 @@ def run(tool: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.typecheck  # the slowest test (~45 s): `-m "not typecheck"` skips it locally; CI runs it
-def test_types_check_with_zero_errors(tree: Path) -> None:
-    result = run(["-m", "mypy", "--config-file", CONFIG, "-p", "runbus"], tree)
+@pytest.mark.typecheck
+def test_types_check_with_zero_errors() -> None:
+    result = run(["-m", "mypy", "--config-file", CONFIG, "-p", "runbus"], ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Success: no issues found" in result.stdout
+    # Every module, producer/boot/ included (mypy counts the data folders as packages too).
+    checked = re.search(r"in (\d+) source files", result.stdout)
+    assert checked and int(checked[1]) >= len(package_files()), result.stdout
 
 
-def test_imports_run_one_way(tree: Path) -> None:
+@pytest.mark.typecheck
+def test_pyright_finds_every_module_with_zero_errors() -> None:
+    # The environment this test runs in (its PATH here names no virtual environment).
+    result = run(["-m", "pyright", "--pythonpath", sys.executable, "--outputjson"], ROOT)
+    summary = json.loads(result.stdout)["summary"]
+    assert summary["errorCount"] == 0, result.stdout
+    assert summary["filesAnalyzed"] == len(package_files()), result.stdout
+
+
+def test_imports_run_one_way() -> None:
     lint_imports = "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"
-    result = run(["-c", lint_imports, "--config", CONFIG, "--no-cache"], tree)
+    result = run(["-c", lint_imports, "--config", CONFIG, "--no-cache"], ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     contracts = len(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"])
     assert contracts >= 6 and f"Contracts: {contracts} kept, 0 broken" in result.stdout
+    assert f"Analyzed {len(package_files())} files" in result.stdout, result.stdout
 
 
 def test_the_code_passes_the_linter() -> None:

@@ -1,0 +1,5 @@
+"""asyncpg ships no type information: every name is Any to pyright, as to mypy (pyproject.toml)."""
+
+from typing import Any
+
+def __getattr__(name: str) -> Any: ...
