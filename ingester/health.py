@@ -134,10 +134,12 @@ class HealthKeeper:
     async def _alert(self, alert: dict[str, Any]) -> None:
         """Run the --on-alert command with `alert` as JSON on its stdin."""
         assert self.on_alert is not None
+        command: asyncio.subprocess.Process | None = None
         try:
             command = await asyncio.create_subprocess_shell(self.on_alert, stdin=asyncio.subprocess.PIPE)
             await asyncio.wait_for(command.communicate(orjson.dumps(alert)), ALERT_TIMEOUT)
         except TimeoutError:
+            assert command is not None  # only its communicate() times out
             command.kill()
             await command.wait()
             log.error("--on-alert command ran past %.0fs and was killed", ALERT_TIMEOUT)

@@ -183,7 +183,8 @@ def init(
     if tags is not None:
         naming["tags"] = metadata.checked_tags(tags)
     silent = settings.quiet() if quiet is None else bool(quiet)
-    describe_git = settings.record_git() if options.get("git") is None else bool(options["git"])
+    git = options.get("git")
+    describe_git = settings.record_git() if git is None else bool(git)
     with _active_lock:
         key = (identity.run_id, identity.label)
         existing = _active.get(key)

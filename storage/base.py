@@ -549,17 +549,20 @@ class Store(RollupReader, Protocol):
 
     async def health_inputs(self) -> list[RunVitals]:
         """The runs the health detector judges, with their labels' latest beats."""
+        ...
 
     async def record_health(
         self, run: RunVitals, state: str, key: str, doc: dict[str, Any], now: float
     ) -> bool:
         """Record a run's verdict by compare and set; True if this call changed it."""
+        ...
 
     async def health(self, run_id: str) -> dict[str, Any] | None:
         """A run's recorded health object, or None before any detector judged it."""
 
     async def last_lines(self, run_id: str, label: str, count: int = 10) -> list[str]:
         """A label's last `count` log lines, oldest first."""
+        ...
 
     async def stragglers(
         self,
