@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from runbus.errors import StoreError
+from runbus.ingester.findings import FindingsReader
 from runbus.redact import redact
 from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
@@ -75,6 +76,9 @@ class HealthKeeper:
         self.alerts = 0  # alerts this worker raised
         self._host = socket.gethostname()
         self._commands: set[asyncio.Task] = set()
+        self.findings = FindingsReader(store)
+        # Each live run's latest health object, for the ops endpoint's gauges.
+        self.live: dict[str, dict[str, Any]] = {}
 
     async def note(self, events: Sequence[Event]) -> None:
         """Keep the latest heartbeat of each label among `events` (a stored batch)."""
@@ -101,19 +105,36 @@ class HealthKeeper:
     async def tick(self) -> int:
         """Judge every run the store lists as live once; how many changes this worker recorded."""
         changed = 0
-        for run in await self.store.health_inputs():
+        runs = await self.store.health_inputs()
+        live = {run.run_id for run in runs if run.state == "running"}
+        self.findings.forget_others(live)
+        for run_id in set(self.live) - live:
+            del self.live[run_id]
+        for run in runs:
             changed += await self._judge(run)
         return changed
 
     async def _judge(self, run: RunVitals) -> bool:
         now = time.time()
         labels = [_looked_at(v, now, self.settings, self._host) for v in run.labels]
-        verdict = judge(run.state, labels, now, self.settings)
+        found = None
+        if run.state == "running":
+            found = await self.findings.read(run.run_id, {v.label: v.beat for v in labels})
+        verdict = judge(
+            run.state,
+            labels,
+            now,
+            self.settings,
+            found.stragglers if found else (),
+            found.anomalies if found else (),
+        )
         key = verdict.key
         since = run.health_since if key == run.health_key else now
         for culprit in verdict.culprits:
             culprit["last_lines"] = await self.store.last_lines(run.run_id, culprit["label"], LAST_LINES)
         doc = verdict.document(since)
+        if run.state == "running":
+            self.live[run.run_id] = doc
         if not await self.store.record_health(run, verdict.state, key, doc, now):
             return False
         log.log(

@@ -1,0 +1,84 @@
+"""What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
+(from each label's compute or step times, the time lost to each counted as the steps come in) and
+its first NaN/inf values, re-read at most every `every` seconds per run (they change only as
+steps are stored, and a read costs more than the heartbeats' one)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runbus.storage import charts
+from runbus.storage.anomalies import non_finite
+from runbus.storage.base import Store
+from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
+
+# The keys whose values are a label's time per step, best first; without any, step times are
+# derived from when DERIVED_FROM (else the run's first key) was logged.
+TIME_KEYS = ("perf/compute_s", "perf/step_s")
+DERIVED_FROM = "loss"
+
+
+@dataclass(slots=True)
+class Findings:
+    """One run's stragglers and anomalies as last read, and the running tally of lost time."""
+
+    read_at: float = 0.0
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    source: str | None = None
+
+
+def _source(keys: list[str]) -> tuple[str, bool] | None:
+    """The key a run's step times come from, and whether its values are the times."""
+    for key in TIME_KEYS:
+        if key in keys:
+            return key, True
+    plain = [k for k in keys if not k.startswith("perf/")]
+    if DERIVED_FROM in plain:
+        return DERIVED_FROM, False
+    return (plain[0], False) if plain else None
+
+
+class FindingsReader:
+    """Reads each live run's stragglers and anomalies for the detector, at most every `every`
+    seconds per run; forgets the runs no longer live."""
+
+    def __init__(self, store: Store, every: float = 2.0) -> None:
+        self.store = store
+        self.every = every
+        self._runs: dict[str, Findings] = {}
+
+    def forget_others(self, live: set[str]) -> None:
+        """Drop what is kept of runs not in `live`."""
+        for run_id in set(self._runs) - live:
+            del self._runs[run_id]
+
+    async def read(self, run_id: str, beats: Mapping[str, Mapping[str, Any] | None]) -> Findings:
+        """The run's findings, re-read if older than `every` seconds."""
+        found = self._runs.setdefault(run_id, Findings())
+        now = time.monotonic()
+        if now - found.read_at < self.every:
+            return found
+        found.read_at = now
+        keys = await self.store.metric_keys(run_id)
+        found.anomalies = [
+            {"label": a.label, "key": a.key, "step": a.step, "kind": a.kind, "ts": a.ts}
+            for a in await non_finite(self.store, run_id, keys)
+        ]
+        source = _source(keys)
+        if source is None:
+            return found
+        key, time_key = source
+        if key != found.source:  # the run began logging a better key: count afresh
+            found.source, found.tally = key, Tally()
+        times = await charts.step_times(
+            self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1
+        )
+        found.tally.count(times)
+        step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
+        found.stragglers = find(step_times, beats)
+        return found
