@@ -109,7 +109,13 @@ def test_a_chronic_straggler_makes_a_running_run_straggling_below_a_stall():
     assert judge("running", labels, now, HealthSettings(), one_off).key == "ok"
     nan = [{"label": "rank0", "key": "loss", "step": 7, "kind": "nan", "ts": now}]
     assert judge("running", labels, now, HealthSettings(), slow, nan).state == "anomaly"
-    stalled = [LabelVitals(f"rank{r}", {**beat, "step_age": 60.0}, now, now) for r in range(2)]
+    stacks = [
+        [["train.py", 9, "main"], ["torch/distributed/distributed_c10d.py", 1, "all_reduce"]],
+        [["train.py", 9, "main"], ["train.py", 3, "load_batch"]],
+    ]
+    stalled = [
+        LabelVitals(f"rank{r}", {**beat, "step_age": 60.0, "stack": stacks[r]}, now, now) for r in range(2)
+    ]
     assert judge("running", stalled, now, HealthSettings(), slow).state == "stalled"
     crashed = judge("crashed", labels, now, HealthSettings(), slow)
     assert crashed.state == "crashed" and crashed.ended
