@@ -57,11 +57,13 @@ class FindingsReader:
         for run_id in set(self._runs) - live:
             del self._runs[run_id]
 
-    async def read(self, run_id: str, beats: Mapping[str, Mapping[str, Any] | None]) -> Findings:
-        """The run's findings, re-read if older than `every` seconds."""
+    async def read(
+        self, run_id: str, beats: Mapping[str, Mapping[str, Any] | None], fresh: bool = False
+    ) -> Findings:
+        """The run's findings, re-read if older than `every` seconds (or `fresh`: an ended run's)."""
         found = self._runs.setdefault(run_id, Findings())
         now = time.monotonic()
-        if now - found.read_at < self.every:
+        if now - found.read_at < self.every and not fresh:
             return found
         found.read_at = now
         keys = await self.store.metric_keys(run_id)

@@ -107,7 +107,7 @@ class HealthKeeper:
         changed = 0
         runs = await self.store.health_inputs()
         live = {run.run_id for run in runs if run.state == "running"}
-        self.findings.forget_others(live)
+        self.findings.forget_others({run.run_id for run in runs})
         for run_id in set(self.live) - live:
             del self.live[run_id]
         for run in runs:
@@ -117,17 +117,10 @@ class HealthKeeper:
     async def _judge(self, run: RunVitals) -> bool:
         now = time.time()
         labels = [_looked_at(v, now, self.settings, self._host) for v in run.labels]
-        found = None
-        if run.state == "running":
-            found = await self.findings.read(run.run_id, {v.label: v.beat for v in labels})
-        verdict = judge(
-            run.state,
-            labels,
-            now,
-            self.settings,
-            found.stragglers if found else (),
-            found.anomalies if found else (),
-        )
+        # Read for an ended run too: its last verdict keeps the run's stragglers and anomalies.
+        beats = {v.label: v.beat for v in labels}
+        found = await self.findings.read(run.run_id, beats, fresh=run.state != "running")
+        verdict = judge(run.state, labels, now, self.settings, found.stragglers, found.anomalies)
         key = verdict.key
         since = run.health_since if key == run.health_key else now
         for culprit in verdict.culprits:

@@ -154,6 +154,7 @@ class Verdict:
             "threshold": self.threshold,
             "stragglers": self.stragglers,
             "anomalies": self.anomalies,
+            "ended": self.ended,
         }
 
 
@@ -216,7 +217,14 @@ def judge(
     stragglers (storage/stragglers.find) and first anomalies (in order) beside: a stall, a dead
     rank or silence first, then an anomaly, then a chronic straggler."""
     if run_state != "running":
-        return Verdict(CRASHED if run_state == CRASHED else OK, note=f"the run has {run_state}", ended=True)
+        state = CRASHED if run_state == CRASHED else OK
+        return Verdict(
+            state,
+            note=f"the run has {run_state}",
+            ended=True,
+            stragglers=list(stragglers),
+            anomalies=list(anomalies),
+        )
     verdict = _judge_beats(labels, now, settings)
     state = verdict.state
     if state == OK and anomalies:
