@@ -77,9 +77,7 @@ class FindingsReader:
         key, time_key = source
         if key != found.source:  # the run began logging a better key: count afresh
             found.source, found.tally = key, Tally()
-        times = await charts.step_times(
-            self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1
-        )
+        times = await charts.step_times(self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1)
         found.tally.count(times)
         step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
         found.stragglers = find(step_times, beats)

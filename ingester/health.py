@@ -21,10 +21,9 @@ import orjson
 
 from runbus.errors import StoreError
 from runbus.ingester.findings import FindingsReader
-from runbus.redact import redact
 from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
-from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, silent_after
+from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, redacted, silent_after
 from runbus.wire import Event
 
 log = logging.getLogger("runbus.ingester")
@@ -140,7 +139,7 @@ class HealthKeeper:
         if verdict.state in ALERTING and self.on_alert:
             self.alerts += 1
             # Redacted as every reader shows it: a heartbeat written by hand may hold anything.
-            task = asyncio.create_task(self._alert(redact({"run": run.run_id, **doc})))
+            task = asyncio.create_task(self._alert(redacted({"run": run.run_id, **doc})))
             self._commands.add(task)
             task.add_done_callback(self._commands.discard)
         return True

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from runbus.redact import redact
 from runbus.storage.base import RunSummary, Store
+from runbus.storage.health import redacted
 from runbus.terminal import printable
 
 # Frames and log lines of each culprit that `runbus show` prints (--json has them all).
@@ -24,7 +24,7 @@ def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str,
         state = "unknown" if run.state == "running" else "ok"
         stored = {"state": state, "since": None, "culprits": [], "waiting": [], "note": None}
         stored["threshold"] = None
-    return redact({"stragglers": [], "anomalies": [], "ended": run.state != "running", **stored})
+    return redacted({"stragglers": [], "anomalies": [], "ended": run.state != "running", **stored})
 
 
 async def read_health(store: Store, run: RunSummary) -> dict[str, Any]:

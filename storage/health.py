@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from runbus.redact import redact
+
 OK, STALLED, DEAD, SILENT = "ok", "stalled", "dead", "silent"
 ANOMALY, STRAGGLING, CRASHED = "anomaly", "straggling", "crashed"
 # The key of an ended run's verdict (storage/beats.py judges such a run no more).
@@ -357,3 +359,16 @@ def _culprit(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
         ],
         "last_lines": [],
     }
+
+
+def redacted(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A health object with its secrets redacted, as every reader shows it (a heartbeat written
+    by hand may hold anything); the anomalies' metric keys are names every reader shows anyway
+    (`key` is no secret there), the rest of each anomaly is redacted."""
+    shown = redact({k: v for k, v in doc.items() if k != "anomalies"})
+    shown["anomalies"] = [
+        {**redact({k: v for k, v in a.items() if k != "key"}), "key": a.get("key")}
+        for a in doc.get("anomalies") or []
+        if isinstance(a, Mapping)
+    ]
+    return shown

@@ -45,7 +45,9 @@ def finished(store_url: str, run_id: str) -> dict | None:
 
 @pytest.mark.timeout(240)
 def test_a_rank_25_percent_slower_is_a_chronic_straggler_with_the_time_lost_to_it(
-    redis_url, store_url, ingester  # noqa: F811
+    redis_url,
+    store_url,
+    ingester,  # noqa: F811
 ):
     run_id, steps, forward_s, slowdown = f"slow-{os.getpid()}", 60, 0.2, 1.25
     job = torchrun(
@@ -91,7 +93,9 @@ def test_a_rank_25_percent_slower_is_a_chronic_straggler_with_the_time_lost_to_i
 
 @pytest.mark.timeout(240)
 def test_a_healthy_run_with_one_slow_step_names_a_one_off_and_raises_no_alert(
-    redis_url, store_url, ingester  # noqa: F811
+    redis_url,
+    store_url,
+    ingester,  # noqa: F811
 ):
     run_id = f"healthy-{os.getpid()}"
     job = torchrun(
