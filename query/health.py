@@ -39,12 +39,13 @@ def health_lines(health: dict[str, Any]) -> list[str]:
     if health.get("since") and health["state"] != "ok":
         head += f" since {time.strftime('%H:%M:%S', time.localtime(health['since']))}"
     culprits, waiting = health.get("culprits") or [], health.get("waiting") or []
-    if culprits:
-        head += ": " + "; ".join(f"{c['label']} {c['reason']}" for c in culprits)
+    parts = [f"{c['label']} {c['reason']}" for c in culprits]
     if waiting:
         places = sorted({str(w.get("in")) for w in waiting})
-        head += f"; {len(waiting)} waiting in {', '.join(places)}"
-    head += _stragglers_text(health.get("stragglers") or []) + _anomalies_text(health.get("anomalies") or [])
+        parts.append(f"{len(waiting)} waiting in {', '.join(places)}")
+    parts += _stragglers_text(health.get("stragglers") or []) + _anomalies_text(health.get("anomalies") or [])
+    if parts:
+        head += ": " + "; ".join(parts)
     if health.get("note"):
         head += f" ({health['note']})"
     lines = [printable(head)]
@@ -57,25 +58,28 @@ def health_lines(health: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stragglers_text(stragglers: list[dict[str, Any]]) -> str:
+def _stragglers_text(stragglers: list[dict[str, Any]]) -> list[str]:
     """The health line's stragglers: each label, its kind, how far behind, the time lost to it."""
     if not stragglers:
-        return ""
-    return "; stragglers: " + ", ".join(
-        f"{s['label']} {s['kind']} {s.get('behind')}x ({s.get('lost_s')}s lost"
-        + (f", on {s['host']})" if s.get("host") else ")")
-        for s in stragglers[:SHOWN_STRAGGLERS]
-    )
+        return []
+    return [
+        "stragglers: "
+        + ", ".join(
+            f"{s['label']} {s['kind']} {s.get('behind')}x ({s.get('lost_s')}s lost"
+            + (f", on {s['host']})" if s.get("host") else ")")
+            for s in stragglers[:SHOWN_STRAGGLERS]
+        )
+    ]
 
 
-def _anomalies_text(anomalies: list[dict[str, Any]]) -> str:
+def _anomalies_text(anomalies: list[dict[str, Any]]) -> list[str]:
     """The health line's first anomaly (the first label that went NaN or inf, and where)."""
     if not anomalies:
-        return ""
+        return []
     first = anomalies[0]
     at = f" at step {first['step']}" if first.get("step") is not None else ""
     more = f" (+{len(anomalies) - 1} more)" if len(anomalies) > 1 else ""
-    return f"; {first['label']} went {first['kind']} in {first['key']}{at} first{more}"
+    return [f"{first['label']} went {first['kind']} in {first['key']}{at} first{more}"]
 
 
 def change_key(health: dict[str, Any]) -> tuple:

@@ -1,10 +1,12 @@
 """The alerts with real processes: two ranks log a loss, one goes NaN at step 5, then both are
 SIGKILLed. A live `runbus ingest --on-alert` raises one alert per change, in order: the first
 anomaly (that rank, that step), the silence, the run crashed; the ops endpoint's per-run gauges
-say the same while the run is live and drop it once it ended."""
+say the same while the run is live and drop it once it ended. `runbus watch` prints what came
+from the bus neutralised."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,10 +15,13 @@ import textwrap
 import urllib.request
 from pathlib import Path
 
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from runbus.ingester.localredis import free_port
-from tests.helpers import ingest_command, wait_for
+from runbus.storage.beats import RunVitals
+from runbus.storage.health import Verdict
+from tests.helpers import ingest, ingest_command, read_store, run_cli, wait_for, xadd_event
 from tests.test_health import alerts_of, health
 from tests.test_pipeline import store_opened
 
@@ -101,3 +106,36 @@ def test_a_nan_then_a_crash_alert_once_each_and_show_in_the_gauges(redis_url, st
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)
     assert worker.returncode == 0, err
+
+
+def test_watch_prints_a_hostile_health_line_neutralised_and_ends_with_the_run(redis_url, store_url):
+    """A verdict whose strings came from the bus (a hand-written heartbeat's host, a label) is
+    printed with the terminal controls shown, not obeyed; an ended run ends `runbus watch` (0)."""
+    client = redis.Redis.from_url(redis_url)
+    run_id = f"hostile-watch-{os.getpid()}"
+    xadd_event(client, run_id, "rank0", "start", 1, 1, {"primary": True})
+    xadd_event(client, run_id, "rank0", "finish", 1, 2, {"exit_code": 0})
+    ingest(redis_url, store_url)
+    straggler = {
+        "label": "rank1",
+        "kind": "chronic",
+        "behind": 1.3,
+        "lost_s": 2.0,
+        "host": "n\x1b]0;pwned\x07",
+    }
+    verdict = Verdict("ok", note="the run has finished\x1b[2J", ended=True, stragglers=[straggler])
+    run = RunVitals(run_id, "finished", None, None)
+    assert read_store(store_url, "record_health", run, "ok", verdict.key, verdict.document(None), 0.0)
+
+    text = run_cli("--store", store_url, "watch", run_id).stdout
+    assert "\x1b" not in text and "\x07" not in text
+    assert (
+        text.count("\n") == 1 and "stragglers: rank1 chronic 1.3x (2.0s lost, on n\\x1b]0;pwned\\x07)" in text
+    )
+    lines = run_cli("--store", store_url, "watch", run_id, "--json").stdout.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["stragglers"][0]["host"] == "n\x1b]0;pwned\x07"
+    assert "\x1b" not in lines[0]
+    refused = run_cli("--store", store_url, "watch", run_id, "--every", "0", check=False)
+    assert refused.returncode == 1 and "--every" in refused.stderr
+    missing = run_cli("--store", store_url, "watch", "no-such-run", check=False)
+    assert missing.returncode == 1 and missing.stderr.startswith("runbus: ")
