@@ -13,12 +13,17 @@ from typing import Any
 from runbus.storage import charts
 from runbus.storage.anomalies import non_finite
 from runbus.storage.base import Store
+from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
 
 # The keys whose values are a label's time per step, best first; without any, step times are
 # derived from when DERIVED_FROM (else the run's first key) was logged.
 TIME_KEYS = ("perf/compute_s", "perf/step_s")
 DERIVED_FROM = "loss"
+# The system figures put beside a straggler (its own, as its label samples them: producer/system.py),
+# by the end of their key: its GPUs' utilisation, clock, power and temperature, its process's CPU.
+FIGURES = (".util", ".sm_clock_mhz", ".power_w", ".temp_c", "proc.cpu_percent")
+FIGURED = 5  # stragglers given figures at most, the first
 
 
 @dataclass(slots=True)
@@ -30,6 +35,8 @@ class Findings:
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
     source: str | None = None
+    # Each label's latest heartbeat seen (an ended run's last verdict still says where it ran).
+    beats: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _source(keys: list[str]) -> tuple[str, bool] | None:
@@ -62,6 +69,7 @@ class FindingsReader:
     ) -> Findings:
         """The run's findings, re-read if older than `every` seconds (or `fresh`: an ended run's)."""
         found = self._runs.setdefault(run_id, Findings())
+        found.beats.update((label, beat) for label, beat in beats.items() if beat)
         now = time.monotonic()
         if now - found.read_at < self.every and not fresh:
             return found
@@ -80,5 +88,19 @@ class FindingsReader:
         times = await charts.step_times(self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1)
         found.tally.count(times)
         step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
-        found.stragglers = find(step_times, beats)
+        found.stragglers = find(step_times, found.beats)
+        await self._add_figures(run_id, found.stragglers[:FIGURED])
         return found
+
+    async def _add_figures(self, run_id: str, slow: list[dict[str, Any]]) -> None:
+        """Give each of `slow` its latest system figures (`system`: key -> value), where sampled."""
+        if not slow:
+            return
+        keys = [k for k in await self.store.system_keys(run_id) if k.endswith(FIGURES)]
+        for straggler in slow:
+            figures: dict[str, float] = {}
+            for key in keys:
+                rows = await self.store.open_buckets(run_id, key, TS_AXIS, [straggler["label"]], "system")
+                if rows:
+                    figures[key] = max(rows, key=lambda r: (r.epoch, r.bucket)).part[LAST]
+            straggler["system"] = figures

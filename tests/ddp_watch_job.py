@@ -49,13 +49,18 @@ def main() -> None:
     parser.add_argument("--pause-rank", type=int, default=-1, help="this rank's forward pauses once")
     parser.add_argument("--pause-step", type=int, default=-1)
     parser.add_argument("--pause-s", type=float, default=0.0)
+    parser.add_argument("--system-interval", type=float, default=None, help="sample system figures")
     parser.add_argument("--no-watch", action="store_true", help="train without run.watch()")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     forward_s = args.forward_s * (args.slowdown if rank == args.slow_rank else 1.0)
     run = runbus.init(
-        run_id=args.run_id, redis_url=args.redis_url, system_interval=None, hardware=False, quiet=True
+        run_id=args.run_id,
+        redis_url=args.redis_url,
+        system_interval=args.system_interval,
+        hardware=False,
+        quiet=True,
     )
     torch.manual_seed(0)
     pause = (args.pause_step, args.pause_s) if rank == args.pause_rank else (-1, 0.0)

@@ -52,8 +52,9 @@ def test_a_rank_25_percent_slower_is_a_chronic_straggler_with_the_time_lost_to_i
     run_id, steps, forward_s, slowdown = f"slow-{os.getpid()}", 60, 0.2, 1.25
     job = torchrun(
         redis_url, run_id, "--steps", str(steps), "--slow-rank", "1",
-        "--forward-s", str(forward_s), "--slowdown", str(slowdown),
+        "--forward-s", str(forward_s), "--slowdown", str(slowdown), "--system-interval", "0.5",
     )  # fmt: skip
+    watch = None
     try:
         wait_for("the run's first verdict", lambda: health(store_url, run_id), timeout=60)
         watch = subprocess.Popen(
@@ -75,15 +76,20 @@ def test_a_rank_25_percent_slower_is_a_chronic_straggler_with_the_time_lost_to_i
         _, err = job.communicate(timeout=120)
         assert job.returncode == 0, err[-3000:]
     finally:
-        if job.poll() is None:
-            job.kill()
+        for process in (job, watch):
+            if process is not None and process.poll() is None and sys.exc_info()[0] is not None:
+                process.kill()
+                process.communicate(timeout=30)
     last = wait_for("the ended run's verdict", lambda: finished(store_url, run_id), timeout=60)
     chronic = [s for s in last["stragglers"] if s["kind"] == "chronic"]
     assert [s["label"] for s in chronic] == ["rank1"]
+    assert chronic[0]["host"] and chronic[0]["pid"]  # where it runs, and its figures (a CPU job: no GPU)
+    assert set(chronic[0]["system"]) == {"proc.cpu_percent"}
     injected = steps * forward_s * (slowdown - 1)
     assert abs(chronic[0]["lost_s"] - injected) <= 0.1 * injected, (chronic[0]["lost_s"], injected)
     assert [a["state"] for a in alerts_of(ingester) if a["run"] == run_id] == ["straggling"]  # once
 
+    assert watch is not None
     watched, werr = watch.communicate(timeout=60)
     assert watch.returncode == 0, werr
     seen = [json.loads(line) for line in watched.splitlines()]
@@ -106,5 +112,7 @@ def test_a_healthy_run_with_one_slow_step_names_a_one_off_and_raises_no_alert(
     assert job.returncode == 0, err[-3000:]
     last = wait_for("the ended run's verdict", lambda: finished(store_url, run_id), timeout=60)
     assert [(s["label"], s["kind"], s["step"]) for s in last["stragglers"]] == [("rank2", "one-off", 30)]
-    assert last["stragglers"][0]["lost_s"] == pytest.approx(0.5, rel=0.1)
+    # The pause, and the few milliseconds by which a rank's step is slower than the others' median
+    # on a loaded machine in some of the other 39 steps (the lost time counts positive excess only).
+    assert 0.45 <= last["stragglers"][0]["lost_s"] <= 0.5 + 39 * 0.003
     assert alerts_of(ingester) == []
