@@ -5,16 +5,20 @@ steps are stored, and a read costs more than the heartbeats' one)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from runbus.errors import StoreError
 from runbus.storage import charts
 from runbus.storage.anomalies import non_finite
 from runbus.storage.base import Store
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
+
+log = logging.getLogger("runbus.ingester")
 
 # The keys whose values are a label's time per step, best first; without any, step times are
 # derived from when DERIVED_FROM (else the run's first key) was logged.
@@ -74,6 +78,15 @@ class FindingsReader:
         if now - found.read_at < self.every and not fresh:
             return found
         found.read_at = now
+        try:
+            await self._read(run_id, found)
+        except StoreError:
+            raise  # the detector's tick is skipped, as for its other reads
+        except Exception:  # a bug here must neither stop ingest nor the stall detector: kept as read
+            log.exception("run %s: stragglers and anomalies not read", run_id)
+        return found
+
+    async def _read(self, run_id: str, found: Findings) -> None:
         keys = await self.store.metric_keys(run_id)
         found.anomalies = [
             {"label": a.label, "key": a.key, "step": a.step, "kind": a.kind, "ts": a.ts}
@@ -81,7 +94,7 @@ class FindingsReader:
         ]
         source = _source(keys)
         if source is None:
-            return found
+            return
         key, time_key = source
         if key != found.source:  # the run began logging a better key: count afresh
             found.source, found.tally = key, Tally()
@@ -90,7 +103,6 @@ class FindingsReader:
         step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
         found.stragglers = find(step_times, found.beats)
         await self._add_figures(run_id, found.stragglers[:FIGURED])
-        return found
 
     async def _add_figures(self, run_id: str, slow: list[dict[str, Any]]) -> None:
         """Give each of `slow` its latest system figures (`system`: key -> value), where sampled."""
