@@ -20,10 +20,10 @@ from typing import Any
 import orjson
 
 from runbus.errors import StoreError
-from runbus.redact import redact
+from runbus.ingester.findings import FindingsReader
 from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
-from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, silent_after
+from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, redacted, silent_after
 from runbus.wire import Event
 
 log = logging.getLogger("runbus.ingester")
@@ -75,6 +75,9 @@ class HealthKeeper:
         self.alerts = 0  # alerts this worker raised
         self._host = socket.gethostname()
         self._commands: set[asyncio.Task] = set()
+        self.findings = FindingsReader(store)
+        # Each live run's latest health object, for the ops endpoint's gauges.
+        self.live: dict[str, dict[str, Any]] = {}
 
     async def note(self, events: Sequence[Event]) -> None:
         """Keep the latest heartbeat of each label among `events` (a stored batch)."""
@@ -101,19 +104,29 @@ class HealthKeeper:
     async def tick(self) -> int:
         """Judge every run the store lists as live once; how many changes this worker recorded."""
         changed = 0
-        for run in await self.store.health_inputs():
+        runs = await self.store.health_inputs()
+        live = {run.run_id for run in runs if run.state == "running"}
+        self.findings.forget_others({run.run_id for run in runs})
+        for run_id in set(self.live) - live:
+            del self.live[run_id]
+        for run in runs:
             changed += await self._judge(run)
         return changed
 
     async def _judge(self, run: RunVitals) -> bool:
         now = time.time()
         labels = [_looked_at(v, now, self.settings, self._host) for v in run.labels]
-        verdict = judge(run.state, labels, now, self.settings)
+        # Read for an ended run too: its last verdict keeps the run's stragglers and anomalies.
+        beats = {v.label: v.beat for v in labels}
+        found = await self.findings.read(run.run_id, beats, fresh=run.state != "running")
+        verdict = judge(run.state, labels, now, self.settings, found.stragglers, found.anomalies)
         key = verdict.key
         since = run.health_since if key == run.health_key else now
         for culprit in verdict.culprits:
             culprit["last_lines"] = await self.store.last_lines(run.run_id, culprit["label"], LAST_LINES)
         doc = verdict.document(since)
+        if run.state == "running":
+            self.live[run.run_id] = doc
         if not await self.store.record_health(run, verdict.state, key, doc, now):
             return False
         log.log(
@@ -126,7 +139,7 @@ class HealthKeeper:
         if verdict.state in ALERTING and self.on_alert:
             self.alerts += 1
             # Redacted as every reader shows it: a heartbeat written by hand may hold anything.
-            task = asyncio.create_task(self._alert(redact({"run": run.run_id, **doc})))
+            task = asyncio.create_task(self._alert(redacted({"run": run.run_id, **doc})))
             self._commands.add(task)
             task.add_done_callback(self._commands.discard)
         return True

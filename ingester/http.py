@@ -74,6 +74,7 @@ class OpsServer:
         self.collector = telemetry.WorkerCollector(
             worker.stats, settings.consumer, settings.group, MAX_STREAM_SERIES
         )
+        self.collector.health = worker.health.live
         self.registry = telemetry.worker_registry(self.collector)
         self._missing_next = 0.0
         self._missing_task: asyncio.Task | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
@@ -25,6 +26,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from runbus.ingester.stats import Histogram, WorkerStats
+from runbus.storage.health import ANOMALY, DEAD, OK, SILENT, STALLED, STRAGGLING
+
+# The states a live run's health gauge has a series for (one is 1, the others 0).
+RUN_STATES = (OK, STALLED, DEAD, SILENT, ANOMALY, STRAGGLING, "unknown")
+# Live runs with series of their own at most: those that need attention first.
+MAX_RUN_SERIES = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +95,8 @@ class WorkerCollector(Collector):
         self.max_streams = max_streams
         self.backlog: list[StreamBacklog] | None = None
         self.missing: Mapping[str, int] | None = None
+        # Each live run's health object, as the worker's detector last judged it (HealthKeeper.live).
+        self.health: Mapping[str, Mapping] = {}
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
@@ -122,6 +131,7 @@ class WorkerCollector(Collector):
             for run, count in sorted(self.missing.items()):
                 missing.add_metric([run], count)
             yield missing
+        yield from run_health(self.health)
         yield from process_setup()
 
     def _backlog(self) -> Iterator[Metric]:
@@ -152,6 +162,38 @@ class WorkerCollector(Collector):
             pending.add_metric([b.stream], b.pending)
         yield lag
         yield pending
+
+
+def run_health(health: Mapping[str, Mapping]) -> Iterator[Metric]:
+    """Gauges per live run from its health object (an ended run's series go with it)."""
+    state = GaugeMetricFamily(
+        "runbus_run_health", "1 for the live run's health state, 0 for the others.", labels=["run", "state"]
+    )
+    culprits = GaugeMetricFamily("runbus_run_culprits", "Labels at fault in a live run.", labels=["run"])
+    slow = GaugeMetricFamily("runbus_run_stragglers", "Chronic stragglers of a live run.", labels=["run"])
+    anomalies = GaugeMetricFamily(
+        "runbus_run_anomalies", "Labels of a live run that logged NaN or inf.", labels=["run"]
+    )
+    stalled = GaugeMetricFamily(
+        "runbus_run_stalled_seconds", "Seconds a live run has been stalled (0 if not).", labels=["run"]
+    )
+    lost = GaugeMetricFamily(
+        "runbus_run_lost_seconds", "Seconds a live run's ranks waited for its stragglers.", labels=["run"]
+    )
+    now = time.time()
+    chosen = sorted(health.items(), key=lambda item: (item[1].get("state") == OK, item[0]))
+    for run, doc in chosen[:MAX_RUN_SERIES]:
+        current = doc.get("state")
+        for name in RUN_STATES:
+            state.add_metric([run, name], 1 if name == current else 0)
+        culprits.add_metric([run], len(doc.get("culprits") or []))
+        stragglers = doc.get("stragglers") or []
+        slow.add_metric([run], sum(1 for s in stragglers if s.get("kind") == "chronic"))
+        anomalies.add_metric([run], len({a.get("label") for a in doc.get("anomalies") or []}))
+        since = doc.get("since")
+        stalled.add_metric([run], max(0.0, now - since) if current == STALLED and since else 0.0)
+        lost.add_metric([run], sum(s.get("lost_s") or 0.0 for s in stragglers))
+    yield from (state, culprits, slow, anomalies, stalled, lost)
 
 
 def process_setup() -> Iterator[Metric]:

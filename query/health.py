@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from runbus.redact import redact
 from runbus.storage.base import RunSummary, Store
+from runbus.storage.health import redacted
 from runbus.terminal import printable
 
 # Frames and log lines of each culprit that `runbus show` prints (--json has them all).
 SHOWN_FRAMES = 3
 SHOWN_LINES = 3
+SHOWN_STRAGGLERS = 5  # stragglers the health line names (--json has them all)
 
 
 def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str, Any]:
@@ -21,8 +22,9 @@ def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str,
     judged yet (no `runbus ingest` of this release running), `ok` for an ended one."""
     if stored is None:
         state = "unknown" if run.state == "running" else "ok"
-        return {"state": state, "since": None, "culprits": [], "waiting": [], "note": None, "threshold": None}
-    return redact(stored)
+        stored = {"state": state, "since": None, "culprits": [], "waiting": [], "note": None}
+        stored["threshold"] = None
+    return redacted({"stragglers": [], "anomalies": [], "ended": run.state != "running", **stored})
 
 
 async def read_health(store: Store, run: RunSummary) -> dict[str, Any]:
@@ -37,11 +39,13 @@ def health_lines(health: dict[str, Any]) -> list[str]:
     if health.get("since") and health["state"] != "ok":
         head += f" since {time.strftime('%H:%M:%S', time.localtime(health['since']))}"
     culprits, waiting = health.get("culprits") or [], health.get("waiting") or []
-    if culprits:
-        head += ": " + "; ".join(f"{c['label']} {c['reason']}" for c in culprits)
+    parts = [f"{c['label']} {c['reason']}" for c in culprits]
     if waiting:
         places = sorted({str(w.get("in")) for w in waiting})
-        head += f"; {len(waiting)} waiting in {', '.join(places)}"
+        parts.append(f"{len(waiting)} waiting in {', '.join(places)}")
+    parts += _stragglers_text(health.get("stragglers") or []) + _anomalies_text(health.get("anomalies") or [])
+    if parts:
+        head += ": " + "; ".join(parts)
     if health.get("note"):
         head += f" ({health['note']})"
     lines = [printable(head)]
@@ -52,3 +56,40 @@ def health_lines(health: dict[str, Any]) -> list[str]:
         for text in (culprit.get("last_lines") or [])[-SHOWN_LINES:]:
             lines.append(printable(f"         {culprit['label']}  | {text}"))
     return lines
+
+
+def _stragglers_text(stragglers: list[dict[str, Any]]) -> list[str]:
+    """The health line's stragglers: each label, its kind, how far behind, the time lost to it."""
+    if not stragglers:
+        return []
+    return [
+        "stragglers: "
+        + ", ".join(
+            f"{s['label']} {s['kind']} {s.get('behind')}x ({s.get('lost_s')}s lost"
+            + (f", on {s['host']})" if s.get("host") else ")")
+            for s in stragglers[:SHOWN_STRAGGLERS]
+        )
+    ]
+
+
+def _anomalies_text(anomalies: list[dict[str, Any]]) -> list[str]:
+    """The health line's first anomaly (the first label that went NaN or inf, and where)."""
+    if not anomalies:
+        return []
+    first = anomalies[0]
+    at = f" at step {first['step']}" if first.get("step") is not None else ""
+    more = f" (+{len(anomalies) - 1} more)" if len(anomalies) > 1 else ""
+    return [f"{first['label']} went {first['kind']} in {first['key']}{at} first{more}"]
+
+
+def change_key(health: dict[str, Any]) -> tuple:
+    """What a change of a health object is, for a reader that follows it (`runbus watch`): its
+    state, the culprits, the stragglers and their kinds, the first anomaly."""
+    anomalies = health.get("anomalies") or []
+    return (
+        health.get("state"),
+        tuple(sorted(str(c.get("label")) for c in health.get("culprits") or [])),
+        tuple(sorted((str(s.get("label")), str(s.get("kind"))) for s in health.get("stragglers") or [])),
+        (anomalies[0].get("label"), anomalies[0].get("key")) if anomalies else None,
+        health.get("note"),
+    )

@@ -45,6 +45,7 @@ ROUTES: dict[str, Route] = {
     "dead": Route("list (or replay) dead-lettered entries", "runbus.ingester.cli:add_dead"),
     "runs": Route("list runs", "runbus.query.cli:add_runs"),
     "show": Route("one run: state, labels, counts", "runbus.query.cli:add_show"),
+    "watch": Route("follow a run's health live, a line per change", "runbus.query.watch:add_watch"),
     "metrics": Route("a run's metric values", "runbus.query.cli:add_metrics"),
     "logs": Route("a run's log lines, every label", "runbus.query.cli:add_logs"),
     "export": Route("a run's metrics, logs or system samples as files", "runbus.query.export:add_export"),

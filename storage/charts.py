@@ -700,6 +700,32 @@ def _step_times(
     return times
 
 
+async def step_times(
+    reader: RollupReader, run_id: str, key: str, time_key: bool, recent: int, since: int | None = None
+) -> dict[str, dict[int, float]]:
+    """Each label's time per step at each step it logged `key` (as `stragglers` reads them, a
+    step per bucket), from step `since` on, and at least its last `recent` logged steps (as far
+    as the key's spacing tells): the health detector's read (runbus.storage.stragglers)."""
+    extent = await reader.key_extent(run_id, key)
+    spans = extent.axis_spans(STEP_AXIS) if extent is not None else []
+    if extent is None or not spans:
+        return {}
+    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
+    total = sum(s.n for s in spans)
+    per_label = max(1, total // max(1, extent.labels.get(STEP_AXIS, 1)))
+    gap = max(1, (hi - lo + 1) // per_label)
+    start = max(lo, hi - (recent + 1) * gap)
+    if since is not None:
+        start = max(lo, min(start, since))
+    values = await _stored_values(reader, run_id, key, STEP_AXIS, start, hi, total)
+    cells = _value_cells(values, 0) if time_key else _derived_cells(values, 0)
+    times: dict[str, dict[int, float]] = {}
+    for (label, step), (amount, steps) in cells.items():
+        if steps > 0:
+            times.setdefault(label, {})[step] = amount / steps
+    return times
+
+
 def _rollup_cells(rows: Iterable[LabelBucket], time_key: bool) -> dict[tuple[str, int], list[float]]:
     """Stragglers' cells from label buckets: the values' sum and count where `time_key`, else the
     ts span and step span of each bucket's values."""

@@ -10,6 +10,9 @@ stack. `judge` turns the latest beat of every label into a verdict:
   not inside a collective while others wait in one, in another collective than the others, a
   step behind); labels merely waiting in a collective are named as waiting;
 - **dead**: a label stopped heartbeating while the others go on;
+- **anomaly**: a label logged NaN or inf (the first ones, by step: storage/anomalies.py);
+- **straggling**: a label is a chronic straggler (storage/stragglers.py);
+- **crashed**: the run ended crashed (judged once more, then no longer);
 - **ok**: otherwise, and for a start-up (no step yet), a pause every label takes in the same
   non-collective frame (a checkpoint save, an evaluation) and a run that has ended.
 
@@ -22,14 +25,17 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from runbus.redact import redact
+
 OK, STALLED, DEAD, SILENT = "ok", "stalled", "dead", "silent"
+ANOMALY, STRAGGLING, CRASHED = "anomaly", "straggling", "crashed"
 # The key of an ended run's verdict (storage/beats.py judges such a run no more).
 ENDED_KEY = "ok:ended"
 # States that call for attention (an alert when a run enters one).
-ALERTING = frozenset({STALLED, DEAD, SILENT})
+ALERTING = frozenset({STALLED, DEAD, SILENT, ANOMALY, STRAGGLING, CRASHED})
 
 # Frames that wait for the other ranks: torch.distributed's collectives and point-to-point calls,
 # a Work's wait, and autograd's backward (DDP's gradient all-reduce runs inside it).
@@ -122,13 +128,22 @@ class Verdict:
     note: str | None = None
     threshold: float | None = None
     ended: bool = False  # the run has ended: no detector judges it again
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def key(self) -> str:
-        """What a change of health is: the state and who is at fault (an alert per change)."""
+        """What a change of health is: the state, who is at fault, the chronic stragglers and
+        the first anomaly's label (an alert per change; one-off stragglers change nothing)."""
         if self.ended:
             return ENDED_KEY
-        return "|".join([self.state, *sorted(c["label"] for c in self.culprits)])
+        parts = [self.state, *sorted(c["label"] for c in self.culprits)]
+        slow = sorted(s["label"] for s in self.stragglers if s.get("kind") == "chronic")
+        if slow:
+            parts.append("slow:" + ",".join(slow))
+        if self.anomalies:
+            parts.append(f"nan:{self.anomalies[0]['label']}")
+        return "|".join(parts)
 
     def document(self, since: float | None) -> dict[str, Any]:
         """The health object `runbus show --json` and the API give."""
@@ -139,6 +154,9 @@ class Verdict:
             "waiting": self.waiting,
             "note": self.note,
             "threshold": self.threshold,
+            "stragglers": self.stragglers,
+            "anomalies": self.anomalies,
+            "ended": self.ended,
         }
 
 
@@ -189,10 +207,37 @@ def signature(stack: Sequence[Sequence[Any]]) -> str:
     return f"{function}@{path}"
 
 
-def judge(run_state: str, labels: Sequence[LabelVitals], now: float, settings: HealthSettings) -> Verdict:
-    """The health of a run (`run_state` as stored) whose running labels are `labels`."""
+def judge(
+    run_state: str,
+    labels: Sequence[LabelVitals],
+    now: float,
+    settings: HealthSettings,
+    stragglers: Sequence[dict[str, Any]] = (),
+    anomalies: Sequence[dict[str, Any]] = (),
+) -> Verdict:
+    """The health of a run (`run_state` as stored) whose running labels are `labels`, its
+    stragglers (storage/stragglers.find) and first anomalies (in order) beside: a stall, a dead
+    rank or silence first, then an anomaly, then a chronic straggler."""
     if run_state != "running":
-        return Verdict(OK, note=f"the run has {run_state}", ended=True)
+        state = CRASHED if run_state == CRASHED else OK
+        return Verdict(
+            state,
+            note=f"the run has {run_state}",
+            ended=True,
+            stragglers=list(stragglers),
+            anomalies=list(anomalies),
+        )
+    verdict = _judge_beats(labels, now, settings)
+    state = verdict.state
+    if state == OK and anomalies:
+        state = ANOMALY
+    elif state == OK and any(s.get("kind") == "chronic" for s in stragglers):
+        state = STRAGGLING
+    return replace(verdict, state=state, stragglers=list(stragglers), anomalies=list(anomalies))
+
+
+def _judge_beats(labels: Sequence[LabelVitals], now: float, settings: HealthSettings) -> Verdict:
+    """The verdict of the labels' heartbeats alone: stalled, dead, silent or ok."""
     if not labels:
         return Verdict(OK)
     limit = threshold(labels, settings)
@@ -314,3 +359,16 @@ def _culprit(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
         ],
         "last_lines": [],
     }
+
+
+def redacted(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A health object with its secrets redacted, as every reader shows it (a heartbeat written
+    by hand may hold anything); the anomalies' metric keys are names every reader shows anyway
+    (`key` is no secret there), the rest of each anomaly is redacted."""
+    shown = redact({k: v for k, v in doc.items() if k != "anomalies"})
+    shown["anomalies"] = [
+        {**redact({k: v for k, v in a.items() if k != "key"}), "key": a.get("key")}
+        for a in doc.get("anomalies") or []
+        if isinstance(a, Mapping)
+    ]
+    return shown

@@ -24,14 +24,16 @@ import runbus
 
 
 class SleepyMLP(nn.Module):
-    def __init__(self, forward_s: float) -> None:
+    def __init__(self, forward_s: float, pause_step: int = -1, pause_s: float = 0.0) -> None:
         super().__init__()
         self.forward_s = forward_s
+        self.pause_step, self.pause_s, self.step = pause_step, pause_s, 0
         self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            time.sleep(self.forward_s)
+            time.sleep(self.forward_s + (self.pause_s if self.step == self.pause_step else 0.0))
+            self.step += 1
         return self.layers(x)
 
 
@@ -44,16 +46,25 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--forward-s", type=float, default=0.02)
     parser.add_argument("--slowdown", type=float, default=3.0)
+    parser.add_argument("--pause-rank", type=int, default=-1, help="this rank's forward pauses once")
+    parser.add_argument("--pause-step", type=int, default=-1)
+    parser.add_argument("--pause-s", type=float, default=0.0)
+    parser.add_argument("--system-interval", type=float, default=None, help="sample system figures")
     parser.add_argument("--no-watch", action="store_true", help="train without run.watch()")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     forward_s = args.forward_s * (args.slowdown if rank == args.slow_rank else 1.0)
     run = runbus.init(
-        run_id=args.run_id, redis_url=args.redis_url, system_interval=None, hardware=False, quiet=True
+        run_id=args.run_id,
+        redis_url=args.redis_url,
+        system_interval=args.system_interval,
+        hardware=False,
+        quiet=True,
     )
     torch.manual_seed(0)
-    model = DistributedDataParallel(SleepyMLP(forward_s))
+    pause = (args.pause_step, args.pause_s) if rank == args.pause_rank else (-1, 0.0)
+    model = DistributedDataParallel(SleepyMLP(forward_s, *pause))
     if not args.no_watch:
         run.watch(model, every_n_steps=args.every)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

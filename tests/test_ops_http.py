@@ -47,6 +47,12 @@ SAMPLE = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? \S+$
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 # Every name of the README's metric table, as a metric family or one of its samples.
 README_METRICS = (
+    "runbus_run_health",
+    "runbus_run_culprits",
+    "runbus_run_stragglers",
+    "runbus_run_anomalies",
+    "runbus_run_stalled_seconds",
+    "runbus_run_lost_seconds",
     "runbus_ingested_events_total",
     "runbus_stored_events_total",
     "runbus_duplicate_events_total",

@@ -1,0 +1,118 @@
+"""What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
+(from each label's compute or step times, the time lost to each counted as the steps come in) and
+its first NaN/inf values, re-read at most every `every` seconds per run (they change only as
+steps are stored, and a read costs more than the heartbeats' one)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runbus.errors import StoreError
+from runbus.storage import charts
+from runbus.storage.anomalies import non_finite
+from runbus.storage.base import Store
+from runbus.storage.rollups import LAST, TS_AXIS
+from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
+
+log = logging.getLogger("runbus.ingester")
+
+# The keys whose values are a label's time per step, best first; without any, step times are
+# derived from when DERIVED_FROM (else the run's first key) was logged.
+TIME_KEYS = ("perf/compute_s", "perf/step_s")
+DERIVED_FROM = "loss"
+# The system figures put beside a straggler (its own, as its label samples them: producer/system.py),
+# by the end of their key: its GPUs' utilisation, clock, power and temperature, its process's CPU.
+FIGURES = (".util", ".sm_clock_mhz", ".power_w", ".temp_c", "proc.cpu_percent")
+FIGURED = 5  # stragglers given figures at most, the first
+
+
+@dataclass(slots=True)
+class Findings:
+    """One run's stragglers and anomalies as last read, and the running tally of lost time."""
+
+    read_at: float = 0.0
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    source: str | None = None
+    # Each label's latest heartbeat seen (an ended run's last verdict still says where it ran).
+    beats: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+def _source(keys: list[str]) -> tuple[str, bool] | None:
+    """The key a run's step times come from, and whether its values are the times."""
+    for key in TIME_KEYS:
+        if key in keys:
+            return key, True
+    plain = [k for k in keys if not k.startswith("perf/")]
+    if DERIVED_FROM in plain:
+        return DERIVED_FROM, False
+    return (plain[0], False) if plain else None
+
+
+class FindingsReader:
+    """Reads each live run's stragglers and anomalies for the detector, at most every `every`
+    seconds per run; forgets the runs no longer live."""
+
+    def __init__(self, store: Store, every: float = 2.0) -> None:
+        self.store = store
+        self.every = every
+        self._runs: dict[str, Findings] = {}
+
+    def forget_others(self, live: set[str]) -> None:
+        """Drop what is kept of runs not in `live`."""
+        for run_id in set(self._runs) - live:
+            del self._runs[run_id]
+
+    async def read(
+        self, run_id: str, beats: Mapping[str, Mapping[str, Any] | None], fresh: bool = False
+    ) -> Findings:
+        """The run's findings, re-read if older than `every` seconds (or `fresh`: an ended run's)."""
+        found = self._runs.setdefault(run_id, Findings())
+        found.beats.update((label, beat) for label, beat in beats.items() if beat)
+        now = time.monotonic()
+        if now - found.read_at < self.every and not fresh:
+            return found
+        found.read_at = now
+        try:
+            await self._read(run_id, found)
+        except StoreError:
+            raise  # the detector's tick is skipped, as for its other reads
+        except Exception:  # a bug here must neither stop ingest nor the stall detector: kept as read
+            log.exception("run %s: stragglers and anomalies not read", run_id)
+        return found
+
+    async def _read(self, run_id: str, found: Findings) -> None:
+        keys = await self.store.metric_keys(run_id)
+        found.anomalies = [
+            {"label": a.label, "key": a.key, "step": a.step, "kind": a.kind, "ts": a.ts}
+            for a in await non_finite(self.store, run_id, keys)
+        ]
+        source = _source(keys)
+        if source is None:
+            return
+        key, time_key = source
+        if key != found.source:  # the run began logging a better key: count afresh
+            found.source, found.tally = key, Tally()
+        times = await charts.step_times(self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1)
+        found.tally.count(times)
+        step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
+        found.stragglers = find(step_times, found.beats)
+        await self._add_figures(run_id, found.stragglers[:FIGURED])
+
+    async def _add_figures(self, run_id: str, slow: list[dict[str, Any]]) -> None:
+        """Give each of `slow` its latest system figures (`system`: key -> value), where sampled."""
+        if not slow:
+            return
+        keys = [k for k in await self.store.system_keys(run_id) if k.endswith(FIGURES)]
+        for straggler in slow:
+            figures: dict[str, float] = {}
+            for key in keys:
+                rows = await self.store.open_buckets(run_id, key, TS_AXIS, [straggler["label"]], "system")
+                if rows:
+                    figures[key] = max(rows, key=lambda r: (r.epoch, r.bucket)).part[LAST]
+            straggler["system"] = figures

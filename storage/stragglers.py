@@ -1,0 +1,150 @@
+"""Which ranks hold the job back: pure rules over each label's compute (or step) times, tested
+without servers.
+
+Each step (a logged value: `perf/compute_s` is a mean over the steps since the last one), a
+label's time is compared with the median time of the *other* labels at that step. Over the
+sliding window of its last WINDOW values, a label is a **chronic** straggler when the median of
+those ratios is CHRONIC or more and stands clear of its own spread (median and MAD: a noisy rank
+that is sometimes slow is not chronic); it is a **one-off** when one value of the window took
+ONE_OFF times the others' or more and stands far out of its own spread. The time the job lost to a
+label is what the others spent waiting for it: over the whole run, the sum of its time above the
+others' median, step by step (positive only).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+WINDOW = 20  # values per label the chronic rule looks at
+MIN_VALUES = 5  # fewer values than this name no chronic straggler
+CHRONIC = 1.10  # median ratio to the others' median time
+ONE_OFF = 2.0  # one value this many times the others' is a one-off
+SPREAD = 3.0  # how many (scaled) MADs of its own ratios a label must stand clear of 1
+ONE_OFF_SPREAD = 6.0
+MAD_SCALE = 1.4826  # the MAD of a normal sample times this is its standard deviation
+MIN_EXCESS_S = 0.001  # a value less than this above the others' is jitter
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """What the straggler rules read of a run: the key the times come from (`derived`: a
+    logging time span, not a logged duration), each label's recent times (label -> step ->
+    seconds per step, its last WINDOW values) and the seconds each label cost the others over
+    the whole run (lost_seconds)."""
+
+    source: str
+    derived: bool
+    recent: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    lost: Mapping[str, float] = field(default_factory=dict)
+
+
+def latest(times: Mapping[str, Mapping[int, float]], count: int = WINDOW) -> dict[str, dict[int, float]]:
+    """Each label's last `count` steps of `times`."""
+    return {label: {s: steps[s] for s in sorted(steps)[-count:]} for label, steps in times.items()}
+
+
+def _at(times: Mapping[str, Mapping[int, float]], step: int) -> dict[str, float]:
+    """Each label's finite time at `step`, of the labels that have one."""
+    return {label: t for label, steps in times.items() if (t := steps.get(step)) is not None and t - t == 0}
+
+
+def ratios(recent: Mapping[str, Mapping[int, float]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Each label's (step, ratio, excess seconds) against the median of the other labels' times
+    at the same step, for the steps at least two labels logged, in step order."""
+    steps = sorted({step for times in recent.values() for step in times})
+    found: dict[str, list[tuple[int, float, float]]] = {label: [] for label in recent}
+    for step in steps:
+        have = _at(recent, step)
+        if len(have) < 2:
+            continue
+        for label, mine in have.items():
+            others = statistics.median(t for other, t in have.items() if other != label)
+            if others > 0:
+                found[label].append((step, mine / others, mine - others))
+    return found
+
+
+def _mad(values: Sequence[float], centre: float) -> float:
+    return MAD_SCALE * statistics.median(abs(v - centre) for v in values)
+
+
+def classify(rows: Sequence[tuple[int, float, float]]) -> dict[str, Any] | None:
+    """A label's straggler entry from its (step, ratio, excess) rows, or None: chronic (its
+    median ratio, its median excess per step), else one-off (the worst value's ratio and step)."""
+    rows = list(rows)[-WINDOW:]
+    if not rows:
+        return None
+    ratio_values = [r for _, r, _ in rows]
+    centre = statistics.median(ratio_values)
+    spread = _mad(ratio_values, centre)
+    if len(rows) >= MIN_VALUES and centre >= CHRONIC and centre - 1 > SPREAD * spread / math.sqrt(len(rows)):
+        excess = statistics.median(e for _, _, e in rows)
+        return {
+            "kind": "chronic",
+            "behind": round(centre, 3),
+            "behind_s": round(excess, 6),
+            "step": rows[-1][0],
+        }
+    step, worst, excess = max(rows, key=lambda row: row[1])
+    if worst >= ONE_OFF and excess >= MIN_EXCESS_S and worst - centre > ONE_OFF_SPREAD * spread:
+        return {"kind": "one-off", "behind": round(worst, 3), "behind_s": round(excess, 6), "step": step}
+    return None
+
+
+@dataclass(slots=True)
+class Tally:
+    """The seconds lost to each label so far, counted step by step as the steps come in: the
+    steps up to `done` are counted; `last` is each label's last counted step (a value covers the
+    steps since its label's previous one: `perf/*` figures are means over them)."""
+
+    done: int = -1
+    last: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, float] = field(default_factory=dict)
+
+    def count(self, times: Mapping[str, Mapping[int, float]]) -> None:
+        """Count the steps of `times` (label -> step -> seconds per step) after `done` up to the
+        last step every label of `times` has reached (a later one may still lack values)."""
+        upto = min((max(steps) for steps in times.values() if steps), default=self.done)
+        for step in sorted({s for steps in times.values() for s in steps if self.done < s <= upto}):
+            have = _at(times, step)
+            for label, mine in have.items():
+                covered = step - self.last.get(label, -1)
+                self.last[label] = step
+                if len(have) < 2:
+                    continue
+                others = statistics.median(t for other, t in have.items() if other != label)
+                self.lost[label] = self.lost.get(label, 0.0) + max(0.0, mine - others) * covered
+        self.done = max(self.done, upto)
+
+
+def find(times: StepTimes, beats: Mapping[str, Mapping[str, Any] | None]) -> list[dict[str, Any]]:
+    """The run's stragglers, chronic first, then by the time lost to them: each with its kind,
+    how far behind it is (`behind`: ratio to the others' median; `behind_s`: seconds per step),
+    the step it was last judged at, the seconds lost to it (`lost_s`), the times' source, and
+    where it runs (`host`, `pid`, from its heartbeat)."""
+    found = []
+    for label, rows in ratios(times.recent).items():
+        entry = classify(rows)
+        if entry is None:
+            continue
+        beat = beats.get(label) or {}
+        entry = {
+            "label": label,
+            **entry,
+            "lost_s": round(times.lost.get(label, 0.0), 3),
+            "source": times.source,
+            "host": beat.get("host"),
+            "pid": beat.get("pid"),
+        }
+        found.append(entry)
+    found.sort(key=lambda s: (s["kind"] != "chronic", -s["lost_s"], s["label"]))
+    return found
+
+
+def chronic(stragglers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The labels of the chronic stragglers."""
+    return [s["label"] for s in stragglers if s.get("kind") == "chronic"]
