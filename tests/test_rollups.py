@@ -336,7 +336,7 @@ async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, an
 
 async def make_old(url: str) -> None:
     """The store as runbus left it before rollups: their tables gone, its version the one before."""
-    tables = ("series", "label_epochs", "label_rollups", "run_rollups", "chunks")
+    tables = ("series", "label_epochs", "label_rollups", "run_rollups", "chunks", "beats", "health")
     before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA)
     if url.startswith("sqlite"):
         con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
