@@ -79,7 +79,9 @@ def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
     sample = planes[:, :SAMPLE]
     seen = np.zeros(8 * 256, np.bool_)
     seen[(sample + _PLANE_OFFSETS).ravel()] = True
-    noisy: list[bool] = (np.count_nonzero(seen.reshape(8, 256), axis=1) >= NOISE_DISTINCT[sample.shape[1]]).tolist()
+    noisy: list[bool] = (
+        np.count_nonzero(seen.reshape(8, 256), axis=1) >= NOISE_DISTINCT[sample.shape[1]]
+    ).tolist()
     return noisy
 
 

@@ -16,7 +16,9 @@ UPDATE_METADATA_SQL = (
 )
 
 
-def metadata_rows(settings: Mapping[str, list[Setting]], primaries: Mapping[str, str | None]) -> list[rows.Params]:
+def metadata_rows(
+    settings: Mapping[str, list[Setting]], primaries: Mapping[str, str | None]
+) -> list[rows.Params]:
     """The UPDATE_METADATA_SQL rows that merge the stored settings (rows.run_settings) of the runs
     `primaries` names, each with its primary, into the runs' config, summary, name, tags and set_by."""
     return [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()]
