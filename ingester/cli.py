@@ -209,7 +209,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
     from runbus.redact import redact
     from runbus.redis import async_client
 
-    async def act():
+    async def act() -> deadletter.Replay | list[deadletter.DeadLetter]:
         async with async_client(args.redis, socket_connect_timeout=5) as client:
             if args.replay:
                 return await deadletter.replay(client)
@@ -224,7 +224,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
         result = asyncio.run(act())
     except unreachable as exc:
         raise CommandError(f"cannot reach Redis at {safe_url(args.redis)}: {exc}") from exc
-    if args.replay:
+    if isinstance(result, deadletter.Replay):
         print(f"replayed {result.replayed} dead-lettered entries onto their streams")
         if result.taken:
             print(f"{result.taken} were being replayed by another `runbus dead --replay`")

@@ -47,7 +47,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ def _at_exit() -> None:
     finish_all(ending_code())
 
 
-def _excepthook(exc_type, exc, tb) -> None:
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     global _ended_by
     if _ended_by is None and exc is not None:
         _ended_by = exc
