@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from runbus import storage, wire
 from runbus.dashboard import configdiff, downsample, envelopes, security
@@ -544,7 +545,7 @@ async def index(request: web.Request) -> web.FileResponse:
 
 
 @web.middleware
-async def api_errors(request: web.Request, handler: security.Handler) -> web.StreamResponse:
+async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """400 for bad parameters (or ones the store refuses), JSON bodies for the API's errors, 503
     when the store fails or refuses access."""
     try:

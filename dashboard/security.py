@@ -14,10 +14,11 @@ import logging
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.typedefs import Handler, Middleware
 
 from runbus.config import API_TOKEN_ENV
 from runbus.errors import TokenRequired
-from runbus.loopback import Handler, Middleware, is_loopback, loopback_requests_only, refuse_in_text
+from runbus.loopback import is_loopback, loopback_requests_only, refuse_in_text
 
 TOKEN_ENV = API_TOKEN_ENV
 COOKIE = "runbus_token"

@@ -209,7 +209,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
     from runbus.redact import redact
     from runbus.redis import async_client
 
-    async def act():
+    async def act() -> deadletter.Replay | list[deadletter.DeadLetter]:
         async with async_client(args.redis, socket_connect_timeout=5) as client:
             if args.replay:
                 return await deadletter.replay(client)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
@@ -119,7 +120,7 @@ class Discovery:
         self._registry_size = size
         return [m if isinstance(m, bytes) else m.encode() for m in members]
 
-    def _scan(self):
+    def _scan(self) -> AsyncIterator[bytes]:
         pattern = wire.scan_pattern()
         if self.only_runs is not None and len(self.only_runs) == 1:
             (run,) = self.only_runs

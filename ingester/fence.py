@@ -13,7 +13,7 @@ import hmac
 from collections.abc import Iterable
 from itertools import chain, groupby, repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from runbus import wire
 from runbus.ingester.deadletter import DeadEntry
@@ -147,20 +147,21 @@ class Fences:
             self._known[key] = fence_of(replies[2 * at], replies[2 * at + 1])
 
 
-def _columns(flats: list) -> tuple[int, list[bytes]] | None:
+def _columns(flats: list[dict[bytes, bytes] | wire.FlatEntry]) -> tuple[int, list[bytes]] | None:
     """(width, cells) of entries all flat, of one width, in the producers' field order with a
     seal (their cells one after another); None otherwise."""
     if not _LISTS.issuperset(map(type, flats)):
         return None
-    widths = set(map(len, flats))
+    lists = cast("list[list[bytes]]", flats)  # every one a list (checked above)
+    widths = set(map(len, lists))
     width = widths.pop() if len(widths) == 1 else 0
     if width not in (_WITH_STEP, _WITHOUT_STEP):
         return None
-    cells = list(chain.from_iterable(flats))
+    cells = list(chain.from_iterable(lists))
     names = [*_AT.items(), (b"data", width - 4), (wire.SEAL_FIELD, width - 2)]
     if width == _WITH_STEP:
         names.append((b"step", 14))
-    if any(cells[at::width].count(name) != len(flats) for name, at in names):
+    if any(cells[at::width].count(name) != len(lists) for name, at in names):
         return None
     return width, cells
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -77,7 +78,7 @@ class OpsServer:
         self.collector.health = worker.health.live
         self.registry = telemetry.worker_registry(self.collector)
         self._missing_next = 0.0
-        self._missing_task: asyncio.Task | None = None
+        self._missing_task: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
         middlewares = [loopback_requests_only()] if is_loopback(self.host) else []
@@ -137,7 +138,7 @@ class OpsServer:
         await self.worker.store.metric_keys(READYZ_RUN)
 
     @staticmethod
-    async def _check(probe) -> str:
+    async def _check(probe: Callable[[], Awaitable[object]]) -> str:
         try:
             await asyncio.wait_for(probe(), CHECK_TIMEOUT)
         except TimeoutError:

@@ -18,7 +18,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def find_redis_server() -> str:
@@ -49,7 +50,7 @@ class LocalRedis:
     appendfsync: str = "everysec"
     directory: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="runbus-redis-"))
     extra_args: tuple[str, ...] = ()
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:

@@ -132,7 +132,7 @@ async def remove_if_empty(redis: AsyncClient, key: str, retain_s: float) -> bool
         for group in await pipe.xinfo_groups(key):
             if group["pending"]:
                 return False
-        pipe.multi()
+        pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves the cluster pipeline's unannotated
         pipe.delete(key)
         try:
             await pipe.execute()

@@ -15,11 +15,11 @@ import socket
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
@@ -43,6 +43,8 @@ from runbus.storage.rules import primary_claims
 
 if TYPE_CHECKING:
     from runbus.redis import AsyncClient
+
+T = TypeVar("T")
 
 log = logging.getLogger("runbus.ingester")
 
@@ -79,11 +81,11 @@ class Commits:
     store takes a batch after the other), while the batch before it is still acknowledged. So
     the store does not sit idle through each XACK, and at most two batches are in flight."""
 
-    writing: asyncio.Task | None = None  # the newest batch's commit
-    written: asyncio.Future | None = None  # done once its store write has returned
-    acknowledging: asyncio.Task | None = None  # the batch before, finishing its commit
+    writing: asyncio.Task[None] | None = None  # the newest batch's commit
+    written: asyncio.Future[None] | None = None  # done once its store write has returned
+    acknowledging: asyncio.Task[None] | None = None  # the batch before, finishing its commit
 
-    async def start(self, commit: Callable[[asyncio.Future], Coroutine[Any, Any, None]]) -> None:
+    async def start(self, commit: Callable[[asyncio.Future[None]], Coroutine[Any, Any, None]]) -> None:
         """Start `commit(written)` once the store is free, and the batch before last is done."""
         if self.written is not None:
             await self.written
@@ -239,7 +241,7 @@ def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | N
     return [item for pair in fields.items() for item in pair] if isinstance(fields, dict) else fields
 
 
-def _raw_reply(response, **options):
+def _raw_reply(response: T, **options: object) -> T:
     """XREADGROUP's reply as the server sent it: entries stay flat [name, value, ...] lists,
     decoded by position (decoding.decode_stream) instead of becoming a dict each."""
     return response
@@ -289,7 +291,7 @@ class Worker:
         self._stop_requested = False
         self._stop_time: float | None = None
         self._stopping = asyncio.Event()  # set with _stop_requested: cuts retry waits short
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         # Jittered, so that workers that lost Redis or the store together do not retry in step.
         self._retry = config.backoff(self.settings.max_backoff)
         # Why run() stopped the worker with exit code 1, if Redis or the store refused access.
@@ -384,8 +386,8 @@ class Worker:
         )
         stop_keeping_alive = asyncio.Event()
         keep_alive = asyncio.create_task(self._keep_alive(stop_keeping_alive))
-        compacting: asyncio.Task | None = None
-        judging: asyncio.Task | None = None
+        compacting: asyncio.Task[None] | None = None
+        judging: asyncio.Task[None] | None = None
         try:
             if not await self._connect():
                 return self.stats  # stopped while the store was away
@@ -527,7 +529,7 @@ class Worker:
         # new entries the next is asked for at once (read_ahead), so Redis serves it while this
         # one is decoded instead of after.
         commits = Commits()
-        read_ahead: asyncio.Task | None = None
+        read_ahead: asyncio.Task[Entries | None] | None = None
         finished = False
         try:
             while not self._stop_requested:
@@ -595,7 +597,9 @@ class Worker:
             s = self.stats
             log.info("%d entries, %d stored, %d dead-lettered", s.entries, s.stored, s.dead_lettered)
 
-    async def _wind_down(self, commits: Commits, read_ahead: asyncio.Task | None, finished: bool) -> None:
+    async def _wind_down(
+        self, commits: Commits, read_ahead: asyncio.Task[Entries | None] | None, finished: bool
+    ) -> None:
         """Stopping or done: the batches in flight commit, then what was read ahead. Cancelled
         because the drain timed out, or on an error: all are cancelled, and stay pending for
         another worker (or this one, restarted under its name)."""
@@ -614,7 +618,7 @@ class Worker:
                 if ahead and keep_ahead:
                     await self._process(ahead)
 
-    def _read_new_ahead(self) -> asyncio.Task | None:
+    def _read_new_ahead(self) -> asyncio.Task[Entries | None] | None:
         """The next read of new entries, started now; None once a stop is requested.
 
         Its entries wait delivered but unacknowledged while the batches before are written, for
@@ -872,7 +876,7 @@ class Worker:
         sources: list[Source],
         dead: list[DeadEntry],
         started: float,
-        written: asyncio.Future | None = None,
+        written: asyncio.Future[None] | None = None,
     ) -> None:
         """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
         is done once the store write has returned (or failed)."""
@@ -1058,7 +1062,9 @@ class Worker:
             if isinstance(reply, ResponseError):  # deleted or replaced meanwhile: nothing to keep
                 log.warning("could not acknowledge entries of %s: %s", key, reply)
 
-    async def _with_redis(self, call, retry_store: bool = False, drain: bool = False):
+    async def _with_redis(
+        self, call: Callable[[], Awaitable[T]], retry_store: bool = False, drain: bool = False
+    ) -> T | None:
         """Run `call`, retrying with capped, jittered backoff while Redis (or the store) is away.
 
         Once a stop is requested it gives up (returning None) at once, or with `drain` when the

@@ -42,7 +42,7 @@ from runbus.producer.run import Run
 __all__ = ["RunbusTracker", "finish_every_process", "log_every_process", "tracker_of"]
 
 
-class RunbusTracker(GeneralTracker):
+class RunbusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate has no types: its base is Any
     """An accelerate tracker whose every process logs under its own label of one run.
 
     The Run starts on first use with runbus.init(**init_options): run id, label and primary

@@ -200,7 +200,8 @@ def _loss(output: Any) -> Any:
 
 
 def _config(args: TrainingArguments, model: Any) -> dict[str, Any]:
-    config: dict[str, Any] = args.to_dict()  # tokens are masked by to_dict(), secrets by runbus.redact
+    # Tokens are masked by to_dict(), secrets by runbus.redact (transformers leaves it unannotated).
+    config: dict[str, Any] = args.to_dict()  # type: ignore[no-untyped-call]
     model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "to_dict"):
         config["model"] = model_config.to_dict()

@@ -122,7 +122,8 @@ def _spool_dir(given: Any) -> str | None:
         return None
     if given is True:
         raise TypeError("spool_dir takes a directory, None (the default one) or False (no spool)")
-    return os.fspath(given)
+    path: str = os.fspath(given)
+    return path
 
 
 def check_arguments(**arguments: Any) -> None:

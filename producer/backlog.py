@@ -78,7 +78,8 @@ class Chunk:
 
     def rows(self) -> list[Any]:
         """Each record as a list in Record's order (decoded in one call)."""
-        return orjson.loads(b"[" + bytes(self.lines[:-1]).replace(b"\n", b",") + b"]")
+        records: list[Any] = orjson.loads(b"[" + bytes(self.lines[:-1]).replace(b"\n", b",") + b"]")
+        return records
 
 
 def rows_of(batch: Chunk | list[Record]) -> list[Any]:
@@ -112,7 +113,7 @@ class DropLog:
             else:
                 ranges.append([first, last])
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         with self._lock:
             return {"dropped": self.count, "dropped_ranges": [list(r) for r in self.ranges]}
 

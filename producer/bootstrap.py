@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 
 from runbus import config
 
@@ -348,7 +349,7 @@ def store_unadopted(exit_code: int) -> None:
         _die_of_sigint()
 
 
-def _excepthook(exc_type, exc, tb) -> None:
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     global _interrupted
     _interrupted = issubclass(exc_type, KeyboardInterrupt)
     _previous_excepthook(exc_type, exc, tb)

@@ -54,12 +54,15 @@ import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 from runbus.config import CONSOLE_ENV
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
     from runbus.producer.bootstrap import FdCapture
     from runbus.producer.run import Run
 
@@ -243,7 +246,7 @@ class Prefixer:
 class _TextTee:
     """Stands in for sys.stdout or sys.stderr: echoes each write and captures it by lines."""
 
-    def __init__(self, capture: ConsoleCapture, original: Any, name: str, default_level: str) -> None:
+    def __init__(self, capture: ConsoleCapture, original: TextIO, name: str, default_level: str) -> None:
         self._capture = capture
         self._echo_mode = capture.echo
         self._original = original
@@ -278,7 +281,7 @@ class _TextTee:
                 self._feed(text)
         return len(text)
 
-    def writelines(self, lines) -> None:
+    def writelines(self, lines: Iterable[str]) -> None:
         for line in lines:
             self.write(line)
 
@@ -362,12 +365,12 @@ class _TextTee:
 class _BinaryTee:
     """Stands in for sys.stdout.buffer: bytes are echoed as bytes and captured as UTF-8 text."""
 
-    def __init__(self, text_tee: _TextTee, original: Any) -> None:
+    def __init__(self, text_tee: _TextTee, original: BinaryIO) -> None:
         self._text_tee = text_tee
         self._original = original
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def write(self, data) -> int:
+    def write(self, data: ReadableBuffer) -> int:
         size = memoryview(data).nbytes
         tee = self._text_tee
         if not tee._capturing:
@@ -397,7 +400,7 @@ class _MarkingTee:
     runbus's own threads and loggers print.
     """
 
-    def __init__(self, capture: ConsoleCapture, original: Any, fd_capture: FdCapture) -> None:
+    def __init__(self, capture: ConsoleCapture, original: TextIO, fd_capture: FdCapture) -> None:
         self._capture = capture
         self._original = original
         self._fd_capture = fd_capture
@@ -417,7 +420,7 @@ class _MarkingTee:
                 return self._mark(text, always=True)
         return self._original.write(text)
 
-    def writelines(self, lines) -> None:
+    def writelines(self, lines: Iterable[str]) -> None:
         for line in lines:
             self.write(line)
 
@@ -456,7 +459,7 @@ class _MarkingTee:
 class _RecordFactory:
     """Wraps the log-record factory: ships each record it makes while its capture is on."""
 
-    def __init__(self, capture: ConsoleCapture, previous) -> None:
+    def __init__(self, capture: ConsoleCapture, previous: Callable[..., logging.LogRecord]) -> None:
         self.capture = capture
         self.previous = previous
         self.active = True
@@ -508,7 +511,7 @@ class ConsoleCapture:
         self.pid = os.getpid()
         self._tees: dict[str, _TextTee | _MarkingTee] = {}
         self._factory: _RecordFactory | None = None
-        self._repointed: list[tuple[logging.StreamHandler, _TextTee | _MarkingTee]] = []
+        self._repointed: list[tuple[logging.StreamHandler[Any], _TextTee | _MarkingTee]] = []
         self._fd_capture: FdCapture | None = None
         self._tracebacks: list[str] = []  # to store after the keeper's lines, in fd mode
 
@@ -580,7 +583,9 @@ class ConsoleCapture:
                     handler.setStream(tee)
                     self._repointed.append((handler, tee))
 
-    def record_exception(self, exc_type, exc, tb) -> None:
+    def record_exception(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         """Store a traceback as ERROR lines of stderr (echoed later by Python, not here)."""
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         if self._fd_capture is not None:

@@ -59,7 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from runbus.producer.console import LineCutter, LineLevels, Prefixer
 
@@ -261,7 +261,7 @@ class Keeper:
         and label to start with, the fds to show the two streams on (`shown`), and the rank's
         pid and start time (`rank`: whose end to store for its unfinished Runs; None: none)."""
         self.rank = rank
-        self.claims: dict[tuple[str, str], dict] = {}  # the rank's unfinished Runs' leases
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}  # the rank's unfinished Runs' leases
         self.ending: threading.Thread | None = None
         self.echo = echo
         self.prefix = f"[{label}] "
@@ -504,7 +504,7 @@ def exit_code_of_status(status: int) -> tuple[int | None, int | None]:
     return (128 - code, -code) if code < 0 else (code, None)
 
 
-def store_ends(claims: list[dict], status: int | None) -> None:
+def store_ends(claims: list[dict[str, Any]], status: int | None) -> None:
     """Store that each claim's Run ended, with the rank's wait status (None: unknown), a few
     bounded tries each (runbus.producer.lease.store_end)."""
     exit_code, killed_by = exit_code_of_status(status) if status is not None else (None, None)

@@ -51,7 +51,8 @@ def _as_mapping(values: Any, what: str) -> Mapping[Any, Any]:
     if isinstance(values, Mapping):
         return values
     if what == "config" and hasattr(values, "__dict__"):  # argparse.Namespace, simple objects
-        return vars(values)
+        fields: dict[str, Any] = vars(values)
+        return fields
     raise TypeError(f"{what} must be a dict, not {type(values).__name__}")
 
 
@@ -126,10 +127,10 @@ def _encoded(what: str, plain: dict[str, Any]) -> bytes:
 
 def checked_name(name: Any) -> str:
     """A run name as the wire takes it (wire.check_run_name), holding no secret."""
-    name = wire.check_run_name(name)
-    if redact_text(name) != name:
-        raise InvalidName(f"run name {name[:40]!r} looks like it holds a secret: it is not sent")
-    return name
+    checked = wire.check_run_name(name)
+    if redact_text(checked) != checked:
+        raise InvalidName(f"run name {checked[:40]!r} looks like it holds a secret: it is not sent")
+    return checked
 
 
 def checked_tags(tags: Any) -> list[str]:

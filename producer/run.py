@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from runbus import wire
@@ -500,7 +501,9 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         code = 0 if exc is None else exits.exit_code_of(exc)
         failed = exc is not None and not isinstance(exc, SystemExit)
         if failed and self._console is not None and not self._finished:

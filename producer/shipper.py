@@ -183,8 +183,8 @@ class Shipper(threading.Thread):
         )
         self._held_start: Pending | None = None
         self._described = False
-        self._hardware_info: dict | None = None
-        self._git_info: dict | None = None
+        self._hardware_info: dict[str, Any] | None = None
+        self._git_info: dict[str, Any] | None = None
         self._redactors: dict[str, LineRedactor] = {}  # per log stream: its lines come in order
         self._orphans_checked = False
         self._client: SyncClient | None = None
@@ -776,7 +776,7 @@ class Shipper(threading.Thread):
         text = redactor(data["text"])
         return data if text is data["text"] else {**data, "text": text}
 
-    def _describe_hardware(self) -> dict | None:
+    def _describe_hardware(self) -> dict[str, Any] | None:
         # Not in init(): NVML can take a second to start on a big host.
         from runbus.producer.hardware import describe
         from runbus.producer.system import sampled_devices

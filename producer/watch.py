@@ -58,7 +58,7 @@ class ModelWatch:
         if isinstance(model, DistributedDataParallel):
             # Wrapping the default hook keeps DDP's reduction (a sum divided by the group's size).
             # No annotations: DDP checks them as objects, and this module's are strings.
-            def all_reduce(state, bucket):
+            def all_reduce(state, bucket):  # type: (Any, Any) -> torch.futures.Future[torch.Tensor]
                 return self._all_reduce(state, bucket)
 
             try:

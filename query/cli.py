@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from runbus import config, wire
 from runbus.cli import add_redis_option, add_store_option, level_argument
@@ -20,7 +20,7 @@ from runbus.query import catchup, documents, tables
 from runbus.redact import redact_text
 from runbus.storage import Store, anomalies, open_store, runlist, safe_url
 from runbus.storage.anomalies import Anomaly
-from runbus.storage.base import RunPage, RunSummary
+from runbus.storage.base import LogLine, Point, RunPage, RunSummary
 from runbus.storage.lookup import run_id_of
 from runbus.storage.rules import FAILED, FINISHED, natural_key
 from runbus.terminal import printable
@@ -334,7 +334,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from runbus.query.health import health_lines, read_health
 
-    async def showing(store: Store) -> tuple[RunSummary, dict, list[Anomaly]]:
+    async def showing(store: Store) -> tuple[RunSummary, dict[str, Any], list[Anomaly]]:
         run = await known_run(store, args.run, args.redis, catching_up(args))
         return run, await read_health(store, run), await anomalies.non_finite(store, run.run_id)
 
@@ -349,7 +349,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    async def points(store: Store):
+    async def points(store: Store) -> tuple[RunSummary, list[Point]]:
         run = await known_run(store, args.run, args.redis, catching_up(args))
         _check_label(run, args.label)
         await _check_key(store, run, args.key)
@@ -371,7 +371,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    async def lines(store: Store):
+    async def lines(store: Store) -> list[LogLine]:
         run = await known_run(store, args.run, args.redis, catching_up(args))
         _check_label(run, args.label)
         found = await store.logs(

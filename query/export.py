@@ -14,7 +14,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 FORMATS = ("csv", "jsonl", "parquet")
 # What a file's name says of its format, where --format is not given.
 SUFFIXES = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-TABLES: dict[str, Callable[[Store, str], Any]] = {
+TABLES: dict[str, Callable[[Store, str], Awaitable[pd.DataFrame]]] = {
     "metrics": frames.history_table,
     "logs": frames.logs_table,
     "system": frames.system_table,

@@ -448,7 +448,7 @@ def micros(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> np.nda
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(whole) < MAX_MICROSECONDS)  # NaN compares False: bad too
     whole[bad] = 0
-    out = whole.view(np.int64)
+    out: np.ndarray = whole.view(np.int64)
     # Converted in place a slice at a time: numpy copies an overlapping source first, so the
     # slice bounds what that costs.
     for at in range(0, len(out), CAST_SLICE):

@@ -132,7 +132,7 @@ class Api:
         self.url = store or default_store_url()
         self.page_rows = page_rows
         self._reader: StoreThread | None = None
-        self._closer: weakref.finalize | None = None
+        self._closer: weakref.finalize[[], Api] | None = None
         self._closed = False
         # No store there yet: each call tries again, raising StoreMissing until one is made (by an
         # ingester, or by run() storing a run whose events wait in Redis: query/catchup.py).

@@ -114,7 +114,9 @@ def sync_client(url: str, **options: Any) -> SyncClient:
 
     first, nodes = cluster_nodes(url)
     try:
-        client = RedisCluster(url=first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **options)
+        # redis-py leaves ClusterNode.__init__ unannotated.
+        startup = [ClusterNode(h, p) for h, p in nodes[1:]]  # type: ignore[no-untyped-call]
+        client = RedisCluster(url=first, startup_nodes=startup, **options)
     except RedisClusterException as exc:
         if not _unreachable(exc):
             raise

@@ -286,10 +286,16 @@ return (#ARGV - 3) / 7
 """
 
 
-def xadd_many_args(run: str, label: str, entries, secrets_by_epoch: dict[int, bytes]) -> list:
+# An entry as XADD_MANY_SCRIPT takes it: (kind, epoch, seq, ts, step, data), data JSON.
+EntryArgs = tuple[str, int, int, float, int | None, bytes | str]
+
+
+def xadd_many_args(
+    run: str, label: str, entries: Iterable[EntryArgs], secrets_by_epoch: dict[int, bytes]
+) -> list[str | int | bytes]:
     """ARGV for XADD_MANY_SCRIPT from (kind, epoch, seq, ts, step, data) tuples, each sealed with
     its epoch's secret (`seal`); an epoch without a secret is sent with an empty seal."""
-    args: list = [VERSION, run, label]
+    args: list[str | int | bytes] = [VERSION, run, label]
     for kind, epoch, seq, ts, step, data in entries:
         raw = data if isinstance(data, bytes) else data.encode()
         secret = secrets_by_epoch.get(epoch)

@@ -61,4 +61,5 @@ def open_store(url: str | None = None, create: bool = True) -> Store:
         raise MissingDependency(
             f"{scheme}:// stores need {exc.name}, which is not installed: pip install 'runbus[{extra}]'"
         ) from exc
-    return getattr(module, class_name)(url, create=create)
+    store: Store = getattr(module, class_name)(url, create=create)
+    return store

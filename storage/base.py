@@ -205,7 +205,7 @@ class RunBucket:
 
     generation: int
     bucket: int
-    part: list
+    part: list[Any]  # a rollups.Partial
     bins: dict[int, int]
 
 
@@ -217,7 +217,7 @@ class LabelBucket:
     epoch: int
     generation: int
     bucket: int
-    part: list
+    part: list[Any]  # a rollups.Partial
 
 
 @dataclass(frozen=True, slots=True)

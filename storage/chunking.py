@@ -22,16 +22,19 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from runbus.storage.base import PointTable
 from runbus.storage.columns import bounds
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, encode_arrays
-from runbus.storage.rollups import KeyColumns, column_rows, series_run
+from runbus.storage.rollups import KeyColumns, MetricRow, column_rows, series_run
+from runbus.storage.rows import SystemRow
 from runbus.storage.rules import RUNNING
 from runbus.wire import Event
+
+T = TypeVar("T")
 
 # A label epoch's head is compacted once this many events wait in it: a key logged every step
 # then fills a chunk of this many points (docs/columns.md: larger chunks compress and decode
@@ -98,7 +101,7 @@ def row_columns(rows: Iterable[Sequence[Any]], steps: bool) -> list[KeyColumns]:
 
 def split_due(
     metric_columns: Sequence[KeyColumns], system_columns: Sequence[KeyColumns], due: set[tuple[int, int]]
-) -> tuple[list[tuple], list[tuple], list[tuple[PointTable, KeyColumns]]]:
+) -> tuple[list[MetricRow], list[SystemRow], list[tuple[PointTable, KeyColumns]]]:
     """A batch's columns (label id first, epoch third) by whether their label epoch is `due`:
     the rows of those that join the head (metrics rows, then system rows, as the tables declare
     them), and the others, which go into chunks with their label epoch's head, with their table."""
@@ -219,12 +222,13 @@ class _Arrays:
 
         return self._once(steps, made)
 
-    def _once(self, source: Sequence[Any], make: Callable[[], Any]) -> Any:
+    def _once(self, source: Sequence[Any], make: Callable[[], T]) -> T:
         # Keyed by the list's id, kept alive beside its array so the id is not reused meanwhile.
         found = self._made.get(id(source))
         if found is None:
             found = self._made[id(source)] = (source, make())
-        return found[1]
+        made: T = found[1]
+        return made
 
 
 def _floats(values: Sequence[Any]) -> Floats:

@@ -79,7 +79,10 @@ def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
     sample = planes[:, :SAMPLE]
     seen = np.zeros(8 * 256, np.bool_)
     seen[(sample + _PLANE_OFFSETS).ravel()] = True
-    return (np.count_nonzero(seen.reshape(8, 256), axis=1) >= NOISE_DISTINCT[sample.shape[1]]).tolist()
+    noisy: list[bool] = (
+        np.count_nonzero(seen.reshape(8, 256), axis=1) >= NOISE_DISTINCT[sample.shape[1]]
+    ).tolist()
+    return noisy
 
 
 def _unshuffle(payload: bytes, count: int) -> Words:

@@ -16,7 +16,9 @@ UPDATE_METADATA_SQL = (
 )
 
 
-def metadata_rows(settings: Mapping[str, list[Setting]], primaries: Mapping[str, str | None]) -> list[tuple]:
+def metadata_rows(
+    settings: Mapping[str, list[Setting]], primaries: Mapping[str, str | None]
+) -> list[rows.Params]:
     """The UPDATE_METADATA_SQL rows that merge the stored settings (rows.run_settings) of the runs
     `primaries` names, each with its primary, into the runs' config, summary, name, tags and set_by."""
     return [(*rows.meta_columns(settings[run], primary), run) for run, primary in primaries.items()]
@@ -35,10 +37,10 @@ STARTED_RUNS_SQL = (
 )
 
 
-def start_setting_rows(found: Iterable[Sequence[Any]]) -> list[tuple]:
+def start_setting_rows(found: Iterable[Sequence[Any]]) -> list[rows.SettingRow]:
     """Migration 5's label_values rows (rows.setting_rows): each stored start's config (the rows
     of START_CONFIGS_SQL) as its label's settings."""
-    settings: list[tuple] = []
+    settings: list[rows.SettingRow] = []
     for label_id, run, name, epoch, seq, start, first_ts in found:
         label = LabelState(run, name, start_pos=(epoch, seq), start_data=orjson.loads(start))
         settings += rows.setting_rows([(label_id, rows.start_event(run, label, first_ts))])

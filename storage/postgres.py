@@ -377,7 +377,7 @@ def _float_columns(part: rollups.Partial) -> rollups.Partial:
     return part
 
 
-def _columns(rows_: list[tuple], width: int) -> list[list]:
+def _columns(rows_: list[rows.Params], width: int) -> list[list[Any]]:
     """`rows_` as `width` column lists, for unnest()."""
     return [list(column) for column in zip(*rows_, strict=True)] if rows_ else [[] for _ in range(width)]
 
@@ -555,7 +555,7 @@ async def _take_slot(con: asyncpg.Connection, taken: int) -> int:
 
 
 async def _slot_rows(
-    con: asyncpg.Connection, label_deltas: list[tuple], keys: list[rollups.RunRowKey], slot: int
+    con: asyncpg.Connection, label_deltas: list[rows.Params], keys: list[rollups.RunRowKey], slot: int
 ) -> dict[rollups.RunRowKey, tuple[rollups.Partial, dict[int, int]]]:
     """Add `label_deltas` to label_rollups, and read this transaction's slot's run_rollups rows
     at `keys`: (partial, sketch bins) each. One round trip."""
@@ -1271,7 +1271,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
 
 
-async def _store_settings(con: asyncpg.Connection, found: list[tuple]) -> None:
+async def _store_settings(con: asyncpg.Connection, found: list[rows.SettingRow]) -> None:
     """Upsert label_values rows (rows.setting_rows): a stored value gives way only to a later one."""
     if found:
         await con.execute(_UPSERT_SETTINGS, *map(list, zip(*found, strict=True)))

@@ -41,7 +41,7 @@ from itertools import compress, repeat
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from runbus.storage.rows import storable_text
+from runbus.storage.rows import Params, storable_text
 from runbus.wire import Event
 
 # Bucket widths as shifts of the step (or second): 128, 512, ... 131072. A factor of 4 between
@@ -58,8 +58,9 @@ STEP_AXIS, TS_AXIS = 0, 1
 
 # A partial aggregate is a list (merged in place, cheaper than objects), its fields at these places.
 N, NAN, INF, TOTAL, LO, HI, LAST, LAST_SEQ, X_LO, X_HI, TS_LO, TS_HI, FIRST_SEQ = range(13)
-# [n, nan, inf, total, lo, hi, last, last_seq, x_lo, x_hi, ts_lo, ts_hi, first_seq]
-Partial = list
+# [n, nan, inf, total, lo, hi, last, last_seq, x_lo, x_hi, ts_lo, ts_hi, first_seq]: ints, floats
+# and None by place, so its items are Any (a tuple type would cost the in-place merge).
+Partial = list[Any]
 
 # The sketch: DDSketch's logarithmic bins (Masson et al., VLDB 2019) with relative accuracy
 # ALPHA: a quantile read from it is within ALPHA of a sample's value (or of 0 for the zero bin),
@@ -650,11 +651,11 @@ RUN_VALUE_COLUMNS = "n, nan, inf, total, lo, hi, x_lo, x_hi, ts_lo, ts_hi, sampl
 RUN_KEY_COLUMNS = "key_id, width, axis, generation, bucket"
 
 
-def label_row(key: LabelRowKey, part: Partial) -> tuple:
+def label_row(key: LabelRowKey, part: Partial) -> Params:
     return (*key, *part)
 
 
-def run_row(key: RunRowKey, slot: int, part: Partial, bins: bytes, samples: int) -> tuple:
+def run_row(key: RunRowKey, slot: int, part: Partial, bins: bytes, samples: int) -> Params:
     return (
         *key,
         slot,
@@ -724,10 +725,14 @@ def fold_system(system_rows: Iterable[Sequence[Any]]) -> dict[FineKey, Partial]:
     return fine_partials_from_rows((r[0], r[1], r[2], r[3], None, r[4], r[5]) for r in ordered)
 
 
-def column_rows(columns: Iterable[KeyColumns]) -> list[tuple]:
+# A `metrics` row: (label id, key, epoch, seq, step, ts, value).
+MetricRow = tuple[int, str, int, int, int | None, float, Any]
+
+
+def column_rows(columns: Iterable[KeyColumns]) -> list[MetricRow]:
     """KeyColumns as `metrics` rows, (label id, key, epoch, seq, step, ts, value) as the table
     declares them: zipped in C."""
-    rows: list[tuple] = []
+    rows: list[MetricRow] = []
     for label_id, key, epoch, seqs, steps, ts, values in columns:
         rows += zip(repeat(label_id), repeat(key), repeat(epoch), seqs, steps, ts, values)
     return rows

@@ -113,6 +113,17 @@ _LABEL_OF = attrgetter("run", "label")
 _EPOCH, _SEQ, _KIND = attrgetter("epoch"), attrgetter("seq"), attrgetter("kind")
 
 
+# Rows as the tables declare their columns: a `system` row (label id, key, epoch, seq, ts, value),
+# a `logs` row (label id, epoch, seq, ts, stream, level, levelno, text) and a `label_values` row
+# (label id, field, key, value JSON, epoch, seq, ts).
+SystemRow = tuple[int, str, int, int, float, Any]
+LogRow = tuple[int, int, int, float, str, str, int, str]
+SettingRow = tuple[int, str, str, str, int, int, float]
+# The parameters of one row of a statement, in the order it names its columns: each of its
+# column's type, so Any.
+Params = tuple[Any, ...]
+
+
 # One label's events of one epoch in a batch: ((run, label), label id, epoch, events in seq order).
 Span = tuple[tuple[str, str], int, int, list[Event]]
 
@@ -183,13 +194,13 @@ def kind_counts(fresh: Iterable[Event]) -> tuple[int, int, int]:
     return metric, log, system
 
 
-def value_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tuple], list[tuple]]:
+def value_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[SystemRow], list[LogRow]]:
     """The system and logs rows of new events, given as (label id, its events) pairs, in the
     column order the tables declare (metrics rows come with their rollups: rollups.fold_metrics).
     Inline rather than through helpers: this runs once per stored value. Values stay as decoded
     (NaN included: SQLite stores it as NULL, PostgreSQL as NaN)."""
-    system: list[tuple] = []
-    logs: list[tuple] = []
+    system: list[SystemRow] = []
+    logs: list[LogRow] = []
     for label_id, events in fresh:
         system += [
             (label_id, k if "\x00" not in k else storable_text(k), e.epoch, e.seq, e.ts, v)
@@ -207,7 +218,7 @@ def value_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> tuple[list[tuple
     return system, logs
 
 
-def label_columns(label: LabelState) -> tuple:
+def label_columns(label: LabelState) -> Params:
     """The mutable label columns, in the order both backends' UPDATE statements name them."""
     return (
         label.state,
@@ -238,7 +249,7 @@ def dropped_from_json(text: str | bytes | None) -> dict[int, tuple[tuple[int, in
     return {int(e): tuple((a, b) for a, b in r) for e, r in orjson.loads(text).items()}
 
 
-def run_columns(derived: RunState, labels: Iterable[LabelState]) -> tuple:
+def run_columns(derived: RunState, labels: Iterable[LabelState]) -> Params:
     """(state, primary, exit_code, ended_ts, started_ts, last_ts) of a run."""
     labels = list(labels)
     firsts = [lab.first_ts for lab in labels if lab.first_ts is not None]
@@ -266,11 +277,11 @@ RUN_SETTINGS_SQL = """
 """
 
 
-def setting_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> list[tuple]:
+def setting_rows(fresh: Iterable[tuple[int, Sequence[Event]]]) -> list[SettingRow]:
     """The label_values rows (label id, field, key, value JSON, epoch, seq, ts) of what new start
     and meta events set, given as (label id, its events) pairs: the latest per key of each label
     (a row replaces a stored one only if later, see the backends' upserts)."""
-    found = []
+    found: list[SettingRow] = []
     for label_id, events in fresh:
         if SETTING_KINDS.isdisjoint(map(_KIND, events)):
             continue  # the usual batch: metrics, logs and samples only (a check in C)
@@ -301,7 +312,7 @@ def run_settings(found: Iterable[Sequence[Any]], runs: Iterable[str]) -> dict[st
     return {run: standing_settings(mine, starts[run]) for run, mine in by_run.items()}
 
 
-def meta_columns(settings: Iterable[Setting], primary: str | None) -> tuple:
+def meta_columns(settings: Iterable[Setting], primary: str | None) -> Params:
     """(config, summary, name, tags, set_by) of a run from its labels' stored settings, merged
     by rules.merge_settings; JSON text but for the name."""
     merged = merge_settings(settings, primary)

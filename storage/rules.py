@@ -55,7 +55,7 @@ class LabelState:
     state_ts: float | None = None
     primary: bool = False  # whether its latest start claims the primary role (granted or not)
     start_pos: tuple[int, int] = ORIGIN  # (epoch, seq) of its latest start
-    start_data: dict | None = None
+    start_data: dict[str, Any] | None = None
     epoch: int = 0  # highest epoch seen
     last_seq: int = 0  # highest seq seen in that epoch
     first_ts: float | None = None
@@ -320,7 +320,7 @@ def by_epoch(events: Sequence[Event]) -> dict[int, list[Event]]:
 
 
 def merge_dropped(
-    dropped: dict[int, tuple[tuple[int, int], ...]], epoch: int, ranges: Iterable
+    dropped: dict[int, tuple[tuple[int, int], ...]], epoch: int, ranges: object
 ) -> dict[int, tuple[tuple[int, int], ...]]:
     """Add a report of dropped seq ranges; reports are cumulative, so merging is order-free.
     Anything but [first, last] pairs of seqs is ignored (the report is the producer's, unchecked

@@ -268,7 +268,7 @@ def _insert(
     con: sqlite3.Connection,
     table: str,
     width: int,
-    values: list[tuple],
+    values: list[rows.Params],
     verb: str = "INSERT OR IGNORE",
     tail: str = "",
 ) -> None:
@@ -312,7 +312,7 @@ def _rows_sql(width: int, size: int) -> str:
     return ", ".join([row] * size)
 
 
-def _chunks(values: list, size: int) -> list[list]:
+def _chunks(values: list[T], size: int) -> list[list[T]]:
     return [values[i : i + size] for i in range(0, len(values), size)]
 
 
@@ -599,7 +599,7 @@ def _store_values(
     _compact(con, sorted(due), direct)
 
 
-def _exact(value_rows: list[tuple]) -> list[tuple]:
+def _exact(value_rows: list[rows.Params]) -> list[rows.Params]:
     """Head rows (value last) with each -0.0 as chunking.NEGATIVE_ZERO: SQLite stores the REAL
     -0.0 as 0, and a head row must give back the value it was given."""
     return [
@@ -628,11 +628,11 @@ def _grow_heads(
             for label_id, epoch, head in con.execute(statement, list(chain.from_iterable(chunk))).fetchall()
             if chunking.is_due(head, heads[label_id, epoch], label_id in ended)
         ]
-    for chunk in _chunks(sorted(ended), MAX_LABELS_PER_STATEMENT):
+    for ids in _chunks(sorted(ended), MAX_LABELS_PER_STATEMENT):
         due += con.execute(
             "SELECT label_id, epoch FROM label_epochs "
-            f"WHERE head > 0 AND label_id IN ({_rows_sql(1, len(chunk))})",
-            chunk,
+            f"WHERE head > 0 AND label_id IN ({_rows_sql(1, len(ids))})",
+            ids,
         ).fetchall()
     return sorted(set(map(tuple, due)))
 
@@ -1008,8 +1008,8 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             ):
                 near.setdefault((label_id, epoch), []).append((first, last))
         changes = rows.seen_changes(batch, near)
-        for chunk in _chunks(changes.replaced, MAX_LABELS_PER_STATEMENT):
-            con.execute(_delete_ranges_sql(len(chunk)), list(chain.from_iterable(chunk)))
+        for replaced in _chunks(changes.replaced, MAX_LABELS_PER_STATEMENT):
+            con.execute(_delete_ranges_sql(len(replaced)), list(chain.from_iterable(replaced)))
         _insert(con, "seen (label_id, epoch, first_seq, last_seq)", 4, changes.ranges, verb="INSERT")
         return changes.fresh
 
@@ -1059,7 +1059,8 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
     def _compact_due(self, con: sqlite3.Connection, limit: int) -> int:
         due = chunking.DUE_SQL
         _compact(con, con.execute(f"SELECT e.label_id, e.epoch {due} LIMIT ?", (limit,)).fetchall())
-        return con.execute(f"SELECT count(*) {due}").fetchone()[0]
+        left: int = con.execute(f"SELECT count(*) {due}").fetchone()[0]
+        return left
 
     # -- reads ---------------------------------------------------------------------------------
 

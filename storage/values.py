@@ -330,7 +330,7 @@ class _Clock:
             wanted = group[lost] * span + (seq[lost] - low)
             at[lost] = np.minimum(np.searchsorted(ranks, wanted), len(ranks) - 1)
             found[lost] = ranks[at[lost]] == wanted
-        ts = self.ts[at]
+        ts: Floats = self.ts[at]
         ts[~found] = np.nan
         return ts
 
@@ -467,7 +467,8 @@ def _up_to(v: Values, code: int, epoch: int, seq: int, known: bool, inclusive: b
     if not known:
         return v.key < code
     at = (v.epoch < epoch) | ((v.epoch == epoch) & ((v.seq <= seq) if inclusive else (v.seq < seq)))
-    return (v.key < code) | ((v.key == code) & at)
+    before: Mask = (v.key < code) | ((v.key == code) & at)
+    return before
 
 
 STEP_MIN, STEP_MAX = -(2**63), 2**63 - 1

@@ -4,7 +4,7 @@
 first directory that has one, so this file first runs the sitecustomize it hides (the next one on
 sys.path, if any), then lets runbus.producer.bootstrap claim the process's console if it is a rank.
 Nothing here may stop the process: every failure is reported in one line, or silent where runbus
-is not importable (another interpreter of the job). Written for any Python 3 (no annotations):
+is not importable (another interpreter of the job). Written for any Python 3 (types as comments):
 whatever Python the job runs reads it. Only this file belongs in this directory: everything in it
 is importable by every process of the job.
 """
@@ -13,7 +13,7 @@ import os
 import sys
 
 
-def _run_hidden_sitecustomize():
+def _run_hidden_sitecustomize():  # type: () -> None
     here = os.path.dirname(os.path.abspath(__file__))
     import importlib.machinery
     import importlib.util
@@ -27,7 +27,7 @@ def _run_hidden_sitecustomize():
     spec.loader.exec_module(module)
 
 
-def _claim_console():
+def _claim_console():  # type: () -> None
     try:
         from runbus import config
     except ImportError:  # an interpreter without runbus
