@@ -74,7 +74,7 @@ class HealthKeeper:
         self.on_alert = on_alert
         self.alerts = 0  # alerts this worker raised
         self._host = socket.gethostname()
-        self._commands: set[asyncio.Task] = set()
+        self._commands: set[asyncio.Task[None]] = set()
         self.findings = FindingsReader(store)
         # Each live run's latest health object, for the ops endpoint's gauges.
         self.live: dict[str, dict[str, Any]] = {}

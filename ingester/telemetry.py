@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -75,7 +76,7 @@ COUNTERS = (
 def histogram_family(name: str, help_text: str, histogram: Histogram) -> HistogramMetricFamily:
     cumulative = accumulate(histogram.counts)
     buckets = [
-        (floatToGoString(bound), count)
+        (floatToGoString(bound), count)  # type: ignore[no-untyped-call]  # prometheus_client has no annotations here
         for bound, count in zip((*histogram.bounds, math.inf), cumulative, strict=True)
     ]
     return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=histogram.total)
@@ -96,7 +97,7 @@ class WorkerCollector(Collector):
         self.backlog: list[StreamBacklog] | None = None
         self.missing: Mapping[str, int] | None = None
         # Each live run's health object, as the worker's detector last judged it (HealthKeeper.live).
-        self.health: Mapping[str, Mapping] = {}
+        self.health: Mapping[str, Mapping[str, Any]] = {}
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
@@ -164,7 +165,7 @@ class WorkerCollector(Collector):
         yield pending
 
 
-def run_health(health: Mapping[str, Mapping]) -> Iterator[Metric]:
+def run_health(health: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     """Gauges per live run from its health object (an ended run's series go with it)."""
     state = GaugeMetricFamily(
         "runbus_run_health", "1 for the live run's health state, 0 for the others.", labels=["run", "state"]

@@ -430,7 +430,8 @@ def _times(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> pd.Ser
         # column (8 bytes a value) to change nothing but its type.
         utc = cast(Any, pd.arrays.DatetimeArray)._simple_new(whole, dtype=pd.DatetimeTZDtype("us", "UTC"))
     except (AttributeError, TypeError):  # a pandas without it: the public way
-        return cast(Any, pd.Series(whole, copy=False)).dt.tz_localize("UTC")
+        localized: pd.Series = cast(Any, pd.Series(whole, copy=False)).dt.tz_localize("UTC")
+        return localized
     return pd.Series(utc, copy=False)
 
 

@@ -82,7 +82,7 @@ def _anomalies_text(anomalies: list[dict[str, Any]]) -> list[str]:
     return [f"{first['label']} went {first['kind']} in {first['key']}{at} first{more}"]
 
 
-def change_key(health: dict[str, Any]) -> tuple:
+def change_key(health: dict[str, Any]) -> tuple[Any, ...]:
     """What a change of a health object is, for a reader that follows it (`runbus watch`): its
     state, the culprits, the stragglers and their kinds, the first anomaly."""
     anomalies = health.get("anomalies") or []

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import sys
 import time
+from typing import Any
 
 import orjson
 
@@ -56,7 +57,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return read(args.store, watching)
 
 
-def _print(run_id: str, health: dict, as_json: bool) -> None:
+def _print(run_id: str, health: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json_printable(orjson.dumps({"run": run_id, **health}).decode()))
     else:

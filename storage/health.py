@@ -287,7 +287,7 @@ def _paused(heard: Sequence[LabelVitals], waits: Mapping[str, str | None]) -> bo
     return len({signature(v.stack) for v in heard}) == 1
 
 
-def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict]:
+def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict[str, Any]]:
     """The heard labels whose stacks stand apart from the group's."""
     outside = [v for v in heard if waits[v.label] is None]
     if outside and len(outside) < len(heard):
@@ -299,7 +299,7 @@ def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: f
 
 def _behind(
     labels: Sequence[LabelVitals], heard: Sequence[LabelVitals], named: set[str], now: float
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The heard labels not named yet whose last step is behind the run's furthest."""
     top = max((v.step for v in labels if v.step is not None), default=None)
     if top is None:
@@ -311,7 +311,9 @@ def _behind(
     ]
 
 
-def _odd_collectives(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict]:
+def _odd_collectives(
+    heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float
+) -> list[dict[str, Any]]:
     """Every heard label waits in a collective: those in another one than most are culprits."""
     counts = Counter(waits[v.label] for v in heard)
     if len(counts) < 2:
@@ -324,7 +326,7 @@ def _odd_collectives(heard: Sequence[LabelVitals], waits: Mapping[str, str | Non
     ]
 
 
-def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict]:
+def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict[str, Any]]:
     """No label waits in a collective: those at another place than most are culprits."""
     counts = Counter(signature(v.stack) for v in heard)
     usual, most = counts.most_common(1)[0]
@@ -365,7 +367,7 @@ def redacted(doc: Mapping[str, Any]) -> dict[str, Any]:
     """A health object with its secrets redacted, as every reader shows it (a heartbeat written
     by hand may hold anything); the anomalies' metric keys are names every reader shows anyway
     (`key` is no secret there), the rest of each anomaly is redacted."""
-    shown = redact({k: v for k, v in doc.items() if k != "anomalies"})
+    shown: dict[str, Any] = redact({k: v for k, v in doc.items() if k != "anomalies"})
     shown["anomalies"] = [
         {**redact({k: v for k, v in a.items() if k != "key"}), "key": a.get("key")}
         for a in doc.get("anomalies") or []
