@@ -30,6 +30,8 @@ log = logging.getLogger("runbus.ingester")
 
 LAST_LINES = 10
 ALERT_TIMEOUT = 60.0  # an --on-alert command running longer is killed
+# Seconds between health checks while the store fails, doubled from the first to the last.
+STORE_FAILING_WAIT, STORE_FAILING_WAIT_MAX = 5.0, 60.0
 
 
 def process_state(pid: object) -> str | None:
@@ -90,14 +92,18 @@ class HealthKeeper:
             log.debug("heartbeats not kept: %s", exc)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Judge every live run each interval until `stop`."""
+        """Judge every live run each interval until `stop`; while the store fails (locked, away),
+        less and less often: the batches' writes, in the store's one thread too, come first."""
+        wait = self.interval
         while not stop.is_set():
             try:
                 await self.tick()
+                wait = self.interval
             except StoreError as exc:
-                log.debug("health check skipped: %s", exc)
+                wait = min(STORE_FAILING_WAIT_MAX, max(STORE_FAILING_WAIT, wait * 2))
+                log.debug("health check skipped (next in %.0fs): %s", wait, exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+                await asyncio.wait_for(stop.wait(), wait)
         if self._commands:
             await asyncio.wait(self._commands, timeout=ALERT_TIMEOUT)
 

@@ -411,7 +411,12 @@ class Worker:
             stop_keeping_alive.set()
             await keep_alive
             if judging is not None:
-                await judging
+                # Its judgment is redone by the next tick of any worker: a stop waits for it no
+                # longer than for the batches in flight (a store that does not answer holds it).
+                done, _ = await asyncio.wait({judging}, timeout=settings.drain_timeout)
+                if not done:
+                    judging.cancel()
+                await asyncio.gather(judging, return_exceptions=True)
             if compacting is not None and not compacting.done():
                 compacting.cancel()
                 await asyncio.gather(compacting, return_exceptions=True)
