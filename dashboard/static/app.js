@@ -10,6 +10,7 @@ import { ApiError, api, poll } from './js/api.js';
 import { Zoom } from './js/chart.js';
 import { labelColor, runColor } from './js/colors.js';
 import { clock, count, dateTime, duration, el, setCrumbs, stateBadge, swatch } from './js/dom.js';
+import { healthBanner } from './js/health.js';
 import { logsPanel } from './js/logs.js';
 import { PanelGrid } from './js/panels.js';
 import { MAX_LINES, byName } from './js/series.js';
@@ -106,6 +107,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
     const zoom = new Zoom();
     const page = { settings, zoom };
     const header = el('section', { class: 'card run-header' });
+    const banner = healthBanner(runId);
     const tabs = tabBar(runId, [['charts', 'Charts'], ['stragglers', 'Stragglers'], ['hardware', 'Hardware']]);
     const labelsBody = el('div', { class: 'table-wrap labels-wrap' });
     const labelsMore = el('button', { type: 'button', class: 'button small', hidden: true }, 'Show all labels');
@@ -161,7 +163,7 @@ import { chartToolbar, pager } from './js/toolbar.js';
       el('section', { class: 'card', id: 'hardware' },
         el('div', { class: 'card-head' }, el('h2', null, 'Hardware'),
           el('span', { class: 'muted' }, "each label's machine and command line, from its start event")), hardwareBody));
-    main.replaceChildren(header, tabs.element, chartsPane, stragglersPane, hardwarePane);
+    main.replaceChildren(header, banner.element, tabs.element, chartsPane, stragglersPane, hardwarePane);
 
     let tab = firstTab;
     let lastState = null;
@@ -270,6 +272,8 @@ import { chartToolbar, pager } from './js/toolbar.js';
       if (stopped) return;
       const names = runDoc.labels.map((lab) => lab.label);
       renderHeader(header, runDoc);
+      await banner.refresh().catch(ignoreApiErrors);
+      if (stopped) return;
       labelsBody.replaceChildren(labelsTable(runDoc, settings));
       labelsMore.hidden = runDoc.labels.length <= settings.labelRows;
       configBody.replaceChildren(valuesTable(runDoc.config, runDoc.set_by?.config, 'No config set by any label.'));
