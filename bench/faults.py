@@ -47,7 +47,7 @@ HEALTHY = ("checkpoint", "eval")
 ALARMS = frozenset({"stalled", "dead", "silent"})
 TARGET_S = 30.0  # the issue's target: the culprit named within 30 s of the hang
 POLL_S = 0.2
-FAULT_STEP = 15
+FAULT_STEP = 40  # after the first heartbeats (0.3 s steps: ~12 s in); each trial adds 0-29 steps
 PAUSE_S = 15.0  # a checkpoint or evaluation longer than the 10 s stall floor
 ANCHORS = {
     "nccl_watchdog_default_s": 600,
@@ -137,8 +137,12 @@ RANK = textwrap.dedent(
 )
 
 
-def start_job(redis_url: str, run_id: str, kind: str, world: int, culprit: int, step_s: float, fault_file: str):
-    """The job's rank processes, started."""
+def start_job(
+    redis_url: str, run_id: str, kind: str, world: int, culprit: int, index: int, args
+) -> list[subprocess.Popen]:
+    """The job's rank processes, started. The fault's step moves from trial to trial, so that it
+    falls at every point of the heartbeat's 10 s cycle."""
+    fault_step = FAULT_STEP + (index * 7 + world) % 30
     env = {
         **os.environ,
         "RUNBUS_REDIS_URL": redis_url,
@@ -149,12 +153,12 @@ def start_job(redis_url: str, run_id: str, kind: str, world: int, culprit: int, 
         "MASTER_PORT": str(free_port()),
         "KIND": kind,
         "CULPRIT": str(culprit),
-        "FAULT_STEP": str(FAULT_STEP),
-        "STEP_S": str(step_s),
+        "FAULT_STEP": str(fault_step),
+        "STEP_S": str(args.step_s),
         "PAUSE_S": str(PAUSE_S),
         # A hang never gets this far; a healthy run ends some steps after its pause.
-        "STEPS": str(FAULT_STEP + 10 if kind in HEALTHY else 1_000_000),
-        "FAULT_FILE": fault_file,
+        "STEPS": str(fault_step + 10 if kind in HEALTHY else 1_000_000),
+        "FAULT_FILE": os.path.join(args.tmp, run_id + ".fault"),
         "OMP_NUM_THREADS": "1",
     }
     return [
@@ -198,7 +202,7 @@ async def hang_trial(store, redis_url: str, kind: str, world: int, index: int, a
     run_id = f"{kind}-{world}-{index}"
     culprit = (index * 5 + 1) % world  # not always the same rank, never only rank0
     fault_file = os.path.join(args.tmp, run_id + ".fault")
-    ranks = start_job(redis_url, run_id, kind, world, culprit, args.step_s, fault_file)
+    ranks = start_job(redis_url, run_id, kind, world, culprit, index, args)
     result: dict[str, Any] = {"kind": kind, "world": world, "culprit": f"rank{culprit}"}
     try:
         began = time.monotonic()
@@ -229,8 +233,7 @@ async def hang_trial(store, redis_url: str, kind: str, world: int, index: int, a
 async def healthy_trial(store, redis_url: str, kind: str, world: int, index: int, args) -> dict[str, Any]:
     """One healthy run to its end: every verdict seen while it ran that was an alarm."""
     run_id = f"{kind}-{world}-{index}"
-    fault_file = os.path.join(args.tmp, run_id + ".fault")
-    ranks = start_job(redis_url, run_id, kind, world, -1, args.step_s, fault_file)
+    ranks = start_job(redis_url, run_id, kind, world, -1, index, args)
     alarms: list[dict[str, Any]] = []
     notes: set[str] = set()
     try:
@@ -245,8 +248,13 @@ async def healthy_trial(store, redis_url: str, kind: str, world: int, index: int
         codes = [r.poll() for r in ranks]
         # Distinct alarms (a verdict is read many times while it holds).
         distinct = [dict(t) for t in {tuple(sorted((k, str(v)) for k, v in a.items())) for a in alarms}]
-        return {"kind": kind, "world": world, "false_alarms": distinct, "exit_codes_ok": codes == [0] * world,
-                "notes": sorted(notes)}
+        return {
+            "kind": kind,
+            "world": world,
+            "false_alarms": distinct,
+            "exit_codes_ok": codes == [0] * world,
+            "notes": sorted(notes),
+        }
     finally:
         stop_job(ranks)
 
@@ -324,7 +332,9 @@ async def bench(args) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="every kind once at 4 and 8 ranks")
     parser.add_argument("--worlds", default="8,32", help="rank counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=4, help="trials of each kind at each world")
@@ -332,7 +342,9 @@ def main() -> None:
     parser.add_argument("--healthy", default=",".join(HEALTHY), help="healthy kinds, comma-separated")
     parser.add_argument("--step-s", type=float, default=0.3, help="seconds each step sleeps")
     parser.add_argument("--wait", type=float, default=45.0, help="seconds to wait for a culprit")
-    parser.add_argument("--start-timeout", type=float, default=240.0, help="seconds for a job to reach its fault")
+    parser.add_argument(
+        "--start-timeout", type=float, default=240.0, help="seconds for a job to reach its fault"
+    )
     args = parser.parse_args()
     if args.quick:
         args.worlds, args.repeats = "4,8", 1

@@ -203,8 +203,9 @@ def judge(run_state: str, labels: Sequence[LabelVitals], now: float, settings: H
             return Verdict(
                 SILENT, [_silent(v, now) for v in labels], note="no label sends heartbeats", threshold=limit
             )
-        # Labels that never stepped (a child process's, a loader's) are neither culprits nor waiting.
-        return _stalled(stepping, [v for v in silent if v in stepping], now, limit)
+        # Labels that never stepped (a child process's, a loader's) are neither culprits nor waiting;
+        # a silent label that never sent a beat is one (it hung or died before its first beat).
+        return _stalled(stepping, [v for v in silent if v in stepping or v.beat is None], now, limit)
     if silent and len(silent) < len(labels):
         return Verdict(DEAD, [_silent(v, now) for v in silent], threshold=limit)
     if not stepping:
