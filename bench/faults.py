@@ -200,7 +200,7 @@ def named(health: dict[str, Any] | None) -> list[str]:
 async def hang_trial(store, redis_url: str, kind: str, world: int, index: int, args) -> dict[str, Any]:
     """One hang: how long after its injection a verdict named a culprit, and whether rightly."""
     run_id = f"{kind}-{world}-{index}"
-    culprit = (index * 5 + 1) % world  # not always the same rank, never only rank0
+    culprit = (index * 5 + HANGS.index(kind) * 3 + 1) % world  # not always the same rank
     fault_file = os.path.join(args.tmp, run_id + ".fault")
     ranks = start_job(redis_url, run_id, kind, world, culprit, index, args)
     result: dict[str, Any] = {"kind": kind, "world": world, "culprit": f"rank{culprit}"}

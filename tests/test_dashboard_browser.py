@@ -580,7 +580,7 @@ def test_thousands_of_keys_cost_a_bounded_number_of_requests(page, site):
     assert 0 < loaded <= REFRESH_LIMIT  # only panels in view were fetched
     assert len(charts) <= loaded * 3  # first view and two refreshes of those in view
     others = [u for _, u in requests if u not in charts]
-    assert len(others) <= 3 * 4  # run, key page, logs, system per refresh
+    assert len(others) <= 3 * 5  # run, health, key page, logs, system per refresh
 
     # The next page, and a search through all 3000 keys: still one page at a time.
     page.click("#keys-next")
