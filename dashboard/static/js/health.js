@@ -76,11 +76,11 @@ function headline(health) {
 export function bannerContent(health) {
   if (!health || QUIET.has(health.state)) return null;
   const culprits = health.culprits || [];
-  return [
-    el('p', { class: 'health-head' }, el('strong', null, 'Health: '), headline(health)),
-    health.note ? el('p', { class: 'muted health-note' }, health.note) : null,
-    culprits.length ? el('ul', { class: 'health-culprits' }, culprits.map(culpritItem)) : null,
-  ].filter((node) => node !== null);
+  /** @type {Node[]} */
+  const nodes = [el('p', { class: 'health-head' }, el('strong', null, 'Health: '), headline(health))];
+  if (health.note) nodes.push(el('p', { class: 'muted health-note' }, health.note));
+  if (culprits.length) nodes.push(el('ul', { class: 'health-culprits' }, culprits.map(culpritItem)));
+  return nodes;
 }
 
 /**
