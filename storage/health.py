@@ -248,13 +248,19 @@ def _judge_beats(labels: Sequence[LabelVitals], now: float, settings: HealthSett
             return Verdict(
                 SILENT, [_silent(v, now) for v in labels], note="no label sends heartbeats", threshold=limit
             )
-        # Labels that never stepped (a child process's, a loader's) are neither culprits nor waiting.
-        return _stalled(stepping, [v for v in silent if v in stepping], now, limit)
+        return _stalled(stepping, _silent_in_stall(silent, stepping), now, limit)
     if silent and len(silent) < len(labels):
         return Verdict(DEAD, [_silent(v, now) for v in silent], threshold=limit)
     if not stepping:
         return Verdict(OK, note="starting: no step yet", threshold=limit)
     return Verdict(OK, threshold=limit)
+
+
+def _silent_in_stall(silent: Sequence[LabelVitals], stepping: Sequence[LabelVitals]) -> list[LabelVitals]:
+    """The silent labels a stall names: labels that never stepped (a child process's, a loader's)
+    are neither culprits nor waiting, but a silent one that never sent a beat is a culprit (it hung
+    or died before its first beat)."""
+    return [v for v in silent if v in stepping or v.beat is None]
 
 
 def _stalled(

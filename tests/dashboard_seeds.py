@@ -264,3 +264,81 @@ async def write_nan_run(store_url: str) -> None:
             await store.write(events)
     finally:
         await store.close()
+
+
+STALLED_RUN = "hang-6"  # 6 ranks, stalled: HUNG_RANK in a data loader, the others in all_reduce
+HEALTHY_RUN = "fine-2"  # 2 ranks, judged ok
+HUNG_RANK = "rank5"
+HUNG_CODE = "load_batch()  # <img src=x onerror=\"window.__pwned='health'\">"
+HUNG_LINE = "rank 5 reading shard <b>20</b>"
+
+
+def stalled_health(now: float) -> dict[str, Any]:
+    """The stalled verdict of STALLED_RUN as the detector records it (docs/health.md)."""
+    frames = [
+        {"file": "/work/train.py", "line": 48, "function": "main", "code": HUNG_CODE},
+        {"file": "/work/train.py", "line": 21, "function": "load_batch", "code": "time.sleep(3600)"},
+    ]
+    waiting = [{"label": f"rank{r}", "in": "all_reduce", "step": 40} for r in range(5)]
+    culprit = {
+        "label": HUNG_RANK,
+        "reason": "in a data loader (load_batch)",
+        "step": 40,
+        "step_age": 14.0,
+        "silent_s": 0.5,
+        "host": "node3",
+        "pid": 4121,
+        "stack": frames,
+        "last_lines": [HUNG_LINE],
+    }
+    return {
+        "state": "stalled",
+        "since": now - 12,
+        "culprits": [culprit],
+        "waiting": waiting,
+        "note": None,
+        "threshold": 10.0,
+    }
+
+
+async def write_health_runs(store_url: str) -> None:
+    """STALLED_RUN and HEALTHY_RUN, running, each with its recorded health verdict."""
+    import time
+
+    from runbus.storage import open_store
+    from runbus.storage.beats import RunVitals
+    from runbus.wire import Event
+
+    now = time.time()
+    store = open_store(store_url)
+    await store.connect()
+    try:
+        for run, ranks in ((STALLED_RUN, 6), (HEALTHY_RUN, 2)):
+            events = []
+            for rank in range(ranks):
+                label = f"rank{rank}"
+                events.append(
+                    Event(run, label, "start", 1, 1, now - 60, {"primary": rank == 0, "rank": rank}, None)
+                )
+                events.extend(
+                    Event(
+                        run, label, "metric", 1, step + 2, now - 60 + step, {"loss": 1.0 / (step + 1)}, step
+                    )
+                    for step in range(41)
+                )
+            await store.write(events)
+        stalled = stalled_health(now)
+        await store.record_health(
+            RunVitals(STALLED_RUN, "running", None, None), "stalled", f"stalled|{HUNG_RANK}", stalled, now
+        )
+        ok = {
+            "state": "ok",
+            "since": now - 30,
+            "culprits": [],
+            "waiting": [],
+            "note": None,
+            "threshold": 10.0,
+        }
+        await store.record_health(RunVitals(HEALTHY_RUN, "running", None, None), "ok", "ok", ok, now)
+    finally:
+        await store.close()

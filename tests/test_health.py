@@ -1,9 +1,11 @@
 """Health with real processes: 4 ranks under gloo on CPU, a live `runbus ingest`, faults injected
-(a rank blocked in Python, SIGSTOPped, SIGKILLed) and the pauses that must not raise an alarm (a
-checkpoint on every rank, the start-up, a finished run)."""
+(a rank blocked in Python, blocked in a C call, SIGSTOPped, SIGKILLed, Redis away during a hang)
+and the pauses that must not raise an alarm (a checkpoint on every rank, the start-up, a finished
+run)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +35,7 @@ STALL_AFTER = 3.0  # the detector's floor in these tests (10 s by default)
 
 RANK = textwrap.dedent(
     """
-    import os, signal, time
+    import os, select, signal, time
     import torch, torch.distributed as dist
     import runbus
 
@@ -50,6 +52,13 @@ RANK = textwrap.dedent(
             time.sleep(3600)
         return torch.ones(4) * step
 
+    def wait_for_peer(step):
+        # A C call that lets go of the GIL and never returns: nobody writes this pipe.
+        if fault == "cblock" and rank == culprit and step == int(os.environ["FAULT_STEP"]):
+            print(f"rank {rank} waiting for its peer at step {step}", flush=True)
+            quiet, _ = os.pipe()
+            select.select([quiet], [], [])
+
     def save_checkpoint(step):
         time.sleep(float(os.environ["PAUSE"]))
 
@@ -58,6 +67,7 @@ RANK = textwrap.dedent(
     step, steps, deadline = 0, int(os.environ["STEPS"]), time.monotonic() + float(os.environ["SECONDS"])
     while step < steps and (collective or time.monotonic() < deadline):
         batch = load_batch(step)
+        wait_for_peer(step)
         if step == int(os.environ["FAULT_STEP"]) and rank == culprit:
             if fault == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -75,13 +85,10 @@ RANK = textwrap.dedent(
 )
 
 
-@pytest.fixture(params=[1])
-def ingester(
-    redis_url: str, store_url: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Path]:
-    """A live `runbus ingest` (of `request.param` workers) with a 3 s stall floor, its alerts
-    appended to a file (returned)."""
-    alerts = tmp_path / "alerts.jsonl"
+@contextlib.contextmanager
+def live_ingester(redis_url: str, store_url: str, alerts: Path, workers: int = 1) -> Iterator[Path]:
+    """A live `runbus ingest` (of `workers` workers) with a 3 s stall floor, its alerts appended
+    to `alerts` (returned)."""
     worker = subprocess.Popen(
         ingest_command(
             redis_url,
@@ -91,7 +98,7 @@ def ingester(
             "--on-alert",
             f"cat >> {alerts}; echo >> {alerts}",
             "--workers",
-            str(request.param),
+            str(workers),
         ),
         stderr=subprocess.PIPE,
         text=True,
@@ -103,6 +110,15 @@ def ingester(
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)
         assert worker.returncode == 0, err
+
+
+@pytest.fixture(params=[1])
+def ingester(
+    redis_url: str, store_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Path]:
+    """live_ingester on the tests' Redis, of `request.param` workers."""
+    with live_ingester(redis_url, store_url, tmp_path / "alerts.jsonl", request.param) as alerts:
+        yield alerts
 
 
 def start(
@@ -253,3 +269,59 @@ def test_a_checkpoint_on_every_rank_and_the_finish_raise_no_alarm(redis_url, sto
         assert alerts_of(ingester) == []
     finally:
         stop(ranks)
+
+
+def test_a_rank_blocked_in_a_c_call_is_the_culprit(redis_url, store_url, ingester):
+    ranks = start(redis_url, "hang-select", "cblock", culprit=1)
+    try:
+        found = wait_for(
+            "the run to be stalled with a culprit",
+            lambda: (h := health_is(store_url, "hang-select", "stalled")) and h["culprits"] and h,
+            timeout=60,
+        )
+        # Its heartbeats go on (select lets go of the GIL): it is named by where it stands.
+        assert [c["label"] for c in found["culprits"]] == ["rank1"]
+        culprit = found["culprits"][0]
+        assert culprit["reason"] == "in Python (wait_for_peer)"
+        assert culprit["stack"][-1]["function"] == "wait_for_peer"
+        assert culprit["silent_s"] < 3
+        assert culprit["last_lines"][-1] == "rank 1 waiting for its peer at step 20"
+        assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank2", "rank3"]
+    finally:
+        stop(ranks)
+
+
+def test_the_culprit_is_named_again_once_redis_is_back_after_an_outage_during_the_hang(
+    local_redis, store_url, tmp_path
+):
+    with live_ingester(local_redis.url, store_url, tmp_path / "alerts.jsonl") as alerts:
+        ranks = start(local_redis.url, "hang-outage", "loader")
+        try:
+            wait_for(
+                "the run to be stalled with a culprit",
+                lambda: (h := health_is(store_url, "hang-outage", "stalled")) and h["culprits"],
+                timeout=60,
+            )
+            local_redis.kill()
+            # Nothing reaches the store: every label falls silent, as the detector then says.
+            wait_for("the run to be silent", lambda: health_is(store_url, "hang-outage", "silent"), 30)
+            local_redis.start()
+            # Right after, a rank whose producer has not reconnected yet may be named for its
+            # silence beside the culprit: the verdict settles on the culprit alone.
+            found = wait_for(
+                "the culprit named again, alone",
+                lambda: (
+                    (h := health_is(store_url, "hang-outage", "stalled"))
+                    and [c["label"] for c in h["culprits"]] == ["rank2"]
+                    and h
+                ),
+                timeout=60,
+            )
+            assert "data loader" in found["culprits"][0]["reason"]
+            assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
+            assert all(rank.poll() is None for rank in ranks)  # the outage killed no rank
+            states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
+            assert states[0] == ("stalled", ["rank2"]) and states[-1] == ("stalled", ["rank2"])
+            assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states
+        finally:
+            stop(ranks)

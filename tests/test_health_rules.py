@@ -47,6 +47,15 @@ def test_a_label_that_never_steps_is_neither_culprit_nor_waiting():
     assert [w["label"] for w in verdict.waiting] == ["rank0"]
 
 
+def test_a_rank_silent_before_its_first_beat_is_the_culprit_of_a_stall():
+    # Stopped a few seconds in, before its first heartbeat: its events were stored, no beat.
+    early = LabelVitals("rank1", None, None, NOW - 30.0, "stopped")
+    verdict = judge("running", [rank("rank0"), early, rank("rank2")], NOW, SETTINGS)
+    assert verdict.state == STALLED
+    assert [c["label"] for c in verdict.culprits] == ["rank1"] and "stopped" in verdict.culprits[0]["reason"]
+    assert [w["label"] for w in verdict.waiting] == ["rank0", "rank2"]
+
+
 def test_a_rank_a_step_behind_is_the_culprit():
     verdict = judge("running", [rank("rank0"), rank("rank1", step=39), rank("rank2")], NOW, SETTINGS)
     reasons = [(c["label"], c["reason"]) for c in verdict.culprits]

@@ -9,6 +9,7 @@ import { ApiError, ignoreApiErrors, poll } from './api.js';
 import { Zoom, zoomed } from './chart.js';
 import { count, el, setCrumbs } from './dom.js';
 import { hardwareView } from './hardware.js';
+import { healthBanner } from './health.js';
 import { logsPanel } from './logs.js';
 import { PanelGrid, refreshOnZoom } from './panels.js';
 import { runHref } from './route.js';
@@ -43,10 +44,11 @@ export function runView(runId, firstTab) {
   /** @type {RunState} */
   const state = { runId, settings, zoom, page: { settings, zoom }, doc: null, stopped: false };
   const header = el('section', { class: 'card run-header' });
+  const banner = healthBanner(runId);
   const tabs = tabBar(runId, [['charts', 'Charts'], ['stragglers', 'Stragglers'], ['hardware', 'Hardware']]);
   const charts = chartsPane(state);
   const panes = { charts, stragglers: stragglersPane(state), hardware: hardwarePane(runId) };
-  main.replaceChildren(header, tabs.element, ...Object.values(panes).map((pane) => pane.element));
+  main.replaceChildren(header, banner.element, tabs.element, ...Object.values(panes).map((pane) => pane.element));
 
   // A tab is filled when first opened, then at each refresh while it is open (a finished run
   // stops refreshing, but a tab opened later is still filled once).
@@ -75,6 +77,8 @@ export function runView(runId, firstTab) {
     state.doc = doc;
     if (state.stopped) return;
     renderHeader(header, doc);
+    await banner.refresh().catch(ignoreApiErrors);
+    if (state.stopped) return;
     charts.show(doc);
     await fillTab();
     // A run that is over changes no more: one last refresh after it ends, then stop.
