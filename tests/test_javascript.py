@@ -1,6 +1,6 @@
 """The page's JavaScript checked like the rest: node's own test runner over the unit tests of its
 pure modules (tests/js/*.test.mjs, importing the files the browser loads), and tsc over every
-module that carries `// @ts-check` (dashboard/jsconfig.json). Node comes from the system
+module that carries `// @ts-check` (jsconfig.json). Node comes from the system
 (Debian's `nodejs`); TypeScript from `npm ci` (package.json pins it). Missing either fails under
 CI=true, else skips with the reason.
 """
@@ -60,7 +60,7 @@ def test_the_page_type_checks_with_zero_errors() -> None:
     if not TSC.is_file():
         missing_server("TypeScript (`npm ci` at the repository root installs the pinned tsc)")
     result = subprocess.run(
-        [node_path, str(TSC), "--noEmit", "-p", str(ROOT / "dashboard" / "jsconfig.json")],
+        [node_path, str(TSC), "--noEmit", "-p", str(ROOT / "jsconfig.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,
