@@ -307,17 +307,18 @@ def test_the_culprit_is_named_again_once_redis_is_back_after_an_outage_during_th
             wait_for("the run to be silent", lambda: health_is(store_url, "hang-outage", "silent"), 30)
             local_redis.start()
             # Right after, a rank whose producer has not reconnected yet may be named for its
-            # silence beside the culprit: the verdict settles on the culprit alone.
+            # silence beside the culprit (the culprit too, until its own beat comes back): the
+            # verdict settles on the culprit alone, in its data loader.
             found = wait_for(
-                "the culprit named again, alone",
+                "the culprit named again, alone, in its data loader",
                 lambda: (
                     (h := health_is(store_url, "hang-outage", "stalled"))
                     and [c["label"] for c in h["culprits"]] == ["rank2"]
+                    and "data loader" in h["culprits"][0]["reason"]
                     and h
                 ),
                 timeout=60,
             )
-            assert "data loader" in found["culprits"][0]["reason"]
             assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
             assert all(rank.poll() is None for rank in ranks)  # the outage killed no rank
             states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
