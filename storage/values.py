@@ -25,7 +25,7 @@ import numpy.typing as npt
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
 from runbus.storage.columns import Bounds, bounds
-from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_many
+from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
 from runbus.storage.rules import natural_key
 
 # A chunk row as a read selects it: (label, key, epoch, first seq, data).
@@ -242,26 +242,21 @@ def _forget_threads() -> None:
 os.register_at_fork(after_in_child=_forget_threads)
 
 
-def _decoded(blobs: list[bytes], counts: Ints) -> Arrays:
-    """decode_many of `blobs` (of `counts` points each), in slices side by side, joined."""
-    slices = _slices(counts) if len(blobs) else [(0, 0)]
-    parts: list[Arrays | None] = [None] * len(slices)
+def _clock_columns(blobs: list[bytes], counts: Ints) -> tuple[Ints, Floats]:
+    """The seqs and timestamps of clock chunks (of `counts` points each, none empty), decoded a
+    slice at a time, side by side, into one pair of columns made once (as _from_chunks fills its)."""
+    offsets = np.cumsum(counts) - counts
+    total = int(counts.sum())
+    seqs, ts = np.empty(total, np.int64), np.empty(total, np.float64)
 
-    def decode(first: int, end: int) -> None:
-        parts[slices.index((first, end))] = decode_many(blobs[first:end])
+    def fill(first: int, end: int) -> None:
+        arrays = decode_many(blobs[first:end])
+        at = slice(int(offsets[first]), int(offsets[first]) + len(arrays.seqs))
+        seqs[at], ts[at] = arrays.seqs, arrays.ts.view(np.float64)
 
-    _side_by_side(decode, slices)
-    found = [part for part in parts if part is not None]
-    if len(found) == 1:
-        return found[0]
-    nulls = [p.step_nulls if p.step_nulls is not None else np.zeros(len(p.seqs), np.bool_) for p in found]
-    return Arrays(
-        np.concatenate([p.seqs for p in found]),
-        np.concatenate([p.steps for p in found]),
-        np.concatenate(nulls) if any(p.step_nulls is not None for p in found) else None,
-        np.concatenate([p.ts for p in found]),
-        np.concatenate([p.values.astype(np.float64, copy=False) for p in found]),
-    )
+    if len(blobs):
+        _side_by_side(fill, _slices(counts))
+    return seqs, ts
 
 
 class _Clock:
@@ -302,11 +297,12 @@ class _Clock:
             if head.last_seq >= spans[of][0] and head.first_seq <= spans[of][1]:
                 mine.append((of, head.first_seq, head.points, clock[2]))
         mine.sort(key=lambda found: found[:2])
-        arrays = _decoded([blob for _, _, _, blob in mine], np.array([n for _, _, n, _ in mine], np.int64))
-        group = np.repeat(np.array([of for of, _, _, _ in mine], np.int64), [n for _, _, n, _ in mine])
-        low = min([head.first_seq for head in heads] + ([int(arrays.seqs.min())] if mine else []))
-        high = max([head.last_seq for head in heads] + ([int(arrays.seqs.max())] if mine else []))
-        return cls(group, arrays.seqs, arrays.ts.view(np.float64), low, high - low + 1)
+        counts = np.array([n for _, _, n, _ in mine], np.int64)
+        seqs, ts = _clock_columns([blob for _, _, _, blob in mine], counts)
+        group = np.repeat(np.array([of for of, _, _, _ in mine], np.int64), counts)
+        low = min([head.first_seq for head in heads] + ([int(seqs.min())] if mine else []))
+        high = max([head.last_seq for head in heads] + ([int(seqs.max())] if mine else []))
+        return cls(group, seqs, ts, low, high - low + 1)
 
     def times(self, chunk_group: Ints, counts: Ints, seq: Ints) -> Floats:
         """Each point's timestamp (chunks laid end to end: each one's group and point count);
