@@ -79,7 +79,7 @@ def add_ingest(parser: argparse.ArgumentParser) -> None:
         "after the group's first `--from now` (kept in Redis: restarts keep it); a group "
         "already on a stream keeps its position",
     )
-    parser.add_argument("--batch-size", type=int, default=1000, help="entries per stream per read")
+    parser.add_argument("--batch-size", type=int, default=4096, help="entries per stream per read")
     parser.add_argument(
         "--batch-rows",
         type=_positive,

@@ -38,6 +38,7 @@ from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
 from runbus.redis import access_denied, async_client, is_cluster, pending_entries, reply_text
 from runbus.storage.base import Store
+from runbus.storage.chunking import CHUNK_POINTS
 from runbus.storage.health import HealthSettings
 from runbus.storage.rules import primary_claims
 
@@ -60,7 +61,10 @@ REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError
 StreamId = int | bytes | str | memoryview
 # Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
 Source = tuple[str, bytes, Fields]
-STREAMS_PER_READ = 256
+# Entries one XREADGROUP may bring at most, over all its streams: a read names at most this many
+# over --batch-size streams (streams_per_read), so a worker's batch stays within bounds whatever
+# the batch size.
+READ_ENTRIES = 262_144
 STATS_INTERVAL = 30.0
 # Runs whose primary claim (wire.primary_key) this worker has read, remembered at most.
 CLAIMS_REMEMBERED = 65536
@@ -126,7 +130,11 @@ class WorkerSettings:
     store_url: str = field(default_factory=config.default_store_url)
     group: str = ""  # "": the store's own, wire.store_group(its id), set once connected
     consumer: str = field(default_factory=default_consumer_name)
-    batch_size: int = 1000
+    # Entries read from each stream at once: a backlog (an ingester catching up, a burst) then
+    # brings each label epoch a full chunk per read, which the store writes as one chunk per key
+    # (storage/chunking.py): fewer, larger chunks are smaller on disk and faster to read back
+    # (bench/history.py, docs/performance.md). A live run's streams hold a few entries each.
+    batch_size: int = CHUNK_POINTS
     # Rows one store transaction writes at most (row_slices): a read past it is written in
     # several transactions, and acknowledged after the last.
     batch_rows: int = 200_000
@@ -219,16 +227,23 @@ def row_slices(events: Sequence[wire.Event], limit: int) -> list[tuple[int, int]
     """(start, end) of the consecutive slices of `events` that one store transaction each
     writes: at most `limit` rows each, counting an event's values (a metric's keys) and one
     for the event itself, an upper bound of what it adds to the tables; an event wider than
-    `limit` is a slice of its own."""
+    `limit` is a slice of its own. A slice ends where a label's events begin where it can, so
+    that a label's events of one read are written together (as one chunk per key)."""
     if len(events) + sum(map(len, map(_DATA, events))) <= limit:  # the common case, in C
         return [(0, len(events))]
     slices, start, rows = [], 0, 0
+    label_start, label_rows, label = 0, 0, ("", "")
     for i, event in enumerate(events):
         size = len(event.data) + 1
+        if (event.run, event.label) != label:
+            label_start, label_rows, label = i, 0, (event.run, event.label)
         if rows and rows + size > limit:
-            slices.append((start, i))
-            start, rows = i, 0
+            cut = label_start if label_start > start else i
+            slices.append((start, cut))
+            start, rows = cut, label_rows if cut == label_start else 0
+            label_rows = rows
         rows += size
+        label_rows += size
     slices.append((start, len(events)))
     return slices
 
@@ -263,8 +278,13 @@ def stream_share(key: str, count: int) -> int:
     return zlib.crc32(key.encode("utf-8", "surrogateescape")) % count
 
 
-def read_chunks(streams: Sequence[str], by_slot: bool = False) -> list[list[str]]:
-    """The streams one XREADGROUP each reads, at most STREAMS_PER_READ per call.
+def streams_per_read(batch_size: int) -> int:
+    """How many streams one XREADGROUP names: READ_ENTRIES entries at most, at least one stream."""
+    return max(1, READ_ENTRIES // max(1, batch_size))
+
+
+def read_chunks(streams: Sequence[str], batch_size: int, by_slot: bool = False) -> list[list[str]]:
+    """The streams one XREADGROUP each reads, at most streams_per_read(batch_size) per call.
 
     In a cluster (`by_slot`) one call may only name keys of one hash slot: the streams are
     grouped by slot first, which keeps each run's streams together (the run is their hash tag).
@@ -275,7 +295,7 @@ def read_chunks(streams: Sequence[str], by_slot: bool = False) -> list[list[str]
         for key in streams:
             slots.setdefault(_slot(key), []).append(key)
         groups = list(slots.values())
-    size = STREAMS_PER_READ
+    size = streams_per_read(batch_size)
     return [list(group[i : i + size]) for group in groups for i in range(0, len(group), size)]
 
 
@@ -824,7 +844,7 @@ class Worker:
 
     async def _read_streams(self, streams: Sequence[str], start_id: str, wait: bool) -> Entries:
         """One read of `streams`; with `wait`, a read that finds nothing new takes block_ms."""
-        chunks = read_chunks(streams, by_slot=is_cluster(self.settings.redis_url))
+        chunks = read_chunks(streams, self.settings.batch_size, by_slot=is_cluster(self.settings.redis_url))
         # Only a lone chunk may block: with several, a block on one would starve the others.
         lone = len(chunks) == 1 and wait
         block = None if self.settings.burst or start_id == "0" or not lone else self.settings.block_ms

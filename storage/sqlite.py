@@ -31,7 +31,7 @@ from runbus.wire import Event
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 1000
-PAGE_SIZE = 32768
+PAGE_SIZE = 4096
 
 # SQLite's primary result codes for data the store refuses, whoever asks again: a constraint, a
 # string or blob too big, a value of the wrong type, a parameter out of range. Every other error
@@ -808,9 +808,11 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         # Short on purpose: a locked database surfaces as StoreUnavailable within a second, and the
         # ingester retries (and honours its drain timeout) instead of blocking inside SQLite.
         con.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        # A new store's pages (an existing one keeps its own): a chunk is a few kB, and pages of
-        # 4 kB hold one each with the rest left empty (bench/history.py: 5.25 bytes a point in
-        # the chunks table at 4 kB, 4.52 at 32 kB, of 4.35 of chunks).
+        # A new store's pages (an existing one keeps its own). A chunk of noisy values is 10 to
+        # 30 kB: a row larger than a page goes into overflow pages that SQLite fills whole, where
+        # pages that hold a few such rows each leave the rest of each page empty
+        # (bench/history.py, 2.56M points in chunks of up to 4,096: the chunks table 4.29 bytes
+        # a point at 4 kB, 4.99 at 32 kB and 4.61 at 64 kB, of 4.06 of chunks).
         con.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         self._use_wal(con)
         con.execute("PRAGMA synchronous = NORMAL")

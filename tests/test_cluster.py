@@ -15,7 +15,7 @@ import runbus
 from runbus import wire
 from runbus.ingester import maintenance
 from runbus.ingester.localredis import free_port
-from runbus.ingester.worker import STREAMS_PER_READ, read_chunks
+from runbus.ingester.worker import read_chunks, streams_per_read
 from runbus.redis import async_client, cluster_nodes, is_cluster, sync_client
 from tests.helpers import ingest, read_store, run_cli, xadd_event
 from tests.redis_cluster import redis_cluster_url  # noqa: F401
@@ -68,12 +68,15 @@ def test_cluster_urls():
 
 def test_read_chunks_keep_each_call_in_one_slot():
     streams = [wire.stream_key(run, f"rank{r}") for run in RUNS for r in range(3)]
-    assert read_chunks(streams) == [streams]
-    by_slot = read_chunks(streams, by_slot=True)
+    assert read_chunks(streams, 4096) == [streams]
+    by_slot = read_chunks(streams, 4096, by_slot=True)
     per_run = [streams[i : i + 3] for i in range(0, len(streams), 3)]
     assert sorted(map(sorted, by_slot)) == sorted(map(sorted, per_run))
-    many = [wire.stream_key("big", f"rank{r}") for r in range(STREAMS_PER_READ + 1)]
-    assert [len(chunk) for chunk in read_chunks(many, by_slot=True)] == [STREAMS_PER_READ, 1]
+    # A read brings at most READ_ENTRIES entries: the larger the batch, the fewer streams a call.
+    for batch_size, per_call in ((4096, 64), (1000, 262), (10, 26214), (1_000_000, 1)):
+        assert streams_per_read(batch_size) == per_call
+    many = [wire.stream_key("big", f"rank{r}") for r in range(65)]
+    assert [len(chunk) for chunk in read_chunks(many, 4096, by_slot=True)] == [64, 1]
 
 
 def test_runs_spread_over_shards_are_ingested_once(cluster_url, store_url):

@@ -354,3 +354,25 @@ def test_a_failed_write_stops_the_next_batch_from_starting():
             await commits.start(never)
 
     asyncio.run(main())
+
+
+def _events(label: str, count: int, keys: int) -> list[wire.Event]:
+    data = {f"k{n}": 1.0 for n in range(keys)}
+    return [wire.Event("r", label, "metric", 1, seq, 0.0, data, seq) for seq in range(count)]
+
+
+def test_row_slices_keep_a_labels_events_of_one_read_together():
+    from runbus.ingester.worker import row_slices
+
+    # 3 labels of 40 events of 4 keys (200 rows each) under a limit of 450 rows: the slices end
+    # where a label's events begin, not inside them.
+    events = _events("a", 40, 4) + _events("b", 40, 4) + _events("c", 40, 4)
+    assert row_slices(events, 450) == [(0, 80), (80, 120)]
+    # A label wider than the limit is cut inside, as before; every event is in exactly one slice.
+    events = _events("a", 10, 4) + _events("b", 200, 4) + _events("c", 5, 4)
+    slices = row_slices(events, 450)
+    assert slices[0] == (0, 10) and all(end - start > 0 for start, end in slices)
+    assert [i for start, end in slices for i in range(start, end)] == list(range(len(events)))
+    assert all(sum(len(e.data) + 1 for e in events[start:end]) <= 450 for start, end in slices)
+    # Under the limit, one slice.
+    assert row_slices(events[:10], 450) == [(0, 10)]
