@@ -66,8 +66,10 @@ def preload(url: str, run_id: str, events: int) -> None:
     client.close()
 
 
-async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int = 2) -> list[float]:
+async def raw_ceiling(url: str, keys: list[str], batch: int | None = None, passes: int = 2) -> list[float]:
     """Events/s for XREADGROUP + decode + XACK alone (no validation, no storage), per pass.
+
+    Entries are read `batch` per stream at a time, by default as many as a worker reads.
 
     Replies are read the way the worker reads them (flat, not one dict per entry, which would
     halve this ceiling), through the worker's client (commands packed by hiredis) and with its
@@ -76,9 +78,10 @@ async def raw_ceiling(url: str, keys: list[str], batch: int = 1000, passes: int 
     of the best pass, since this shared VM's rates vary by a fifth from one second to the next.
     """
     from runbus.ingester.process import GC_THRESHOLDS
-    from runbus.ingester.worker import _raw_reply
+    from runbus.ingester.worker import WorkerSettings, _raw_reply
     from runbus.redis import async_client
 
+    batch = batch or WorkerSettings.batch_size
     client = async_client(url)
     client.set_response_callback("XREADGROUP", _raw_reply)
     for key in keys:
