@@ -1,6 +1,6 @@
 """What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
 (from each label's compute or step times, the time lost to each counted as the steps come in) and
-its first NaN/inf values, re-read at most every `every` seconds per run (they change only as
+its anomalies (first NaN/inf values, labels that left the cross-rank band), re-read at most every `every` seconds per run (they change only as
 steps are stored, and a read costs more than the heartbeats' one)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from runbus.errors import StoreError
 from runbus.storage import charts
-from runbus.storage.anomalies import non_finite
 from runbus.storage.base import Store
+from runbus.storage.outliers import every_anomaly
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
 
@@ -88,10 +88,7 @@ class FindingsReader:
 
     async def _read(self, run_id: str, found: Findings) -> None:
         keys = await self.store.metric_keys(run_id)
-        found.anomalies = [
-            {"label": a.label, "key": a.key, "step": a.step, "kind": a.kind, "ts": a.ts}
-            for a in await non_finite(self.store, run_id, keys)
-        ]
+        found.anomalies = [a.document() for a in await every_anomaly(self.store, run_id, keys)]
         source = _source(keys)
         if source is None:
             return
