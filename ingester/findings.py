@@ -1,7 +1,8 @@
 """What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
 (from each label's compute or step times, the time lost to each counted as the steps come in) and
-its anomalies (first NaN/inf values, labels that left the cross-rank band), re-read at most every `every` seconds per run (they change only as
-steps are stored, and a read costs more than the heartbeats' one)."""
+its anomalies (first NaN/inf values, labels that left the cross-rank band), re-read at most
+every `every` seconds per run (they change only as steps are stored, and a read costs more than
+the heartbeats' one)."""
 
 from __future__ import annotations
 

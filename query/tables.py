@@ -117,7 +117,8 @@ def anomaly_lines(anomalies: Sequence[Anomaly]) -> list[str]:
     more = f" ({len(anomalies)} label keys in all: runbus show --json)" if len(anomalies) > 1 else ""
     if first.kind == "outlier":
         band = f" ({first.value:.4g}; band {first.lo:.4g} to {first.hi:.4g})"
-        return [printable(f"outlier  {first.label} {first.key} left the cross-rank band first, {where}{band}{more}")]
+        left = f"{first.label} {first.key} left the cross-rank band first"
+        return [printable(f"outlier  {left}, {where}{band}{more}")]
     kind = "NaN" if first.kind == "nan" else "inf"
     return [printable(f"nan/inf  {first.label} {first.key} went {kind} first, {where}{more}")]
 

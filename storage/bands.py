@@ -66,6 +66,27 @@ def bands(means: Mapping[Cell, Mapping[str, float]]) -> dict[Cell, Band]:
     return {cell: band for cell, band in found.items() if band is not None}
 
 
+def side_of(
+    label: str, cell: Cell, means: Mapping[Cell, Mapping[str, float]], band: Mapping[Cell, Band]
+) -> int | None:
+    """Where `label`'s mean lies against the band at `cell` (Band.side); None without either."""
+    mean, at = means.get(cell, {}).get(label), band.get(cell)
+    return None if mean is None or at is None else at.side(mean)
+
+
+def going_out(means: Mapping[Cell, Mapping[str, float]], band: Mapping[Cell, Band]) -> set[Cell]:
+    """The buckets where a label's mean is outside the band and was not, on that side, in the
+    bucket before."""
+    found: set[Cell] = set()
+    for cell, by_label in means.items():
+        for label in by_label:
+            side = side_of(label, cell, means, band)
+            if side and side_of(label, (cell[0], cell[1] - 1), means, band) != side:
+                found.add(cell)
+                break
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class Departure:
     """Where a label's means went outside and stayed: the first bucket outside, the side, and
@@ -81,18 +102,14 @@ def departures(
 ) -> list[Departure]:
     """Every bucket at which `label`'s mean goes outside the band and stays outside (on the same
     side) in the next bucket, in order; not one whose bucket before was outside on that side."""
-
-    def side(cell: Cell) -> int | None:
-        mean, at = means.get(cell, {}).get(label), band.get(cell)
-        return None if mean is None or at is None else at.side(mean)
-
     found: list[Departure] = []
     for cell in sorted(means):
-        now = side(cell)
-        if not now or label not in means[cell]:
+        now = side_of(label, cell, means, band)
+        if not now:
             continue
-        before = side((cell[0], cell[1] - 1))
-        if before != now and side((cell[0], cell[1] + 1)) == now:
+        generation, bucket = cell
+        before = side_of(label, (generation, bucket - 1), means, band)
+        if before != now and side_of(label, (generation, bucket + 1), means, band) == now:
             found.append(Departure(cell, now, before == 0))
     return found
 

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 
 from runbus.storage import charts
 from runbus.storage.anomalies import Anomaly, KeyedReader, in_order, non_finite, stored_in
-from runbus.storage.bands import MIN_LABELS, Band, Cell, Departure, bands, departures, split
+from runbus.storage.bands import MIN_LABELS, Band, Cell, Departure, bands, departures, going_out, split
 from runbus.storage.base import LabelBucket, RollupReader
-from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, INF, N, NAN, STEP_AXIS, TOTAL
+from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, INF, NAN, STEP_AXIS, TOTAL, N
 from runbus.storage.rules import natural_key
 
 # A key whose 128-step rows (labels x buckets) are at most this many is read whole.
@@ -59,11 +59,12 @@ async def first_outliers(
         windows = [(lo, hi)]
     else:
         windows = await _coarse_windows(reader, run_id, key, lo, hi)
-    open_rows = {(r.label, r.epoch, r.bucket) for r in await reader.open_buckets(run_id, key, STEP_AXIS, None)}
+    open_rows = await reader.open_buckets(run_id, key, STEP_AXIS, None)
+    open_keys = {(r.label, r.epoch, r.bucket) for r in open_rows}
     found: dict[str, Anomaly] = {}
     for window in windows:
         rows = await reader.label_buckets(run_id, key, STEP_AXIS, FINE_WIDTH, *window, None)
-        closed = [r for r in rows if (r.label, r.epoch, r.bucket) not in open_rows]
+        closed = [r for r in rows if (r.label, r.epoch, r.bucket) not in open_keys]
         for anomaly in await _in_window(reader, run_id, key, closed, set(found)):
             found[anomaly.label] = anomaly
     return in_order(found.values())
@@ -83,7 +84,9 @@ def label_means(rows: Iterable[LabelBucket], shift: int = 0) -> Means:
     return {cell: {label: total / n for label, (total, n) in by.items()} for cell, by in sums.items()}
 
 
-async def _coarse_windows(reader: RollupReader, run_id: str, key: str, lo: int, hi: int) -> list[tuple[int, int]]:
+async def _coarse_windows(
+    reader: RollupReader, run_id: str, key: str, lo: int, hi: int
+) -> list[tuple[int, int]]:
     """The ranges of 128-step buckets to read: around each coarse bucket where a label's mean
     goes outside the coarse band, from the coarse bucket before (where it left, if its mean
     there was still inside) to the one after (where it must still be outside)."""
@@ -91,17 +94,9 @@ async def _coarse_windows(reader: RollupReader, run_id: str, key: str, lo: int, 
     shift = width.bit_length() - 1 - FINE_SHIFT
     if shift == 0:
         return [(lo, hi)]
-    means = label_means(await reader.label_buckets(run_id, key, STEP_AXIS, width, lo >> shift, hi >> shift, None))
-    band = bands(means)
-    starts: set[int] = set()
-    for (generation, bucket), by_label in means.items():
-        at = band.get((generation, bucket))
-        before = means.get((generation, bucket - 1), {})
-        prior = band.get((generation, bucket - 1))
-        for label, mean in by_label.items() if at is not None else ():
-            side = at.side(mean)
-            if side and (prior is None or label not in before or prior.side(before[label]) != side):
-                starts.add(bucket)
+    coarse = await reader.label_buckets(run_id, key, STEP_AXIS, width, lo >> shift, hi >> shift, None)
+    means = label_means(coarse)
+    starts = {bucket for _, bucket in going_out(means, bands(means))}
     windows: list[tuple[int, int]] = []
     for bucket in sorted(starts):
         # One 128-step bucket more on the left: whether the label was inside just before.
@@ -149,8 +144,9 @@ async def _exact(
     for row in rows:
         if (row.generation, row.bucket) in cells:
             for p in await stored_in(reader, run_id, key, row.label, row):
-                if p.step is not None and p.value - p.value == 0 and (generation, p.step >> FINE_SHIFT) in cells:
-                    values.append((p.step, p.epoch, p.seq, p.ts, p.value))
+                inside = p.step is not None and (generation, p.step >> FINE_SHIFT) in cells
+                if inside and p.value - p.value == 0:
+                    values.append((p.step or 0, p.epoch, p.seq, p.ts, p.value))
     if not values:
         return None
     values.sort()

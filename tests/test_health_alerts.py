@@ -158,10 +158,13 @@ LEAVER = textwrap.dedent(
 )
 
 
-def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(redis_url, store_url, tmp_path: Path):
+def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(
+    redis_url, store_url, tmp_path: Path
+):
     alerts, run_id = tmp_path / "alerts.jsonl", f"leaver-{os.getpid()}"
+    on_alert = f"cat >> {alerts}; echo >> {alerts}"
     worker = subprocess.Popen(
-        [*ingest_command(redis_url, store_url, "--stall-after", "120"), "--on-alert", f"cat >> {alerts}; echo >> {alerts}"],
+        [*ingest_command(redis_url, store_url, "--stall-after", "120"), "--on-alert", on_alert],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -39,7 +39,8 @@ def noisy(labels: int, steps: int = STEPS, seed: int = 0) -> Values:
 def grad_norms(labels: int, seed: int = 1) -> Values:
     rng = np.random.default_rng(seed)
     s = np.arange(STEPS, dtype=np.float64)
-    return {f"rank{i}": np.abs(rng.normal(1.0, 0.3, STEPS)) * (1 + 5 * np.exp(-s / 100)) for i in range(labels)}
+    decay = 1 + 5 * np.exp(-s / 100)
+    return {f"rank{i}": np.abs(rng.normal(1.0, 0.3, STEPS)) * decay for i in range(labels)}
 
 
 async def write(store, run_id: str, keys: dict[str, Values], nan_at: tuple[str, int] | None = None) -> None:
