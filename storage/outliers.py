@@ -117,8 +117,10 @@ async def _in_window(
     by_label: dict[str, list[LabelBucket]] = {}
     for row in rows:
         by_label.setdefault(row.label, []).append(row)
+    # Most labels are inside everywhere: only those outside somewhere can have left.
+    outside = {label for cell, at in band.items() for label, mean in means[cell].items() if at.side(mean)}
     found: list[Anomaly] = []
-    for label in sorted(set(by_label) - skip, key=natural_key):
+    for label in sorted(outside - skip, key=natural_key):
         for departure in departures(label, means, band):
             anomaly = await _exact(reader, run_id, key, by_label[label], departure, band)
             if anomaly is not None:

@@ -8,16 +8,20 @@ must come back exactly, a slow drift at the first bucket where its mean is out o
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from runbus.dashboard.api import create_app
 from runbus.storage import bands, outliers
 from runbus.storage.bands import Band, band_of, departures, split
 from runbus.wire import Event
+from tests.helpers import get_json, run_cli
 
 T0 = 1_700_000_000.0
 STEPS = 2000
@@ -160,6 +164,21 @@ def first_bucket_out(values: Values, label: str) -> int:
     raise AssertionError("never out")
 
 
+async def test_the_api_and_the_cli_show_it_beside_the_nan(store):
+    losses = noisy(8)
+    losses["rank5"][JUMP:] *= 5
+    await write(store, "shown", {"loss": losses}, nan_at=("rank2", 1500))
+    expected = (await outliers.outliers(store, "shown"))[0].document()
+    assert expected["label"] == "rank5" and expected["step"] == JUMP
+    async with TestClient(TestServer(create_app(store.url))) as client:
+        doc = await get_json(client, "/api/runs/shown/anomalies")
+    assert doc["anomalies"][0] == expected and doc["anomalies"][1]["kind"] == "nan"
+    shown = json.loads(run_cli("show", "shown", "--store", store.url, "--json").stdout)
+    assert shown["anomalies"] == doc["anomalies"]
+    text = run_cli("show", "shown", "--store", store.url).stdout
+    assert f"outlier  rank5 loss left the cross-rank band first, at step {JUMP} (" in text
+
+
 async def test_three_labels_make_no_band(store):
     losses = noisy(3)
     losses["rank0"][JUMP:] *= 5
@@ -167,10 +186,11 @@ async def test_three_labels_make_no_band(store):
     assert await outliers.outliers(store, "three") == []
 
 
-@pytest.mark.parametrize("pass_", ["coarse", "whole"])
-async def test_a_long_run_is_read_coarse_first_and_names_the_same_step(store, pass_):
-    # 10,000 steps: coarse rows of 512 steps; a jump at 7,001, inside a coarse bucket.
-    steps, at = 10_000, 7001
+@pytest.mark.parametrize(("pass_", "at"), [("coarse", 7001), ("whole", 7001), ("coarse", 7160)])
+async def test_a_long_run_is_read_coarse_first_and_names_the_same_step(store, pass_, at):
+    # 10,000 steps: coarse rows of 512 steps; a jump at 7,001, inside a coarse bucket (6,656 to
+    # 7,167), or at 7,160, whose coarse bucket's mean stays inside: the next one is found out.
+    steps = 10_000
     losses = noisy(6, steps, seed=5)
     losses["rank4"][at:] *= 5
     await write(store, "long", {"loss": losses})
