@@ -25,7 +25,8 @@ each with `{"error": REASON}`. RUN is a run's id or a unique prefix of it (an am
   `non_finite`: each label's first NaN or inf in view (storage/anomalies.py), lines or not
 - `/api/runs/RUN/stragglers?key=K` or `?time_key=K`, `&start=&end=&buckets=32&offset=0&limit=2048`:
   step times per label and step bucket, the labels slowest first
-- `/api/runs/RUN/anomalies`: each label's first NaN or inf of each key, by step (storage/anomalies.py)
+- `/api/runs/RUN/anomalies`: each label's first NaN or inf of each key, and where it left the
+  cross-rank band, by step (storage/anomalies.py, storage/outliers.py)
 - `/api/runs/RUN/labels?offset=0&limit=1000`: each label's host, rank, hardware, command line and git state
 - `/api/runs/RUN/system?key=K&label=L&points=2000`: system samples, per key, one series per label
 - `/api/runs/RUN/system/keys`: the system figures (keys, GPU indices together) and their keys
@@ -51,7 +52,7 @@ from runbus.dashboard import configdiff, downsample, envelopes, security
 from runbus.dashboard.deadletters import DeadLetters
 from runbus.errors import AccessDenied, AmbiguousRun, BadQuery, InvalidName, StoreRejected
 from runbus.query import documents
-from runbus.storage import anomalies, base, lookup, runlist, system_charts
+from runbus.storage import anomalies, base, lookup, outliers, runlist, system_charts
 from runbus.storage.rules import natural_key
 
 STATIC = Path(str(resources.files("runbus.dashboard") / "static"))
@@ -509,7 +510,7 @@ async def stragglers(request: web.Request) -> web.Response:
 
 async def non_finite(request: web.Request) -> web.Response:
     summary = await _known_run(request)
-    found = await anomalies.non_finite(request.app[STORE], summary.run_id)
+    found = await outliers.every_anomaly(request.app[STORE], summary.run_id)
     return _json({"run_id": summary.run_id, "anomalies": [documents.anomaly_document(a) for a in found]})
 
 

@@ -1,11 +1,14 @@
 """What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
 (from each label's compute or step times, the time lost to each counted as the steps come in) and
-its first NaN/inf values, re-read at most every `every` seconds per run (they change only as
-steps are stored, and a read costs more than the heartbeats' one)."""
+its anomalies (first NaN/inf values, labels that left the cross-rank band), re-read at most
+every `every` seconds per run (they change only as steps are stored, and a read costs more than
+the heartbeats' one); the band leavers at most every `band_every` seconds (they read every label's
+128-step rollups, and a departure shows only once two of its 128-step buckets are closed)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,8 +16,9 @@ from typing import Any
 
 from runbus.errors import StoreError
 from runbus.storage import charts
-from runbus.storage.anomalies import non_finite
+from runbus.storage.anomalies import Anomaly, in_order, non_finite
 from runbus.storage.base import Store
+from runbus.storage.outliers import outliers
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
 
@@ -37,6 +41,8 @@ class Findings:
     read_at: float = 0.0
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
+    band_read_at: float = -math.inf
+    band_leavers: list[Anomaly] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
     source: str | None = None
     # Each label's latest heartbeat seen (an ended run's last verdict still says where it ran).
@@ -58,9 +64,10 @@ class FindingsReader:
     """Reads each live run's stragglers and anomalies for the detector, at most every `every`
     seconds per run; forgets the runs no longer live."""
 
-    def __init__(self, store: Store, every: float = 2.0) -> None:
+    def __init__(self, store: Store, every: float = 2.0, band_every: float = 10.0) -> None:
         self.store = store
         self.every = every
+        self.band_every = band_every
         self._runs: dict[str, Findings] = {}
 
     def forget_others(self, live: set[str]) -> None:
@@ -79,19 +86,20 @@ class FindingsReader:
             return found
         found.read_at = now
         try:
-            await self._read(run_id, found)
+            await self._read(run_id, found, fresh)
         except StoreError:
             raise  # the detector's tick is skipped, as for its other reads
         except Exception:  # a bug here must neither stop ingest nor the stall detector: kept as read
             log.exception("run %s: stragglers and anomalies not read", run_id)
         return found
 
-    async def _read(self, run_id: str, found: Findings) -> None:
+    async def _read(self, run_id: str, found: Findings, fresh: bool) -> None:
         keys = await self.store.metric_keys(run_id)
-        found.anomalies = [
-            {"label": a.label, "key": a.key, "step": a.step, "kind": a.kind, "ts": a.ts}
-            for a in await non_finite(self.store, run_id, keys)
-        ]
+        if fresh or found.read_at - found.band_read_at >= self.band_every:
+            found.band_read_at = found.read_at
+            found.band_leavers = await outliers(self.store, run_id, keys)
+        nans = await non_finite(self.store, run_id, keys)
+        found.anomalies = [a.document() for a in in_order([*nans, *found.band_leavers])]
         source = _source(keys)
         if source is None:
             return

@@ -173,7 +173,9 @@ def run_health(health: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
     culprits = GaugeMetricFamily("runbus_run_culprits", "Labels at fault in a live run.", labels=["run"])
     slow = GaugeMetricFamily("runbus_run_stragglers", "Chronic stragglers of a live run.", labels=["run"])
     anomalies = GaugeMetricFamily(
-        "runbus_run_anomalies", "Labels of a live run that logged NaN or inf.", labels=["run"]
+        "runbus_run_anomalies",
+        "Labels of a live run that logged NaN or inf or left the cross-rank band.",
+        labels=["run"],
     )
     stalled = GaugeMetricFamily(
         "runbus_run_stalled_seconds", "Seconds a live run has been stalled (0 if not).", labels=["run"]

@@ -18,7 +18,7 @@ from runbus.cli import add_redis_option, add_store_option, level_argument
 from runbus.errors import CommandError, RunNotFound, StoreMissing
 from runbus.query import catchup, documents, tables
 from runbus.redact import redact_text
-from runbus.storage import Store, anomalies, open_store, runlist, safe_url
+from runbus.storage import Store, open_store, outliers, runlist, safe_url
 from runbus.storage.anomalies import Anomaly
 from runbus.storage.base import LogLine, Point, RunPage, RunSummary
 from runbus.storage.lookup import run_id_of
@@ -336,7 +336,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     async def showing(store: Store) -> tuple[RunSummary, dict[str, Any], list[Anomaly]]:
         run = await known_run(store, args.run, args.redis, catching_up(args))
-        return run, await read_health(store, run), await anomalies.non_finite(store, run.run_id)
+        return run, await read_health(store, run), await outliers.every_anomaly(store, run.run_id)
 
     run, health, found = read_run(args, showing)
     if args.json:

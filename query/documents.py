@@ -201,12 +201,6 @@ def log_document(line: LogLine) -> dict[str, Any]:
 
 
 def anomaly_document(anomaly: Anomaly) -> dict[str, Any]:
-    """A label's first NaN or inf of a key (storage.anomalies): `runbus show --json`'s
-    "anomalies" and GET /api/runs/RUN/anomalies."""
-    return {
-        "label": anomaly.label,
-        "key": anomaly.key,
-        "step": anomaly.step,
-        "kind": anomaly.kind,
-        "ts": anomaly.ts,
-    }
+    """A label's first NaN or inf of a key (storage.anomalies), or where it left the cross-rank
+    band (storage.outliers): `runbus show --json`'s "anomalies" and GET /api/runs/RUN/anomalies."""
+    return anomaly.document()

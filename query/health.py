@@ -73,13 +73,15 @@ def _stragglers_text(stragglers: list[dict[str, Any]]) -> list[str]:
 
 
 def _anomalies_text(anomalies: list[dict[str, Any]]) -> list[str]:
-    """The health line's first anomaly (the first label that went NaN or inf, and where)."""
+    """The health line's first anomaly (the first label that went NaN or inf, or left the
+    cross-rank band, and where)."""
     if not anomalies:
         return []
     first = anomalies[0]
     at = f" at step {first['step']}" if first.get("step") is not None else ""
     more = f" (+{len(anomalies) - 1} more)" if len(anomalies) > 1 else ""
-    return [f"{first['label']} went {first['kind']} in {first['key']}{at} first{more}"]
+    went = "left the cross-rank band" if first.get("kind") == "outlier" else f"went {first['kind']}"
+    return [f"{first['label']} {went} in {first['key']}{at} first{more}"]
 
 
 def change_key(health: dict[str, Any]) -> tuple[Any, ...]:

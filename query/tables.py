@@ -108,13 +108,18 @@ def show_text(run: RunSummary, anomalies: Sequence[Anomaly] = ()) -> str:
 
 
 def anomaly_lines(anomalies: Sequence[Anomaly]) -> list[str]:
-    """`nan/inf  rank3 loss went NaN first, at step 30 (12 label keys in all)`, if any went bad."""
+    """`nan/inf  rank3 loss went NaN first, at step 30 (12 label keys in all)`, or `outlier  rank3
+    loss left the cross-rank band first, at step 700 (5.2; band 0.61 to 1.4)`, if any went bad."""
     if not anomalies:
         return []
     first = anomalies[0]
     where = f"at step {first.step}" if first.step is not None else f"at {when(first.ts)} (no step)"
-    kind = "NaN" if first.kind == "nan" else "inf"
     more = f" ({len(anomalies)} label keys in all: runbus show --json)" if len(anomalies) > 1 else ""
+    if first.kind == "outlier":
+        band = f" ({first.value:.4g}; band {first.lo:.4g} to {first.hi:.4g})"
+        left = f"{first.label} {first.key} left the cross-rank band first"
+        return [printable(f"outlier  {left}, {where}{band}{more}")]
+    kind = "NaN" if first.kind == "nan" else "inf"
     return [printable(f"nan/inf  {first.label} {first.key} went {kind} first, {where}{more}")]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from runbus.storage import charts
 from runbus.storage.base import LabelBucket, Point, RollupReader
@@ -29,13 +29,27 @@ PAGE = 5000
 @dataclass(frozen=True, slots=True)
 class Anomaly:
     """A label's first non-finite value of a key: its step (None: logged without one), its ts and
-    whether it was NaN or ±inf."""
+    whether it was NaN or ±inf; or (kind "outlier", storage/outliers.py) the first step at which
+    it left the cross-rank band, with its value there and the band (median, lo, hi) it left."""
 
     label: str
     key: str
     step: int | None
     ts: float
-    kind: Literal["nan", "inf"]
+    kind: Literal["nan", "inf", "outlier"]
+    value: float | None = None
+    median: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+
+    def document(self) -> dict[str, Any]:
+        """As `runbus show --json`, the API and the health object give it: the band's figures for
+        an outlier only."""
+        doc: dict[str, Any] = {"label": self.label, "key": self.key, "step": self.step, "kind": self.kind}
+        doc["ts"] = self.ts
+        if self.kind == "outlier":
+            doc.update(value=self.value, median=self.median, band=[self.lo, self.hi])
+        return doc
 
 
 class KeyedReader(RollupReader, Protocol):
@@ -174,7 +188,7 @@ async def _exact(
     bucket, on_steps = rows[0].bucket, axis == STEP_AXIS
     bad: list[tuple[int, float, float]] = []
     for row in rows:
-        for p in await _stored(reader, run_id, key, label, row):
+        for p in await stored_in(reader, run_id, key, label, row):
             if (p.step is not None) != on_steps or p.value - p.value == 0:
                 continue
             x = p.step if p.step is not None else math.floor(p.ts)
@@ -186,7 +200,7 @@ async def _exact(
     return Anomaly(label, key, x if on_steps else None, ts, "nan" if value != value else "inf")
 
 
-async def _stored(reader: RollupReader, run_id: str, key: str, label: str, row: LabelBucket) -> list[Point]:
+async def stored_in(reader: RollupReader, run_id: str, key: str, label: str, row: LabelBucket) -> list[Point]:
     """The label's stored values of `key` in the seq range of its rollup row `row`."""
     values: list[Point] = []
     after: tuple[str, int, int] = (key, row.epoch, row.part[FIRST_SEQ] - 1)

@@ -10,7 +10,8 @@ stack. `judge` turns the latest beat of every label into a verdict:
   not inside a collective while others wait in one, in another collective than the others, a
   step behind); labels merely waiting in a collective are named as waiting;
 - **dead**: a label stopped heartbeating while the others go on;
-- **anomaly**: a label logged NaN or inf (the first ones, by step: storage/anomalies.py);
+- **anomaly**: a label logged NaN or inf, or left the cross-rank band of a key (the first ones,
+  by step: storage/anomalies.py, storage/outliers.py);
 - **straggling**: a label is a chronic straggler (storage/stragglers.py);
 - **crashed**: the run ended crashed (judged once more, then no longer);
 - **ok**: otherwise, and for a start-up (no step yet), a pause every label takes in the same
@@ -142,7 +143,8 @@ class Verdict:
         if slow:
             parts.append("slow:" + ",".join(slow))
         if self.anomalies:
-            parts.append(f"nan:{self.anomalies[0]['label']}")
+            first = self.anomalies[0]
+            parts.append(f"{'out' if first.get('kind') == 'outlier' else 'nan'}:{first['label']}")
         return "|".join(parts)
 
     def document(self, since: float | None) -> dict[str, Any]:

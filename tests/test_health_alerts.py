@@ -139,3 +139,59 @@ def test_watch_prints_a_hostile_health_line_neutralised_and_ends_with_the_run(re
     assert refused.returncode == 1 and "--every" in refused.stderr
     missing = run_cli("--store", store_url, "watch", "no-such-run", check=False)
     assert missing.returncode == 1 and missing.stderr.startswith("runbus: ")
+
+
+LEAVER = textwrap.dedent(
+    """
+    import os, random, time
+    import runbus
+
+    run = runbus.init(system_interval=None, hardware=False, git=False, heartbeat_interval=1.0)
+    rank, noise = run.identity.rank, random.Random(run.identity.rank)
+    for step in range(600):
+        loss = 2.0 / (1 + step / 100) + noise.gauss(0, 0.01)
+        run.log({"loss": loss * 5 if rank == 2 and step >= 300 else loss}, step=step)
+        time.sleep(0.001)
+    time.sleep(float(os.environ["LINGER"]))  # alive, beating: the run is judged meanwhile
+    run.finish()
+    """
+)
+
+
+def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(
+    redis_url, store_url, tmp_path: Path
+):
+    alerts, run_id = tmp_path / "alerts.jsonl", f"leaver-{os.getpid()}"
+    on_alert = f"cat >> {alerts}; echo >> {alerts}"
+    worker = subprocess.Popen(
+        [*ingest_command(redis_url, store_url, "--stall-after", "120"), "--on-alert", on_alert],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for("the worker to open its store", lambda: store_opened(store_url) or worker.poll() is not None)
+    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "WORLD_SIZE": "4"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEAVER],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LINGER": "30", "RUNBUS_QUIET": "1"},
+        )
+        for r in range(4)
+    ]
+    try:
+        first = wait_for("the anomaly alert", lambda: alerts_of(alerts), timeout=60)[0]
+        assert first["run"] == run_id and first["state"] == "anomaly"
+        assert [(a["label"], a["key"], a["step"], a["kind"]) for a in first["anomalies"]] == [
+            ("rank2", "loss", 300, "outlier")
+        ]
+        low, high = first["anomalies"][0]["band"]
+        assert low < first["anomalies"][0]["median"] < high < first["anomalies"][0]["value"]
+        text = run_cli("show", run_id, "--store", store_url).stdout
+        assert "rank2 left the cross-rank band in loss at step 300 first" in text
+        assert "outlier  rank2 loss left the cross-rank band first, at step 300" in text
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait(30)
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+    assert worker.returncode == 0, err
