@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import wait_for
 from tests.integration_runs import clean_env
 from tests.rank_processes import watch_job
@@ -21,10 +21,8 @@ from tests.test_health import alerts_of, health, ingester  # noqa: F401 (a fixtu
 
 try:
     import torch  # noqa: F401
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
 
 def torchrun(redis_url: str, run_id: str, *args: str) -> subprocess.Popen[str]:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import runbus
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import ingest
 from tests.integration_runs import run_job, series, the_only_run
 from tests.rank_processes import watch_job
@@ -24,10 +24,8 @@ from tests.rank_processes import watch_job
 try:
     import torch
     from torch import nn
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
 FORWARD_S = 0.02
 
