@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from runbus.ingester.localredis import free_port
@@ -49,6 +49,16 @@ def stop_ranks(ranks: list[subprocess.Popen[bytes]], timeout: float = 30) -> Non
                 rank.kill()
     for rank in ranks:
         rank.wait(timeout)
+
+
+@contextlib.contextmanager
+def ranks_running(script: str, world: int, env: Mapping[str, str]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """start_ranks, the ranks stopped (stop_ranks) when the block ends."""
+    ranks = start_ranks(script, world, env)
+    try:
+        yield ranks
+    finally:
+        stop_ranks(ranks)
 
 
 def watch_job(redis_url: str, run_id: str, *args: str) -> list[str]:
