@@ -39,8 +39,9 @@ from typing import Any
 
 from common import emit, median, percentile, private_redis
 
-from runbus.ingester.localredis import free_port
 from runbus.storage import open_store
+from tests.helpers import ingest_command
+from tests.rank_processes import start_ranks, stop_ranks
 
 HANGS = ("loader", "cblock", "gil", "sigstop", "sigkill", "skip")
 HEALTHY = ("checkpoint", "eval")
@@ -139,18 +140,14 @@ RANK = textwrap.dedent(
 
 def start_job(
     redis_url: str, run_id: str, kind: str, world: int, culprit: int, index: int, args
-) -> list[subprocess.Popen]:
+) -> list[subprocess.Popen[bytes]]:
     """The job's rank processes, started. The fault's step moves from trial to trial, so that it
     falls at every point of the heartbeat's 10 s cycle."""
     fault_step = FAULT_STEP + (index * 7 + world) % 30
     env = {
-        **os.environ,
         "RUNBUS_REDIS_URL": redis_url,
         "RUNBUS_RUN_ID": run_id,
         "RUNBUS_QUIET": "1",
-        "WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
         "KIND": kind,
         "CULPRIT": str(culprit),
         "FAULT_STEP": str(fault_step),
@@ -161,25 +158,7 @@ def start_job(
         "FAULT_FILE": os.path.join(args.tmp, run_id + ".fault"),
         "OMP_NUM_THREADS": "1",
     }
-    return [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for rank in range(world)
-    ]
-
-
-def stop_job(ranks: list[subprocess.Popen]) -> None:
-    for rank in ranks:
-        if rank.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                rank.send_signal(signal.SIGCONT)
-                rank.kill()
-    for rank in ranks:
-        rank.wait(60)
+    return start_ranks(RANK, world, env)
 
 
 def injected_at(path: str) -> float | None:
@@ -227,7 +206,7 @@ async def hang_trial(store, redis_url: str, kind: str, world: int, index: int, a
         )
         return result
     finally:
-        stop_job(ranks)
+        stop_ranks(ranks, 60)
 
 
 async def healthy_trial(store, redis_url: str, kind: str, world: int, index: int, args) -> dict[str, Any]:
@@ -256,14 +235,14 @@ async def healthy_trial(store, redis_url: str, kind: str, world: int, index: int
             "notes": sorted(notes),
         }
     finally:
-        stop_job(ranks)
+        stop_ranks(ranks, 60)
 
 
 @contextlib.contextmanager
 def ingester(redis_url: str, store_url: str) -> Iterator[subprocess.Popen]:
     """One `runbus ingest` worker with its defaults."""
     worker = subprocess.Popen(
-        [sys.executable, "-m", "runbus", "--store", store_url, "ingest", "--redis", redis_url],
+        ingest_command(redis_url, store_url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -56,7 +56,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Generic, TextIO, TypeVar
 
 from runbus.config import CONSOLE_ENV
 
@@ -243,7 +243,26 @@ class Prefixer:
         return "".join(out)
 
 
-class _TextTee:
+StreamT = TypeVar("StreamT", bound=IO[Any])
+
+
+class _StandIn(Generic[StreamT]):
+    """What the stand-ins for a stream share: flush() and every attribute they do not define
+    are the stream's (`_original`)."""
+
+    _original: StreamT
+
+    def flush(self) -> None:
+        self._original.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        original = self.__dict__.get("_original")
+        if original is None:  # half-built (copy, pickle): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(original, name)
+
+
+class _TextTee(_StandIn[TextIO]):
     """Stands in for sys.stdout or sys.stderr: echoes each write and captures it by lines."""
 
     def __init__(self, capture: ConsoleCapture, original: TextIO, name: str, default_level: str) -> None:
@@ -285,20 +304,11 @@ class _TextTee:
         for line in lines:
             self.write(line)
 
-    def flush(self) -> None:
-        self._original.flush()
-
     @property
     def buffer(self) -> _BinaryTee:
         if self._binary is None:
             self._binary = _BinaryTee(self, self._original.buffer)
         return self._binary
-
-    def __getattr__(self, name: str) -> Any:
-        original = self.__dict__.get("_original")
-        if original is None:  # half-built (copy, pickle): no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(original, name)
 
     def __repr__(self) -> str:
         return f"<runbus console tee of {self._original!r}>"
@@ -362,7 +372,7 @@ class _TextTee:
         self._capturing = False
 
 
-class _BinaryTee:
+class _BinaryTee(_StandIn[BinaryIO]):
     """Stands in for sys.stdout.buffer: bytes are echoed as bytes and captured as UTF-8 text."""
 
     def __init__(self, text_tee: _TextTee, original: BinaryIO) -> None:
@@ -384,14 +394,8 @@ class _BinaryTee:
                 tee._route(text, None)
         return size
 
-    def flush(self) -> None:
-        self._original.flush()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._original, name)
-
-
-class _MarkingTee:
+class _MarkingTee(_StandIn[TextIO]):
     """Stands in for sys.stdout or sys.stderr while the keeper captures fds 1 and 2 (fd mode).
 
     Every write goes to the stream unchanged, to be captured through the fd in order with what C
@@ -424,9 +428,6 @@ class _MarkingTee:
         for line in lines:
             self.write(line)
 
-    def flush(self) -> None:
-        self._original.flush()
-
     def detach(self) -> None:
         self._marking = False
 
@@ -445,12 +446,6 @@ class _MarkingTee:
         if not self._fd_capture.write_marked(fd, ALWAYS if always else RULE, data):
             return self._original.write(text)  # no keeper reads this fd: plain text
         return len(text)
-
-    def __getattr__(self, name: str) -> Any:
-        original = self.__dict__.get("_original")
-        if original is None:  # half-built (copy, pickle): no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(original, name)
 
     def __repr__(self) -> str:
         return f"<runbus console marker of {self._original!r}>"

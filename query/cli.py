@@ -74,19 +74,13 @@ def add_runs(parser: argparse.ArgumentParser) -> None:
 
 
 def add_show(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run")
-    add_store_option(parser)
-    add_redis_option(parser, REDIS_HELP)
-    add_catch_up_option(parser)
+    add_run_options(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(handler=cmd_show)
 
 
 def add_metrics(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run")
-    add_store_option(parser)
-    add_redis_option(parser, REDIS_HELP)
-    add_catch_up_option(parser)
+    add_run_options(parser)
     parser.add_argument("--key", help="only this metric")
     parser.add_argument("--label", help="only this label")
     parser.add_argument("--json", action="store_true", help="print a JSON list")
@@ -94,10 +88,7 @@ def add_metrics(parser: argparse.ArgumentParser) -> None:
 
 
 def add_logs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run")
-    add_store_option(parser)
-    add_redis_option(parser, REDIS_HELP)
-    add_catch_up_option(parser)
+    add_run_options(parser)
     parser.add_argument("--label", help="only this label")
     parser.add_argument(
         "--level", type=level_argument, help="at least this level (DEBUG, INFO, WARNING, ERROR)"
@@ -108,8 +99,12 @@ def add_logs(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=cmd_logs)
 
 
-def add_catch_up_option(parser: argparse.ArgumentParser) -> None:
-    """`--no-catch-up`: leave a run's waiting events in Redis (query/catchup.py)."""
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """What every command that reads one run takes: the run, --store, --redis, and
+    `--no-catch-up` (leave the run's waiting events in Redis: query/catchup.py)."""
+    parser.add_argument("run")
+    add_store_option(parser)
+    add_redis_option(parser, REDIS_HELP)
     parser.add_argument(
         "--no-catch-up",
         dest="catch_up",

@@ -20,11 +20,10 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import orjson
 
-from runbus.cli import add_redis_option, add_store_option
 from runbus.errors import CommandError, MissingDependency
 from runbus.progress import Progress, shown_on
 from runbus.query import frames
-from runbus.query.cli import REDIS_HELP, add_catch_up_option, catching_up, known_run, read_run
+from runbus.query.cli import add_run_options, catching_up, known_run, read_run
 from runbus.query.documents import json_value
 from runbus.storage import Store
 
@@ -43,10 +42,7 @@ CHUNK_ROWS = 10_000  # rows turned into CSV or JSON lines at a time
 
 
 def add_export(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run")
-    add_store_option(parser)
-    add_redis_option(parser, REDIS_HELP)
-    add_catch_up_option(parser)
+    add_run_options(parser)
     parser.add_argument(
         "--format",
         choices=FORMATS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import redis
@@ -24,6 +24,14 @@ def missing_server(what: str) -> None:
     if IN_CI:
         pytest.fail(f"{what} is required under CI=true but none could be started", pytrace=False)
     pytest.skip(f"{what} is not available")
+
+
+def missing_package(what: str) -> NoReturn:
+    """In a test module's `except ImportError`, for a package of the dev extra: under CI=true its
+    absence fails (nothing skips silently there), else the module is skipped."""
+    if IN_CI:
+        pytest.fail(f"{what} is required under CI=true (the dev extra) but is not installed", pytrace=False)
+    pytest.skip(f"{what} is not installed", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -219,6 +220,29 @@ UNDO_CHUNKS = (
     "DROP INDEX IF EXISTS label_epochs_due",
     "ALTER TABLE label_epochs DROP COLUMN head",
 )
+
+
+async def undo_migrations(url: str, statements: Iterable[str], before: int) -> None:
+    """Run `statements` in the store at `url` (SQLite or PostgreSQL), then set its schema version
+    back to `before`: the store as an older runbus left it."""
+    if url.startswith("sqlite"):
+        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            for statement in statements:
+                con.execute(statement)
+            con.execute(f"PRAGMA user_version = {before}")
+        finally:
+            con.close()
+        return
+    import asyncpg  # the postgres extra's: a SQLite-only checkout runs the tests without it
+
+    pg = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await pg.execute(statement)
+        await pg.execute("DELETE FROM schema_version WHERE version > $1", before)
+    finally:
+        await pg.close()
 
 
 def keep_values_in_rows(monkeypatch: Any) -> None:

@@ -325,17 +325,19 @@ def test_no_event_takes_a_seq_after_the_finish_from_racing_threads(redis_url):
     # comes before the finish or is discarded.
     run = init(redis_url, "racing")
     stop = threading.Event()
+    rounds = [0, 0, 0]  # each thread's rounds of puts so far
 
-    def chatter() -> None:
+    def chatter(index: int) -> None:
         while not stop.is_set():
             for _ in range(100):
                 run._put("log", None, {"stream": "stdout", "level": "INFO", "text": "tick"})
+            rounds[index] += 1
             time.sleep(0.0005)
 
-    threads = [threading.Thread(target=chatter) for _ in range(3)]
+    threads = [threading.Thread(target=chatter, args=(index,)) for index in range(len(rounds))]
     for thread in threads:
         thread.start()
-    time.sleep(0.05)
+    wait_for("every thread putting", lambda: all(count >= 2 for count in rounds))
     assert run.finish() is True
     stop.set()
     for thread in threads:

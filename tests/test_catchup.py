@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from runbus import wire
 from runbus.errors import StoreMissing
 from runbus.query import catchup
 from tests.helpers import QUIET, ingest_command, read_store, run_cli, store_group, wait_for
+from tests.rank_processes import start_ranks
 
 BUSY = catchup.Backlog("none", 0, 0)
 RANKS = 2
@@ -42,20 +42,14 @@ with runbus.init(system_interval=None, hardware=False, console="off", config={{"
 
 def run_job(redis_url: str, run_id: str, ranks: int = RANKS) -> None:
     """The job's ranks, each a process that logs and exits; no ingester runs."""
-    env = {
-        **os.environ,
-        "RUNBUS_RUN_ID": run_id,
-        "RUNBUS_REDIS_URL": redis_url,
-        "RUNBUS_QUIET": "1",
-        "WORLD_SIZE": str(ranks),
-    }
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
-        )
-        for r in range(ranks)
-    ]
+    env = {"RUNBUS_RUN_ID": run_id, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_QUIET": "1"}
+    processes = start_ranks(RANK_SCRIPT, ranks, env, output=None)
     assert [p.wait(timeout=120) for p in processes] == [0] * ranks
+
+
+def show_command(store_url: str, redis_url: str, run_id: str, *args: str) -> list[str]:
+    """The argv of `runbus show RUN_ID ARGS` against this store and Redis, as its own process."""
+    return [sys.executable, "-m", "runbus", "--store", store_url, "--redis", redis_url, "show", run_id, *args]
 
 
 def unacknowledged(redis_url: str, run_id: str, group: str) -> int:
@@ -205,18 +199,7 @@ def test_a_busy_ingester_is_left_to_its_work(store_url: str, redis_url: str):
 def test_reads_and_an_ingester_at_once_store_the_run_once(store_url: str, redis_url: str):
     run_job(redis_url, "job-race")
     store_group(store_url)
-    show = [
-        sys.executable,
-        "-m",
-        "runbus",
-        "--store",
-        store_url,
-        "--redis",
-        redis_url,
-        "show",
-        "job-race",
-        "--json",
-    ]
+    show = show_command(store_url, redis_url, "job-race", "--json")
     started = [
         subprocess.Popen(show, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
     ]
@@ -239,17 +222,7 @@ def test_a_running_run_beside_a_running_ingester_is_read_as_stored(store_url: st
         with runbus.init(run_id="job-live", label="rank0", redis_url=redis_url, **QUIET) as run:
             run.log({"loss": 1.0}, step=0)
             wait_for("the run stored", lambda: read_store(store_url, "run", "job-live"))
-            show = [
-                sys.executable,
-                "-m",
-                "runbus",
-                "--store",
-                store_url,
-                "--redis",
-                redis_url,
-                "show",
-                "job-live",
-            ]
+            show = show_command(store_url, redis_url, "job-live")
             reading = subprocess.Popen(show, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for step in itertools.count(1):  # the job logs all along: the ingester is never idle
                 with contextlib.suppress(subprocess.TimeoutExpired):

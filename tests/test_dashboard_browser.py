@@ -930,19 +930,22 @@ def test_all_page_scripts_are_our_own_files(site):
 # -- NaN and inf in a band's labels -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nan_site(tmp_path_factory) -> Iterator[str]:
-    """`runbus serve` over a store holding seeds.NAN_RUN alone: its base URL."""
-    store_url = f"sqlite:///{tmp_path_factory.mktemp('nan') / 'runbus.db'}"
+def seeded_site(tmp_path_factory, writer: str) -> Iterator[str]:
+    """`runbus serve` over a fresh store that dashboard_seeds' coroutine `writer` fills: its base URL."""
+    store_url = f"sqlite:///{tmp_path_factory.mktemp(writer) / 'runbus.db'}"
     # In a process of its own: Playwright's event loop owns this thread once the browser is up.
-    code = (
-        f"import asyncio; from tests import dashboard_seeds as s; asyncio.run(s.write_nan_run({store_url!r}))"
-    )
+    code = f"import asyncio; from tests import dashboard_seeds as s; asyncio.run(s.{writer}({store_url!r}))"
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300
     )
     with serve(store_url) as (url, _):
         yield url
+
+
+@pytest.fixture(scope="module")
+def nan_site(tmp_path_factory) -> Iterator[str]:
+    """`runbus serve` over a store holding seeds.NAN_RUN alone: its base URL."""
+    yield from seeded_site(tmp_path_factory, "write_nan_run")
 
 
 def test_a_band_marks_the_label_that_went_nan_at_any_label_count(page, nan_site):
@@ -971,16 +974,7 @@ def test_a_band_marks_the_label_that_went_nan_at_any_label_count(page, nan_site)
 @pytest.fixture(scope="module")
 def health_site(tmp_path_factory) -> Iterator[str]:
     """`runbus serve` over a store holding seeds.STALLED_RUN and seeds.HEALTHY_RUN: its base URL."""
-    store_url = f"sqlite:///{tmp_path_factory.mktemp('health') / 'runbus.db'}"
-    code = (
-        "import asyncio; from tests import dashboard_seeds as s; "
-        f"asyncio.run(s.write_health_runs({store_url!r}))"
-    )
-    subprocess.run(
-        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300
-    )
-    with serve(store_url) as (url, _):
-        yield url
+    yield from seeded_site(tmp_path_factory, "write_health_runs")
 
 
 def test_a_stalled_run_shows_a_banner_naming_the_culprit_with_its_stack_a_click_away(page, health_site):

@@ -7,27 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from runbus.ingester.localredis import free_port
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import ingest_command, read_store, run_cli, wait_for
+from tests.rank_processes import ranks_running
 from tests.test_pipeline import store_opened
 
 try:
     import torch  # noqa: F401
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
 WORLD = 4
 FAULT_STEP = 20
@@ -121,7 +117,7 @@ def ingester(
         yield alerts
 
 
-def start(
+def job(
     redis_url: str,
     run_id: str,
     fault: str,
@@ -129,15 +125,12 @@ def start(
     seconds: float = 120.0,
     pause: float = 0,
     steps: int = 1_000_000,
-):
-    port = free_port()
+) -> contextlib.AbstractContextManager[list[subprocess.Popen[bytes]]]:
+    """The job's WORLD ranks running RANK while the block runs, `culprit` doing what `fault`
+    says at FAULT_STEP."""
     env = {
-        **os.environ,
         "RUNBUS_REDIS_URL": redis_url,
         "RUNBUS_RUN_ID": run_id,
-        "WORLD_SIZE": str(WORLD),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
         "FAULT": fault,
         "CULPRIT": str(culprit),
         "FAULT_STEP": str(FAULT_STEP),
@@ -146,22 +139,7 @@ def start(
         "STEPS": str(steps),
         "RUNBUS_QUIET": "1",
     }
-    return [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for rank in range(WORLD)
-    ]
-
-
-def stop(ranks: list[subprocess.Popen]) -> None:
-    for rank in ranks:
-        if rank.poll() is None:
-            rank.kill()
-        rank.wait(30)
+    return ranks_running(RANK, WORLD, env)
 
 
 def health(store_url: str, run_id: str) -> dict | None:
@@ -176,6 +154,15 @@ def health_is(store_url: str, run_id: str, state: str) -> dict | None:
     return found if found is not None and found["state"] == state else None
 
 
+def stalled_with_a_culprit(store_url: str, run_id: str) -> dict:
+    """The run's verdict once it is stalled and names a culprit (within 60 s)."""
+    return wait_for(
+        "the run to be stalled with a culprit",
+        lambda: (h := health_is(store_url, run_id, "stalled")) and h["culprits"] and h,
+        timeout=60,
+    )
+
+
 def alerts_of(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -184,13 +171,8 @@ def alerts_of(path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("ingester", [2], indirect=True)  # two workers judge; one alerts
 def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, ingester):
-    ranks = start(redis_url, "hang-loader", "loader")
-    try:
-        found = wait_for(
-            "the run to be stalled with a culprit",
-            lambda: (h := health_is(store_url, "hang-loader", "stalled")) and h["culprits"] and h,
-            timeout=60,
-        )
+    with job(redis_url, "hang-loader", "loader"):
+        found = stalled_with_a_culprit(store_url, "hang-loader")
         culprit = found["culprits"][0]
         assert culprit["label"] == "rank2" and "data loader" in culprit["reason"]
         assert "load_batch" in [frame["function"] for frame in culprit["stack"]]
@@ -217,44 +199,28 @@ def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, 
         assert "rank2 in a data loader (load_batch)" in shown.splitlines()[0]
         document = json.loads(run_cli("--store", store_url, "show", "hang-loader", "--json").stdout)
         assert document["health"]["culprits"][0]["label"] == "rank2"
-    finally:
-        stop(ranks)
 
 
 def test_a_sigstopped_rank_is_the_culprit(redis_url, store_url, ingester):
-    ranks = start(redis_url, "hang-stop", "sigstop", culprit=1)
-    try:
-        found = wait_for(
-            "the run to be stalled with a culprit",
-            lambda: (h := health_is(store_url, "hang-stop", "stalled")) and h["culprits"] and h,
-            timeout=60,
-        )
+    with job(redis_url, "hang-stop", "sigstop", culprit=1):
+        found = stalled_with_a_culprit(store_url, "hang-stop")
         assert [c["label"] for c in found["culprits"]] == ["rank1"]
         assert "stopped" in found["culprits"][0]["reason"]
         assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank2", "rank3"]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.send_signal(signal.SIGCONT)
-        stop(ranks)
 
 
 def test_a_sigkilled_rank_is_dead_while_the_others_go_on(redis_url, store_url, ingester):
-    ranks = start(redis_url, "dead-rank", "sigkill", culprit=3, seconds=30)
-    try:
+    with job(redis_url, "dead-rank", "sigkill", culprit=3, seconds=30):
         found = wait_for(
             "the run to have a dead rank", lambda: health_is(store_url, "dead-rank", "dead"), timeout=60
         )
         assert [c["label"] for c in found["culprits"]] == ["rank3"]
         assert "gone" in found["culprits"][0]["reason"]
         assert alerts_of(ingester)[0]["state"] == "dead"
-    finally:
-        stop(ranks)
 
 
 def test_a_checkpoint_on_every_rank_and_the_finish_raise_no_alarm(redis_url, store_url, ingester):
-    ranks = start(redis_url, "checkpoint", "checkpoint", pause=STALL_AFTER + 4, steps=2 * FAULT_STEP)
-    try:
+    with job(redis_url, "checkpoint", "checkpoint", pause=STALL_AFTER + 4, steps=2 * FAULT_STEP) as ranks:
         paused = wait_for(
             "the pause to be seen",
             lambda: (h := health_is(store_url, "checkpoint", "ok")) and "paused" in (h["note"] or "") and h,
@@ -267,18 +233,11 @@ def test_a_checkpoint_on_every_rank_and_the_finish_raise_no_alarm(redis_url, sto
             lambda: (h := health_is(store_url, "checkpoint", "ok")) and "finished" in (h["note"] or ""),
         )
         assert alerts_of(ingester) == []
-    finally:
-        stop(ranks)
 
 
 def test_a_rank_blocked_in_a_c_call_is_the_culprit(redis_url, store_url, ingester):
-    ranks = start(redis_url, "hang-select", "cblock", culprit=1)
-    try:
-        found = wait_for(
-            "the run to be stalled with a culprit",
-            lambda: (h := health_is(store_url, "hang-select", "stalled")) and h["culprits"] and h,
-            timeout=60,
-        )
+    with job(redis_url, "hang-select", "cblock", culprit=1):
+        found = stalled_with_a_culprit(store_url, "hang-select")
         # Its heartbeats go on (select lets go of the GIL): it is named by where it stands.
         assert [c["label"] for c in found["culprits"]] == ["rank1"]
         culprit = found["culprits"][0]
@@ -287,42 +246,35 @@ def test_a_rank_blocked_in_a_c_call_is_the_culprit(redis_url, store_url, ingeste
         assert culprit["silent_s"] < 3
         assert culprit["last_lines"][-1] == "rank 1 waiting for its peer at step 20"
         assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank2", "rank3"]
-    finally:
-        stop(ranks)
 
 
 def test_the_culprit_is_named_again_once_redis_is_back_after_an_outage_during_the_hang(
     local_redis, store_url, tmp_path
 ):
-    with live_ingester(local_redis.url, store_url, tmp_path / "alerts.jsonl") as alerts:
-        ranks = start(local_redis.url, "hang-outage", "loader")
-        try:
-            wait_for(
-                "the run to be stalled with a culprit",
-                lambda: (h := health_is(store_url, "hang-outage", "stalled")) and h["culprits"],
-                timeout=60,
-            )
-            local_redis.kill()
-            # Nothing reaches the store: every label falls silent, as the detector then says.
-            wait_for("the run to be silent", lambda: health_is(store_url, "hang-outage", "silent"), 30)
-            local_redis.start()
-            # Right after, a rank whose producer has not reconnected yet may be named for its
-            # silence beside the culprit (the culprit too, until its own beat comes back): the
-            # verdict settles on the culprit alone, in its data loader.
-            found = wait_for(
-                "the culprit named again, alone, in its data loader",
-                lambda: (
-                    (h := health_is(store_url, "hang-outage", "stalled"))
-                    and [c["label"] for c in h["culprits"]] == ["rank2"]
-                    and "data loader" in h["culprits"][0]["reason"]
-                    and h
-                ),
-                timeout=60,
-            )
-            assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
-            assert all(rank.poll() is None for rank in ranks)  # the outage killed no rank
-            states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
-            assert states[0] == ("stalled", ["rank2"]) and states[-1] == ("stalled", ["rank2"])
-            assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states
-        finally:
-            stop(ranks)
+    with (
+        live_ingester(local_redis.url, store_url, tmp_path / "alerts.jsonl") as alerts,
+        job(local_redis.url, "hang-outage", "loader") as ranks,
+    ):
+        stalled_with_a_culprit(store_url, "hang-outage")
+        local_redis.kill()
+        # Nothing reaches the store: every label falls silent, as the detector then says.
+        wait_for("the run to be silent", lambda: health_is(store_url, "hang-outage", "silent"), 30)
+        local_redis.start()
+        # Right after, a rank whose producer has not reconnected yet may be named for its
+        # silence beside the culprit (the culprit too, until its own beat comes back): the
+        # verdict settles on the culprit alone, in its data loader.
+        found = wait_for(
+            "the culprit named again, alone, in its data loader",
+            lambda: (
+                (h := health_is(store_url, "hang-outage", "stalled"))
+                and [c["label"] for c in h["culprits"]] == ["rank2"]
+                and "data loader" in h["culprits"][0]["reason"]
+                and h
+            ),
+            timeout=60,
+        )
+        assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
+        assert all(rank.poll() is None for rank in ranks)  # the outage killed no rank
+        states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
+        assert states[0] == ("stalled", ["rank2"]) and states[-1] == ("stalled", ["rank2"])
+        assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states

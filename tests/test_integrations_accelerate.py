@@ -11,16 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import QUIET, read_store
 from tests.integration_runs import run_job, series, the_only_run
 
 try:
     from accelerate import Accelerator
-except ImportError:  # in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("accelerate is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("accelerate")
 
 from runbus.integrations.accelerate import RunbusTracker, finish_every_process, log_every_process, tracker_of
 

@@ -10,16 +10,14 @@ import time
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 
 try:
     import numpy as np
     import torch
     from torch import nn
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
 from runbus.producer.clock import StepClock, leading_size
 

@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import redis
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import QUIET
 from tests.integration_runs import run_job, series, the_only_run
 
@@ -27,10 +27,8 @@ try:
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-except ImportError:  # in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("lightning is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("lightning")
 
 from runbus import config as settings
 from runbus.integrations.lightning import PendingRun, RunbusLogger, RunbusStepTimer
@@ -316,10 +314,8 @@ def test_lightning_cli_saves_its_config_with_the_logger(
     # save_dir for loggers other than TensorBoard's and CSV's: with none, it asserted.
     try:
         from lightning.pytorch.cli import LightningCLI
-    except ImportError:  # jsonargparse, in the dev extra: under CI its absence is a failure
-        if IN_CI:
-            raise
-        pytest.skip("jsonargparse is not installed")
+    except ImportError:  # jsonargparse's absence
+        missing_package("jsonargparse")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(settings.REDIS_URL_ENV, redis_url)
     monkeypatch.setenv(settings.CONSOLE_ENV, "off")

@@ -14,17 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import QUIET, ingest
 from tests.integration_runs import run_job, series, the_only_run
 
 try:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-except ImportError:  # in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("transformers is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("transformers")
 
 import runbus
 from runbus.integrations.transformers import RunbusCallback

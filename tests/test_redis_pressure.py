@@ -90,7 +90,13 @@ def shipped_in_order(client: redis.Redis, key: str) -> tuple[int, int]:
         start = "(" + entries[-1][0].decode()
 
 
-def assert_all_shipped(client: redis.Redis, key: str, outcome: dict, what: str) -> None:
+def assert_all_shipped(
+    proc: subprocess.Popen, stop_file: str, client: redis.Redis, key: str, what: str
+) -> None:
+    """Stop the loop: no log() took LONGEST_LOG or more, nothing was dropped, and its stream
+    holds every event in order, its finish last."""
+    outcome = results(proc, stop_file)
+    assert outcome["longest"] < LONGEST_LOG, outcome
     assert outcome["dropped"] == 0 and outcome["finished"] is True
     last, metrics = shipped_in_order(client, key)
     assert metrics == outcome["calls"]
@@ -112,9 +118,7 @@ def test_log_does_not_wait_while_redis_pauses_its_clients(lone_redis, tmp_path):
         before = client.xlen(key)  # answered once the pause is over
         wait_for("shipping after the pause", lambda: client.xlen(key) > before + 10_000)
         assert time.monotonic() - paused_at >= 2.5  # the loop did log through the pause
-        outcome = results(proc, stop_file)
-        assert outcome["longest"] < LONGEST_LOG, outcome
-        assert_all_shipped(client, key, outcome, "CLIENT PAUSE 3 s")
+        assert_all_shipped(proc, stop_file, client, key, "CLIENT PAUSE 3 s")
     finally:
         proc.kill()
         client.close()
@@ -135,9 +139,7 @@ def test_log_neither_waits_nor_drops_while_redis_restarts(local_redis, tmp_path)
         local_redis.start()
         before = client.xlen(key)
         wait_for("shipping after the restart", lambda: client.xlen(key) > before + 10_000, timeout=120)
-        outcome = results(proc, stop_file)
-        assert outcome["longest"] < LONGEST_LOG, outcome
-        assert_all_shipped(client, key, outcome, "Redis killed for 1.5 s")
+        assert_all_shipped(proc, stop_file, client, key, "Redis killed for 1.5 s")
     finally:
         proc.kill()
         client.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import astuple
@@ -31,7 +30,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
-from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, xadd_event
+from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, undo_migrations, xadd_event
 from tests.pgserver import create_database, drop_database
 
 T0 = 1_700_000_000.0
@@ -338,22 +337,7 @@ async def make_old(url: str) -> None:
     """The store as runbus left it before rollups: their tables gone, its version the one before."""
     tables = ("series", "label_epochs", "label_rollups", "run_rollups", "chunks", "beats", "health")
     before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA)
-    if url.startswith("sqlite"):
-        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
-        try:
-            for table in tables:
-                con.execute(f"DROP TABLE {table}")
-            con.execute(f"PRAGMA user_version = {before}")
-        finally:
-            con.close()
-        return
-    pg = await asyncpg.connect(url)
-    try:
-        for table in tables:
-            await pg.execute(f"DROP TABLE {table}")
-        await pg.execute("DELETE FROM schema_version WHERE version > $1", before)
-    finally:
-        await pg.close()
+    await undo_migrations(url, [f"DROP TABLE {table}" for table in tables], before)
 
 
 async def test_an_old_store_gets_the_rollups_of_what_it_holds(

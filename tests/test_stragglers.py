@@ -10,28 +10,23 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import wait_for
 from tests.integration_runs import clean_env
+from tests.rank_processes import watch_job
 from tests.test_health import alerts_of, health, ingester  # noqa: F401 (a fixture)
 
 try:
     import torch  # noqa: F401
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
-
-JOB = Path(__file__).resolve().parent / "ddp_watch_job.py"
+except ImportError:
+    missing_package("torch")
 
 
-def torchrun(redis_url: str, run_id: str, *args: str) -> subprocess.Popen:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
-    argv = [*launcher, str(JOB), "--redis-url", redis_url, "--run-id", run_id, "--every", "1", *args]
+def torchrun(redis_url: str, run_id: str, *args: str) -> subprocess.Popen[str]:
+    argv = watch_job(redis_url, run_id, "--every", "1", *args)
     return subprocess.Popen(
         [sys.executable, *argv], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

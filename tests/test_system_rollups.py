@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import math
 import random
-import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator
 
-import asyncpg
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -22,7 +20,7 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Envelope
 from runbus.wire import Event
-from tests.helpers import UNDO_CHUNKS, get_json, keep_values_in_rows
+from tests.helpers import UNDO_CHUNKS, get_json, keep_values_in_rows, undo_migrations
 from tests.test_rollups import T0, WIDEST, as_batches, expected_rows, same, start
 
 RUN = "sys"
@@ -144,22 +142,7 @@ async def make_before_system_rollups(url: str) -> None:
         *UNDO_CHUNKS,
     ]
     before = sqlite_backend.MIGRATIONS.index(sqlite_backend.CHUNKS_SCHEMA) - 1
-    if url.startswith("sqlite"):
-        con = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
-        try:
-            for statement in statements:
-                con.execute(statement)
-            con.execute(f"PRAGMA user_version = {before}")
-        finally:
-            con.close()
-        return
-    pg = await asyncpg.connect(url)
-    try:
-        for statement in statements:
-            await pg.execute(statement)
-        await pg.execute("DELETE FROM schema_version WHERE version > $1", before)
-    finally:
-        await pg.close()
+    await undo_migrations(url, statements, before)
 
 
 async def test_an_old_store_gets_the_rollups_of_its_system_samples(

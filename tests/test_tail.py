@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -9,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import redis
@@ -148,7 +148,10 @@ def test_a_stray_primary_claim_cannot_end_the_tail(redis_url, tail_process, live
         tail.wait_ready()
         xadd_event(client, RUN, "stray", "start", 1, 1, {"primary": True}, ts=stray_ts)
         xadd_event(client, RUN, "stray", "finish", 1, 2, {"exit_code": 0}, ts=stray_ts + 1)
-        time.sleep(2.5)  # past the finish grace (1 s) a tail that took the stray's finish has ended
+        # Past the finish grace (1 s) a tail that took the stray's finish has ended: the wait
+        # returns as soon as it does.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            tail.process.wait(timeout=2.5)
         assert tail.process.poll() is None, tail.err
         log(client, "rank0", 2, "still training", ts=T0 + 60)
         assert tail.line().endswith("| still training")

@@ -13,17 +13,15 @@ import pytest
 
 import runbus
 from runbus.ingester.localredis import free_port
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import ingest, read_store, run_cli
 
 try:
     import numpy as np
     import torch
     import torch.distributed as dist
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
 STEPS = 20

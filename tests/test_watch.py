@@ -12,30 +12,26 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import runbus
-from tests.conftest import IN_CI
+from tests.conftest import missing_package
 from tests.helpers import ingest
 from tests.integration_runs import run_job, series, the_only_run
+from tests.rank_processes import watch_job
 
 try:
     import torch
     from torch import nn
-except ImportError:  # torch is in the dev extra: under CI its absence is a failure
-    if IN_CI:
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+except ImportError:
+    missing_package("torch")
 
-JOB = Path(__file__).resolve().parent / "ddp_watch_job.py"
 FORWARD_S = 0.02
 
 
 def torchrun(redis_url: str, run_id: str, *args: str) -> str:
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
-    result = run_job([*launcher, str(JOB), "--redis-url", redis_url, "--run-id", run_id, *args], timeout=120)
+    result = run_job(watch_job(redis_url, run_id, *args), timeout=120)
     return result.stdout
 
 
