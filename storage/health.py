@@ -12,7 +12,9 @@ stack. `judge` turns the latest beat of every label into a verdict:
 - **dead**: a label stopped heartbeating while the others go on;
 - **anomaly**: a label logged NaN or inf (the first ones, by step: storage/anomalies.py);
 - **straggling**: a label is a chronic straggler (storage/stragglers.py);
-- **crashed**: the run ended crashed (judged once more, then no longer);
+- **crashed**: the run ended crashed, or a run of several labels ended failed or with a label
+  that died, its first label to go named (storage/postmortem.py; judged until the labels' ends
+  are known, recorded once, then no longer);
 - **ok**: otherwise, and for a start-up (no step yet), a pause every label takes in the same
   non-collective frame (a checkpoint save, an evaluation) and a run that has ended.
 
@@ -77,13 +79,20 @@ class LabelVitals:
     the producer sent it; None before the first) and when it was stored (`beat_seen_at`), when
     anything of the label was last stored (`heard_at`; both by the ingesters' clock), and what a
     look at its process on this host found (`process`: "running", "stopped", "gone", or None
-    where it could not be looked at)."""
+    where it could not be looked at). For an ended run's post-mortem (storage/postmortem.py):
+    the label's stored `state` and `exit_code`, the time its state was set (`state_ts`: its
+    finish's, or its last event's where it was marked crashed) and its last event's (`last_ts`),
+    by its producer's clock."""
 
     label: str
     beat: Mapping[str, Any] | None
     beat_seen_at: float | None
     heard_at: float | None = None
     process: str | None = None
+    state: str = "running"
+    exit_code: int | None = None
+    state_ts: float | None = None
+    last_ts: float | None = None
 
     @property
     def step(self) -> int | None:
@@ -120,7 +129,9 @@ class LabelVitals:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """A run's health: its state, the labels at fault (most telling first), the labels waiting
-    for them, a note, and the stall threshold used."""
+    for them, a note, and the stall threshold used; for an ended run, the labels that ended after
+    its first to go (`followers`), or `settling` while the labels' ends are not all known yet
+    (nothing is recorded then: the run is judged again)."""
 
     state: str
     culprits: list[dict[str, Any]] = field(default_factory=list)
@@ -130,6 +141,8 @@ class Verdict:
     ended: bool = False  # the run has ended: no detector judges it again
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
+    followers: list[dict[str, Any]] = field(default_factory=list)
+    settling: bool = False
 
     @property
     def key(self) -> str:
@@ -156,6 +169,7 @@ class Verdict:
             "threshold": self.threshold,
             "stragglers": self.stragglers,
             "anomalies": self.anomalies,
+            "followers": self.followers,
             "ended": self.ended,
         }
 
@@ -297,7 +311,7 @@ def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: f
     """The heard labels whose stacks stand apart from the group's."""
     outside = [v for v in heard if waits[v.label] is None]
     if outside and len(outside) < len(heard):
-        return [_culprit(v, doing(v.stack), now) for v in outside]
+        return [culprit_of(v, doing(v.stack), now) for v in outside]
     if not outside:
         return _odd_collectives(heard, waits, now)
     return _odd_places(heard, now)
@@ -311,7 +325,7 @@ def _behind(
     if top is None:
         return []
     return [
-        _culprit(v, f"behind: at step {v.step}, others at {top}", now)
+        culprit_of(v, f"behind: at step {v.step}, others at {top}", now)
         for v in heard
         if v.label not in named and v.step is not None and v.step < top
     ]
@@ -326,7 +340,7 @@ def _odd_collectives(
         return []
     usual, _ = counts.most_common(1)[0]
     return [
-        _culprit(v, f"in {waits[v.label]} while the others are in {usual}", now)
+        culprit_of(v, f"in {waits[v.label]} while the others are in {usual}", now)
         for v in heard
         if waits[v.label] != usual
     ]
@@ -338,7 +352,7 @@ def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict[str, Any]
     usual, most = counts.most_common(1)[0]
     if most * 2 <= len(heard):
         return []
-    return [_culprit(v, doing(v.stack), now) for v in heard if signature(v.stack) != usual]
+    return [culprit_of(v, doing(v.stack), now) for v in heard if signature(v.stack) != usual]
 
 
 def _silent(vitals: LabelVitals, now: float) -> dict[str, Any]:
@@ -348,10 +362,10 @@ def _silent(vitals: LabelVitals, now: float) -> dict[str, Any]:
         "gone": f"dead: no heartbeat for {quiet:.0f}s, its process is gone",
         "running": f"frozen: no heartbeat for {quiet:.0f}s, its process is running",
     }.get(vitals.process or "", f"no heartbeat for {quiet:.0f}s")
-    return _culprit(vitals, why, now)
+    return culprit_of(vitals, why, now)
 
 
-def _culprit(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
+def culprit_of(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
     beat = vitals.beat or {}
     return {
         "label": vitals.label,
