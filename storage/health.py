@@ -8,7 +8,8 @@ stack. `judge` turns the latest beat of every label into a verdict:
 - **stalled**: no label has advanced its step for longer than the threshold (a floor, or a
   multiple of the run's median step time); the culprits are the labels that stand apart (silent,
   not inside a collective while others wait in one, in another collective than the others, a
-  step behind); labels merely waiting in a collective are named as waiting;
+  step behind); labels merely waiting in a collective (by their beat's `collective`, timed by
+  the producer, else by their stack) are named as waiting, with how long they have been in it;
 - **dead**: a label stopped heartbeating while the others go on;
 - **anomaly**: a label logged NaN or inf (the first ones, by step: storage/anomalies.py);
 - **straggling**: a label is a chronic straggler (storage/stragglers.py);
@@ -202,6 +203,22 @@ def in_collective(stack: Sequence[Sequence[Any]]) -> str | None:
     return None
 
 
+def waits_in(vitals: LabelVitals) -> str | None:
+    """The collective a label waits in: the one its beat says the process is inside (the
+    producer times torch.distributed's calls: runbus.producer.collectives), else its stack's."""
+    named = (vitals.beat or {}).get("collective")
+    return named if isinstance(named, str) and named else in_collective(vitals.stack)
+
+
+def inside_for(vitals: LabelVitals, now: float) -> float | None:
+    """How long a label has been inside its beat's collective, as of `now`: None where its beat
+    names none."""
+    beat = vitals.beat or {}
+    if not isinstance(beat.get("collective"), str) or vitals.beat_seen_at is None:
+        return None
+    return round(_number(beat.get("collective_s"), 0.0) + max(0.0, now - vitals.beat_seen_at), 3)
+
+
 def doing(stack: Sequence[Sequence[Any]]) -> str:
     """What a stack outside any collective says its rank is doing, in a few words."""
     for frame in reversed(stack):
@@ -282,7 +299,7 @@ def _stalled(
 ) -> Verdict:
     """The stall's culprits and waiting labels; OK for a pause every label takes at one place."""
     heard = [v for v in labels if v not in silent]
-    waits = {v.label: in_collective(v.stack) for v in heard}
+    waits = {v.label: waits_in(v) for v in heard}
     if not silent and _paused(heard, waits):
         where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
         pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
@@ -291,7 +308,7 @@ def _stalled(
     culprits += _behind(labels, heard, {c["label"] for c in culprits}, now)
     named = {c["label"] for c in culprits}
     waiting = [
-        {"label": v.label, "in": waits[v.label], "step": v.step}
+        {"label": v.label, "in": waits[v.label], "step": v.step, "for_s": inside_for(v, now)}
         for v in heard
         if v.label not in named and waits[v.label] is not None
     ]

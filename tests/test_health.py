@@ -203,6 +203,14 @@ def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, 
         assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
         assert {w["in"] for w in found["waiting"]} == {"all_reduce"}
         assert [c["label"] for c in found["culprits"]] == ["rank2"]
+        # The waiting ranks' beats say they have been inside all_reduce since the hang began (the
+        # producer times torch.distributed's calls), the culprit's that it is in none.
+        assert all(abs(w["for_s"] - culprit["step_age"]) < 3 for w in found["waiting"])
+        [run] = [r for r in read_store(store_url, "health_inputs") if r.run_id == "hang-loader"]
+        beats = {v.label: v.beat for v in run.labels}
+        assert beats["rank2"]["collective"] is None and beats["rank2"]["collective_s"] is None
+        assert {beats[r]["collective"] for r in ("rank0", "rank1", "rank3")} == {"all_reduce"}
+        assert all(beats[r]["collective_s"] > 1.0 for r in ("rank0", "rank1", "rank3"))
         # Named within the floor and a few seconds of the hang's start (its last step).
         assert STALL_AFTER < culprit["step_age"] < STALL_AFTER + 5
         alert = wait_for("the alert", lambda: alerts_of(ingester))[0]
