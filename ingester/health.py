@@ -24,6 +24,7 @@ from runbus.ingester.findings import FindingsReader
 from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
 from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, redacted, silent_after
+from runbus.storage.postmortem import judge_ended
 from runbus.wire import Event
 
 log = logging.getLogger("runbus.ingester")
@@ -122,10 +123,14 @@ class HealthKeeper:
     async def _judge(self, run: RunVitals) -> bool:
         now = time.time()
         labels = [_looked_at(v, now, self.settings, self._host) for v in run.labels]
+        ended = run.state != "running"
+        if ended and judge_ended(run.state, labels, now, self.settings).settling:
+            return False  # its labels' ends are not all known yet: judged again next time
         # Read for an ended run too: its last verdict keeps the run's stragglers and anomalies.
         beats = {v.label: v.beat for v in labels}
-        found = await self.findings.read(run.run_id, beats, fresh=run.state != "running")
-        verdict = judge(run.state, labels, now, self.settings, found.stragglers, found.anomalies)
+        found = await self.findings.read(run.run_id, beats, fresh=ended)
+        rule = judge_ended if ended else judge
+        verdict = rule(run.state, labels, now, self.settings, found.stragglers, found.anomalies)
         key = verdict.key
         since = run.health_since if key == run.health_key else now
         for culprit in verdict.culprits:

@@ -1,4 +1,5 @@
-"""What a rank's heartbeats tell the detector: its step progress and its training thread's stack.
+"""What a rank's heartbeats tell the detector: its step progress, its training thread's stack and
+the torch.distributed collective it is inside (runbus.producer.collectives).
 
 Everything here runs on the shipper thread. The step is read from the metric events as they are
 encoded (log() does nothing more for it), and the stack is taken with sys._current_frames(): no
@@ -16,6 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
+from runbus.producer import collectives
 from runbus.redact import redact_line
 
 # The frames a beat carries at most (the innermost), and the longest source line it keeps.
@@ -113,9 +115,11 @@ def thread_stack(thread_id: int | None, limit: int = MAX_FRAMES) -> list[list[An
 
 def beat_fields(progress: Progress, thread_id: int | None, every: float) -> dict[str, Any]:
     """What a heartbeat adds for the detector: step progress, the watched thread's stack, the
+    collective the process is inside and for how long (runbus.producer.collectives), the
     heartbeat interval (`every`), host and pid (so an ingester on this host can look at it)."""
     return {
         **progress.report(time.time()),
+        **collectives.beat_fields(),
         "every": every,
         "host": socket.gethostname(),
         "pid": os.getpid(),

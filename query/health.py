@@ -14,6 +14,7 @@ from runbus.terminal import printable
 SHOWN_FRAMES = 3
 SHOWN_LINES = 3
 SHOWN_STRAGGLERS = 5  # stragglers the health line names (--json has them all)
+SHOWN_FOLLOWERS = 5  # labels the health line names as ending after an ended run's culprit
 
 
 def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str, Any]:
@@ -24,7 +25,8 @@ def health_document(run: RunSummary, stored: dict[str, Any] | None) -> dict[str,
         state = "unknown" if run.state == "running" else "ok"
         stored = {"state": state, "since": None, "culprits": [], "waiting": [], "note": None}
         stored["threshold"] = None
-    return redacted({"stragglers": [], "anomalies": [], "ended": run.state != "running", **stored})
+    ended = run.state != "running"
+    return redacted({"stragglers": [], "anomalies": [], "followers": [], "ended": ended, **stored})
 
 
 async def read_health(store: Store, run: RunSummary) -> dict[str, Any]:
@@ -43,6 +45,7 @@ def health_lines(health: dict[str, Any]) -> list[str]:
     if waiting:
         places = sorted({str(w.get("in")) for w in waiting})
         parts.append(f"{len(waiting)} waiting in {', '.join(places)}")
+    parts += _followers_text(health.get("followers") or [])
     parts += _stragglers_text(health.get("stragglers") or []) + _anomalies_text(health.get("anomalies") or [])
     if parts:
         head += ": " + "; ".join(parts)
@@ -56,6 +59,19 @@ def health_lines(health: dict[str, Any]) -> list[str]:
         for text in (culprit.get("last_lines") or [])[-SHOWN_LINES:]:
             lines.append(printable(f"         {culprit['label']}  | {text}"))
     return lines
+
+
+def _followers_text(followers: list[dict[str, Any]]) -> list[str]:
+    """The health line's labels that ended after an ended run's culprit: each, how, how much later."""
+    if not followers:
+        return []
+    shown = [
+        f"{f['label']} {f.get('state')} {f.get('after_s', 0.0):+.1f}s"
+        + (f" (exit {f['exit_code']})" if f.get("exit_code") else "")
+        for f in followers[:SHOWN_FOLLOWERS]
+    ]
+    more = f" (+{len(followers) - SHOWN_FOLLOWERS} more)" if len(followers) > SHOWN_FOLLOWERS else ""
+    return ["after it: " + ", ".join(shown) + more]
 
 
 def _stragglers_text(stragglers: list[dict[str, Any]]) -> list[str]:

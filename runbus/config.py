@@ -35,6 +35,7 @@ REQUIRE_SEAL_ENV = "RUNBUS_REQUIRE_SEAL"
 GIT_ENV = "RUNBUS_GIT"
 CATCH_UP_ENV = "RUNBUS_CATCH_UP"
 SPOOL_DIR_ENV = "RUNBUS_SPOOL_DIR"
+COLLECTIVES_ENV = "RUNBUS_COLLECTIVES"
 # Set by runbus.init() beside a RUNBUS_RUN_ID it exported (a run id it made), to the pid of that
 # process: a child that inherits the id learns whose it is.
 RUN_ID_FROM_ENV = "RUNBUS_RUN_ID_FROM"
@@ -85,6 +86,14 @@ def record_git(env: Mapping[str, str] | None = None) -> bool:
     anything else is a ValueError naming the variable."""
     env = os.environ if env is None else env
     return not env.get(GIT_ENV, "").strip() or _flag(GIT_ENV, env)
+
+
+def time_collectives(env: Mapping[str, str] | None = None) -> bool:
+    """RUNBUS_COLLECTIVES: unset, empty or 1/true/yes/on lets a rank's heartbeats say which
+    torch.distributed collective it is inside and for how long (runbus.producer.collectives);
+    0/false/no/off leaves torch.distributed unwrapped; anything else is a ValueError naming it."""
+    env = os.environ if env is None else env
+    return not env.get(COLLECTIVES_ENV, "").strip() or _flag(COLLECTIVES_ENV, env)
 
 
 def catch_up(env: Mapping[str, str] | None = None) -> bool:

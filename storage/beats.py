@@ -49,13 +49,16 @@ SAVE_BEAT_SQL = """
     WHERE excluded.epoch > beats.epoch OR (excluded.epoch = beats.epoch AND excluded.seq > beats.seq)
 """
 # What the detector judges: the runs still running, and the ended ones it judged while they ran
-# (once more, to record that they ended); their running or crashed labels and their beats.
+# (until it records that they ended: storage/postmortem.py); a running run's running or crashed
+# labels, an ended run's every label, with their beats.
 INPUTS_SQL = f"""
     SELECT r.run_id, r.state AS run_state, h.key AS health_key, h.since AS health_since,
-        l.label, l.seen_at AS heard_at, b.seen_at AS beat_seen_at, b.data AS beat
+        l.label, l.seen_at AS heard_at, b.seen_at AS beat_seen_at, b.data AS beat,
+        l.state AS label_state, l.exit_code, l.state_ts, l.last_ts
     FROM runs r
     LEFT JOIN health h ON h.run_id = r.run_id
-    LEFT JOIN labels l ON l.run_id = r.run_id AND l.state IN ('running', 'crashed')
+    LEFT JOIN labels l ON l.run_id = r.run_id
+        AND (r.state <> 'running' OR l.state IN ('running', 'crashed'))
     LEFT JOIN beats b ON b.label_id = l.id
     WHERE r.state = 'running' OR (h.key IS NOT NULL AND h.key <> '{ENDED_KEY}')
     ORDER BY r.run_id, l.label
@@ -78,7 +81,8 @@ LAST_LINES_SQL = """
 @dataclass(frozen=True, slots=True)
 class RunVitals:
     """One run as the detector reads it: its stored state, its recorded health's key and since
-    (None before the first verdict), and its running (or crashed) labels' vitals."""
+    (None before the first verdict), and its labels' vitals: a running run's running (or crashed)
+    labels, an ended run's every label."""
 
     run_id: str
     state: str
@@ -130,7 +134,18 @@ async def health_inputs(store: Executor) -> list[RunVitals]:
         beat = orjson.loads(row["beat"]) if row["beat"] else None
         beat_seen = row["beat_seen_at"]
         heard = max(x for x in (row["heard_at"], beat_seen, 0.0) if x is not None)
-        run.labels.append(LabelVitals(row["label"], beat, beat_seen, heard or None))
+        run.labels.append(
+            LabelVitals(
+                row["label"],
+                beat,
+                beat_seen,
+                heard or None,
+                state=row["label_state"],
+                exit_code=row["exit_code"],
+                state_ts=row["state_ts"],
+                last_ts=row["last_ts"],
+            )
+        )
     return list(runs.values())
 
 

@@ -8,12 +8,15 @@ stack. `judge` turns the latest beat of every label into a verdict:
 - **stalled**: no label has advanced its step for longer than the threshold (a floor, or a
   multiple of the run's median step time); the culprits are the labels that stand apart (silent,
   not inside a collective while others wait in one, in another collective than the others, a
-  step behind); labels merely waiting in a collective are named as waiting;
+  step behind); labels merely waiting in a collective (by their beat's `collective`, timed by
+  the producer, else by their stack) are named as waiting, with how long they have been in it;
 - **dead**: a label stopped heartbeating while the others go on;
 - **anomaly**: a label logged NaN or inf, or left the cross-rank band of a key (the first ones,
   by step: storage/anomalies.py, storage/outliers.py);
 - **straggling**: a label is a chronic straggler (storage/stragglers.py);
-- **crashed**: the run ended crashed (judged once more, then no longer);
+- **crashed**: the run ended crashed, or a run of several labels ended failed or with a label
+  that died, its first label to go named (storage/postmortem.py; judged until the labels' ends
+  are known, recorded once, then no longer);
 - **ok**: otherwise, and for a start-up (no step yet), a pause every label takes in the same
   non-collective frame (a checkpoint save, an evaluation) and a run that has ended.
 
@@ -78,13 +81,20 @@ class LabelVitals:
     the producer sent it; None before the first) and when it was stored (`beat_seen_at`), when
     anything of the label was last stored (`heard_at`; both by the ingesters' clock), and what a
     look at its process on this host found (`process`: "running", "stopped", "gone", or None
-    where it could not be looked at)."""
+    where it could not be looked at). For an ended run's post-mortem (storage/postmortem.py):
+    the label's stored `state` and `exit_code`, the time its state was set (`state_ts`: its
+    finish's, or its last event's where it was marked crashed) and its last event's (`last_ts`),
+    by its producer's clock."""
 
     label: str
     beat: Mapping[str, Any] | None
     beat_seen_at: float | None
     heard_at: float | None = None
     process: str | None = None
+    state: str = "running"
+    exit_code: int | None = None
+    state_ts: float | None = None
+    last_ts: float | None = None
 
     @property
     def step(self) -> int | None:
@@ -121,7 +131,9 @@ class LabelVitals:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """A run's health: its state, the labels at fault (most telling first), the labels waiting
-    for them, a note, and the stall threshold used."""
+    for them, a note, and the stall threshold used; for an ended run, the labels that ended after
+    its first to go (`followers`), or `settling` while the labels' ends are not all known yet
+    (nothing is recorded then: the run is judged again)."""
 
     state: str
     culprits: list[dict[str, Any]] = field(default_factory=list)
@@ -131,6 +143,8 @@ class Verdict:
     ended: bool = False  # the run has ended: no detector judges it again
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
+    followers: list[dict[str, Any]] = field(default_factory=list)
+    settling: bool = False
 
     @property
     def key(self) -> str:
@@ -158,6 +172,7 @@ class Verdict:
             "threshold": self.threshold,
             "stragglers": self.stragglers,
             "anomalies": self.anomalies,
+            "followers": self.followers,
             "ended": self.ended,
         }
 
@@ -188,6 +203,22 @@ def in_collective(stack: Sequence[Sequence[Any]]) -> str | None:
         ):
             return function
     return None
+
+
+def waits_in(vitals: LabelVitals) -> str | None:
+    """The collective a label waits in: the one its beat says the process is inside (the
+    producer times torch.distributed's calls: runbus.producer.collectives), else its stack's."""
+    named = (vitals.beat or {}).get("collective")
+    return named if isinstance(named, str) and named else in_collective(vitals.stack)
+
+
+def inside_for(vitals: LabelVitals, now: float) -> float | None:
+    """How long a label has been inside its beat's collective, as of `now`: None where its beat
+    names none."""
+    beat = vitals.beat or {}
+    if not isinstance(beat.get("collective"), str) or vitals.beat_seen_at is None:
+        return None
+    return round(_number(beat.get("collective_s"), 0.0) + max(0.0, now - vitals.beat_seen_at), 3)
 
 
 def doing(stack: Sequence[Sequence[Any]]) -> str:
@@ -270,7 +301,7 @@ def _stalled(
 ) -> Verdict:
     """The stall's culprits and waiting labels; OK for a pause every label takes at one place."""
     heard = [v for v in labels if v not in silent]
-    waits = {v.label: in_collective(v.stack) for v in heard}
+    waits = {v.label: waits_in(v) for v in heard}
     if not silent and _paused(heard, waits):
         where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
         pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
@@ -279,7 +310,7 @@ def _stalled(
     culprits += _behind(labels, heard, {c["label"] for c in culprits}, now)
     named = {c["label"] for c in culprits}
     waiting = [
-        {"label": v.label, "in": waits[v.label], "step": v.step}
+        {"label": v.label, "in": waits[v.label], "step": v.step, "for_s": inside_for(v, now)}
         for v in heard
         if v.label not in named and waits[v.label] is not None
     ]
@@ -299,7 +330,7 @@ def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: f
     """The heard labels whose stacks stand apart from the group's."""
     outside = [v for v in heard if waits[v.label] is None]
     if outside and len(outside) < len(heard):
-        return [_culprit(v, doing(v.stack), now) for v in outside]
+        return [culprit_of(v, doing(v.stack), now) for v in outside]
     if not outside:
         return _odd_collectives(heard, waits, now)
     return _odd_places(heard, now)
@@ -313,7 +344,7 @@ def _behind(
     if top is None:
         return []
     return [
-        _culprit(v, f"behind: at step {v.step}, others at {top}", now)
+        culprit_of(v, f"behind: at step {v.step}, others at {top}", now)
         for v in heard
         if v.label not in named and v.step is not None and v.step < top
     ]
@@ -328,7 +359,7 @@ def _odd_collectives(
         return []
     usual, _ = counts.most_common(1)[0]
     return [
-        _culprit(v, f"in {waits[v.label]} while the others are in {usual}", now)
+        culprit_of(v, f"in {waits[v.label]} while the others are in {usual}", now)
         for v in heard
         if waits[v.label] != usual
     ]
@@ -340,7 +371,7 @@ def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict[str, Any]
     usual, most = counts.most_common(1)[0]
     if most * 2 <= len(heard):
         return []
-    return [_culprit(v, doing(v.stack), now) for v in heard if signature(v.stack) != usual]
+    return [culprit_of(v, doing(v.stack), now) for v in heard if signature(v.stack) != usual]
 
 
 def _silent(vitals: LabelVitals, now: float) -> dict[str, Any]:
@@ -350,10 +381,10 @@ def _silent(vitals: LabelVitals, now: float) -> dict[str, Any]:
         "gone": f"dead: no heartbeat for {quiet:.0f}s, its process is gone",
         "running": f"frozen: no heartbeat for {quiet:.0f}s, its process is running",
     }.get(vitals.process or "", f"no heartbeat for {quiet:.0f}s")
-    return _culprit(vitals, why, now)
+    return culprit_of(vitals, why, now)
 
 
-def _culprit(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
+def culprit_of(vitals: LabelVitals, reason: str, now: float) -> dict[str, Any]:
     beat = vitals.beat or {}
     return {
         "label": vitals.label,

@@ -1,7 +1,8 @@
 """Health with real processes: 4 ranks under gloo on CPU, a live `runbus ingest`, faults injected
-(a rank blocked in Python, blocked in a C call, SIGSTOPped, SIGKILLed, Redis away during a hang)
-and the pauses that must not raise an alarm (a checkpoint on every rank, the start-up, a finished
-run)."""
+(a rank blocked in Python, blocked in a C call, SIGSTOPped, SIGKILLed, Redis away during a hang),
+the first rank to go of a run that failed (SIGKILLed or exiting under gloo, the others failing
+after it) and the pauses that must not raise an alarm (a checkpoint on every rank, the start-up,
+a finished run)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ STALL_AFTER = 3.0  # the detector's floor in these tests (10 s by default)
 
 RANK = textwrap.dedent(
     """
-    import os, select, signal, time
+    import os, select, signal, sys, time
     import torch, torch.distributed as dist
     import runbus
 
@@ -64,11 +65,15 @@ RANK = textwrap.dedent(
     while step < steps and (collective or time.monotonic() < deadline):
         batch = load_batch(step)
         wait_for_peer(step)
+        if fault in ("kill-in-gloo", "exit") and rank == culprit:
+            print(f"rank {rank} at step {step}", flush=True)
         if step == int(os.environ["FAULT_STEP"]) and rank == culprit:
             if fault == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            if fault == "sigkill":
+            if fault in ("sigkill", "kill-in-gloo"):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "exit":
+                sys.exit(3)
         if fault == "checkpoint" and step == int(os.environ["FAULT_STEP"]):
             save_checkpoint(step)
         if collective:
@@ -180,6 +185,14 @@ def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, 
         assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
         assert {w["in"] for w in found["waiting"]} == {"all_reduce"}
         assert [c["label"] for c in found["culprits"]] == ["rank2"]
+        # The waiting ranks' beats say they have been inside all_reduce since the hang began (the
+        # producer times torch.distributed's calls), the culprit's that it is in none.
+        assert all(abs(w["for_s"] - culprit["step_age"]) < 3 for w in found["waiting"])
+        [run] = [r for r in read_store(store_url, "health_inputs") if r.run_id == "hang-loader"]
+        beats = {v.label: v.beat for v in run.labels}
+        assert beats["rank2"]["collective"] is None and beats["rank2"]["collective_s"] is None
+        assert {beats[r]["collective"] for r in ("rank0", "rank1", "rank3")} == {"all_reduce"}
+        assert all(beats[r]["collective_s"] > 1.0 for r in ("rank0", "rank1", "rank3"))
         # Named within the floor and a few seconds of the hang's start (its last step).
         assert STALL_AFTER < culprit["step_age"] < STALL_AFTER + 5
         alert = wait_for("the alert", lambda: alerts_of(ingester))[0]
@@ -278,3 +291,39 @@ def test_the_culprit_is_named_again_once_redis_is_back_after_an_outage_during_th
         states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
         assert states[0] == ("stalled", ["rank2"]) and states[-1] == ("stalled", ["rank2"])
         assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "how"),
+    [("kill-in-gloo", -signal.SIGKILL, "killed: no finish"), ("exit", 3, "exited with code 3")],
+)
+def test_the_rank_that_went_first_is_named_once_the_others_failed_after_it(
+    redis_url, store_url, ingester, fault, code, how
+):
+    """Under gloo the others' all_reduce fails as soon as rank 2 is gone: the run ends failed
+    before rank 2 could be seen falling silent, and the post-mortem names it."""
+    run_id = f"first-{fault}"
+    with job(redis_url, run_id, fault) as ranks:
+        assert [p.wait(60) for p in ranks] == [1, 1, code, 1]
+        found = wait_for("the post-mortem", lambda: health_is(store_url, run_id, "crashed"), timeout=60)
+        [culprit] = found["culprits"]
+        assert culprit["label"] == "rank2" and culprit["reason"].startswith(how)
+        assert culprit["reason"].endswith("before any other rank failed")
+        # What it printed last before it went (a SIGKILL loses what its shipper had not sent yet).
+        assert culprit["last_lines"][-1].startswith("rank 2 at step ")
+        if fault == "exit":
+            assert culprit["last_lines"][-1] == f"rank 2 at step {FAULT_STEP}"
+        assert culprit["stack"] and culprit["stack"][0]["file"] == "<string>"
+        followers = found["followers"]
+        assert sorted(f["label"] for f in followers) == ["rank0", "rank1", "rank3"]
+        assert {(f["state"], f["exit_code"]) for f in followers} == {("failed", 1)}
+        assert all(f["after_s"] > 0 for f in followers) and found["ended"]
+        # Recorded once: one alert, and the run is no longer judged.
+        [alert] = [a for a in alerts_of(ingester) if a["state"] == "crashed"]
+        assert alert["run"] == run_id and alert["culprits"][0]["label"] == "rank2"
+        shown = run_cli("--store", store_url, "show", run_id).stdout.splitlines()[0]
+        assert shown.startswith("health   crashed since ") and f"rank2 {how}" in shown
+        assert "after it: rank" in shown
+        document = json.loads(run_cli("--store", store_url, "show", run_id, "--json").stdout)
+        assert document["health"]["culprits"][0]["label"] == "rank2"
+        assert len(document["health"]["followers"]) == 3

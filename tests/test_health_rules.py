@@ -75,6 +75,25 @@ def test_a_rank_in_another_collective_is_the_culprit():
     assert verdict.culprits[0]["reason"] == "in barrier while the others are in all_reduce"
 
 
+def test_a_beat_that_says_it_is_inside_a_collective_waits_whatever_its_stack():
+    # The producer timed its all_reduce (runbus.producer.collectives): 12 s inside at its last beat,
+    # stored a second ago; its stack alone (a C extension's frames, no torch file) says nothing.
+    inside = rank("rank0", stack=[["ext.py", 3, "step", "ext.sync(t)"]])
+    inside.beat.update(collective="all_reduce", collective_s=12.0)  # type: ignore[union-attr]
+    outside = rank("rank1", stack=LOADER)
+    outside.beat.update(collective=None, collective_s=None)  # type: ignore[union-attr]
+    verdict = judge("running", [inside, outside, rank("rank2")], NOW, SETTINGS)
+    assert [c["label"] for c in verdict.culprits] == ["rank1"]
+    assert [(w["label"], w["in"], w["for_s"]) for w in verdict.waiting] == [
+        ("rank0", "all_reduce", 13.0),
+        ("rank2", "all_reduce", None),  # named by its stack: not timed
+    ]
+    # A rank in another collective by its beat stands apart as one by its stack does.
+    inside.beat["collective"] = "barrier"  # type: ignore[index]
+    verdict = judge("running", [inside, rank("rank1"), rank("rank2")], NOW, SETTINGS)
+    assert verdict.culprits[0]["reason"] == "in barrier while the others are in all_reduce"
+
+
 def test_a_silent_rank_while_the_others_step_is_dead():
     going = [rank(f"rank{i}", age=0.1, stalled=False) for i in range(3)]
     gone = rank("rank3", age=0.1, stalled=False, seen=60.0, process="gone")

@@ -1,6 +1,6 @@
 // @ts-check
 // The health banner of a run's page: shown while `GET /api/runs/RUN/health` says the run needs
-// attention (stalled, dead, silent, straggling, anomaly), naming the culprits and the state, each
+// attention (stalled, dead, silent, straggling, anomaly, crashed), naming the culprits and the state, each
 // culprit's stack and last console lines one click away (a <details>). Every string from the bus
 // goes through el() as text, never as markup.
 
@@ -14,8 +14,9 @@ import { clock, el } from './dom.js';
  * @typedef {{label: string, in?: string, step?: number | null}} Waiting
  * @typedef {{label: string, kind?: string, behind?: number | null, lost_s?: number | null}} Straggler
  * @typedef {{label: string, key?: string, step?: number | null, kind?: string}} Anomaly
+ * @typedef {{label: string, state?: string, exit_code?: number | null, after_s?: number | null}} Follower
  * @typedef {{state: string, since?: number | null, culprits?: Culprit[], waiting?: Waiting[],
- *   stragglers?: Straggler[], anomalies?: Anomaly[], note?: string | null}} Health
+ *   stragglers?: Straggler[], anomalies?: Anomaly[], followers?: Follower[], note?: string | null}} Health
  */
 
 // The states that raise no banner: all is well, or nothing has been judged yet.
@@ -60,6 +61,11 @@ function headline(health) {
   if (waiting.length) {
     const places = [...new Set(waiting.map((w) => String(w.in ?? '?')))].sort();
     parts.push(waiting.length + ' waiting in ' + places.join(', '));
+  }
+  const followers = health.followers || [];
+  if (followers.length) {
+    // An ended run's labels that went after its culprit (docs/health.md, the post-mortem).
+    parts.push('after it: ' + followers.map((f) => f.label + ' ' + (f.state ?? '') + (typeof f.after_s === 'number' ? ' +' + f.after_s.toFixed(1) + ' s' : '')).join(', '));
   }
   for (const s of health.stragglers || []) {
     parts.push(s.label + ' straggling' + (s.kind ? ' (' + s.kind + ')' : '') + (s.lost_s ? ', ' + s.lost_s.toFixed(1) + ' s lost' : ''));

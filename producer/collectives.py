@@ -1,0 +1,104 @@
+"""Which torch.distributed collective this rank is inside, and since when, for its heartbeats.
+
+Once torch.distributed has a process group (the shipper thread looks at each heartbeat, through
+`sys.modules` only: runbus never imports torch, the training code did), the blocking entry points
+of the `torch.distributed` namespace are wrapped, once per process: entering one puts its name and
+the monotonic time in a plain slot, leaving it empties the slot. A heartbeat reads the slot
+(`beat_fields`): `collective` (None while outside every one) and `collective_s`, how long it has
+been inside. The detector counts a rank inside one as waiting (storage/health.py).
+
+What it does not see: calls through a name bound before the wrapping (`from torch.distributed
+import all_reduce` at import time, `torch.distributed.distributed_c10d.all_reduce`), the wait of
+an `async_op=True` call (its Work's wait() is C++), and DDP's gradient all-reduce (inside
+backward, where the stack still shows it). Only the outermost collective is kept (an
+`all_gather_object` calls `all_gather`), one per process whatever the thread. Under torch.compile
+the wrapper only forwards the call (torch.compiler.is_compiling), so tracing sees torch's own
+function. RUNBUS_COLLECTIVES=0 leaves torch.distributed alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from runbus import config
+
+log = logging.getLogger("runbus.producer")
+
+# The entry points wrapped, where this torch has them: collectives and blocking point-to-point.
+NAMES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_gather_coalesced", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv",
+)  # fmt: skip
+WRAPPED = "__runbus_collective__"  # the attribute that marks a wrapper (holding what it wraps)
+
+# The collective the process is inside and when it entered it (time.monotonic()), else None.
+# Written by the training thread, read by the shipper thread: a tuple is swapped whole.
+_entered: tuple[str, float] | None = None
+# None until torch.distributed had a process group (or was found switched off); then whether wrapped.
+_wrapped: bool | None = None
+
+
+def _wrapper(name: str, call: Callable[..., Any], compiling: Callable[[], bool]) -> Callable[..., Any]:
+    """`call` (torch.distributed's `name`), recording its time inside in the slot."""
+
+    @functools.wraps(call)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        global _entered
+        if _entered is not None or compiling():  # inside one already, or being traced
+            return call(*args, **kwargs)
+        _entered = (name, time.monotonic())
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _entered = None
+
+    setattr(collective, WRAPPED, call)
+    return collective
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+def instrument() -> bool:
+    """Wrap torch.distributed's entry points once it has a process group (never importing it);
+    whether they are wrapped."""
+    global _wrapped
+    if _wrapped is not None:
+        return _wrapped
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        enabled = config.time_collectives()
+    except ValueError as exc:
+        log.warning("runbus: %s: collectives not timed", exc)
+        enabled = False
+    if enabled:
+        compiler = getattr(sys.modules.get("torch"), "compiler", None)
+        compiling = getattr(compiler, "is_compiling", _not_compiling)
+        for name in NAMES:
+            call = getattr(dist, name, None)
+            if callable(call) and not hasattr(call, WRAPPED):
+                setattr(dist, name, _wrapper(name, call, compiling))
+    _wrapped = enabled
+    return enabled
+
+
+def beat_fields() -> dict[str, Any]:
+    """What a heartbeat says of the collectives: none of it before they are wrapped; then the one
+    the process is inside (`collective`, None if none) and for how long (`collective_s`)."""
+    if not instrument():
+        return {}
+    entered = _entered
+    if entered is None:
+        return {"collective": None, "collective_s": None}
+    name, since = entered
+    return {"collective": name, "collective_s": round(time.monotonic() - since, 3)}
