@@ -559,13 +559,9 @@ async def _ranking(
     return rank_outliers(rows)
 
 
-def rank_outliers(
-    rows: Iterable[LabelBucket], count: int | None = None, shift: int = 0
-) -> list[tuple[str, float]]:
-    """The `count` labels furthest from the median (all if None), with their distances, from
-    label buckets taken `shift` bits coarser: per coarse bucket, each label's mean against the
-    median label's, in units of the p10-p90 spread of the labels' means there, averaged over the
-    buckets."""
+def label_means(rows: Iterable[LabelBucket], shift: int = 0) -> dict[tuple[int, int], dict[str, float]]:
+    """Each label's mean of its finite values per (generation, bucket), its epochs together (at
+    `shift` bits coarser than the rows' buckets)."""
     sums: dict[tuple[int, int], dict[str, list[float]]] = {}
     for row in rows:
         part = row.part
@@ -574,10 +570,19 @@ def rank_outliers(
             held = sums.setdefault((row.generation, row.bucket >> shift), {}).setdefault(row.label, [0.0, 0])
             held[0] += part[TOTAL]
             held[1] += finite
+    return {cell: {label: total / n for label, (total, n) in by.items()} for cell, by in sums.items()}
+
+
+def rank_outliers(
+    rows: Iterable[LabelBucket], count: int | None = None, shift: int = 0
+) -> list[tuple[str, float]]:
+    """The `count` labels furthest from the median (all if None), with their distances, from
+    label buckets taken `shift` bits coarser: per coarse bucket, each label's mean against the
+    median label's, in units of the p10-p90 spread of the labels' means there, averaged over the
+    buckets."""
     distances: dict[str, list[float]] = {}
-    for means in sums.values():
-        label_means = {label: total / finite for label, (total, finite) in means.items()}
-        ordered = sorted(label_means.values())
+    for means in label_means(rows, shift).values():
+        ordered = sorted(means.values())
         if len(ordered) < 3:
             continue
         median = ordered[len(ordered) // 2]
@@ -585,7 +590,7 @@ def rank_outliers(
         spread = (p90 or 0.0) - (p10 or 0.0)
         if spread <= 0:
             spread = max(abs(median), 1e-12) * 1e-3
-        for label, mean in label_means.items():
+        for label, mean in means.items():
             distances.setdefault(label, []).append(abs(mean - median) / spread)
     ranked = sorted(
         ((sum(d) / len(d), label) for label, d in distances.items()), key=lambda t: (-t[0], natural_key(t[1]))

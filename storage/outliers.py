@@ -12,13 +12,13 @@ RollupReader: SQLite and PostgreSQL answer alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from runbus.storage import charts
 from runbus.storage.anomalies import Anomaly, KeyedReader, in_order, non_finite, stored_in
 from runbus.storage.bands import MIN_LABELS, Band, Cell, Departure, bands, departures, going_out, split
 from runbus.storage.base import LabelBucket, RollupReader
-from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, INF, NAN, STEP_AXIS, TOTAL, N
+from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, STEP_AXIS
 from runbus.storage.rules import natural_key
 
 # A key whose 128-step rows (labels x buckets) are at most this many is read whole.
@@ -70,20 +70,6 @@ async def first_outliers(
     return in_order(found.values())
 
 
-def label_means(rows: Iterable[LabelBucket], shift: int = 0) -> Means:
-    """Each label's mean of its finite values per (generation, bucket), its epochs together (at
-    `shift` bits coarser than the rows' buckets)."""
-    sums: dict[Cell, dict[str, list[float]]] = {}
-    for row in rows:
-        part = row.part
-        finite = part[N] - part[NAN] - part[INF]
-        if finite > 0 and part[TOTAL] - part[TOTAL] == 0:
-            held = sums.setdefault((row.generation, row.bucket >> shift), {}).setdefault(row.label, [0.0, 0])
-            held[0] += part[TOTAL]
-            held[1] += finite
-    return {cell: {label: total / n for label, (total, n) in by.items()} for cell, by in sums.items()}
-
-
 async def _coarse_windows(
     reader: RollupReader, run_id: str, key: str, lo: int, hi: int
 ) -> list[tuple[int, int]]:
@@ -95,7 +81,7 @@ async def _coarse_windows(
     if shift == 0:
         return [(lo, hi)]
     coarse = await reader.label_buckets(run_id, key, STEP_AXIS, width, lo >> shift, hi >> shift, None)
-    means = label_means(coarse)
+    means = charts.label_means(coarse)
     starts = {bucket for _, bucket in going_out(means, bands(means))}
     windows: list[tuple[int, int]] = []
     for bucket in sorted(starts):
@@ -112,7 +98,7 @@ async def _in_window(
     reader: RollupReader, run_id: str, key: str, rows: list[LabelBucket], skip: set[str]
 ) -> list[Anomaly]:
     """Each label's (but `skip`'s) first departure from the band in closed 128-step `rows`."""
-    means = label_means(rows)
+    means = charts.label_means(rows)
     band = bands(means)
     by_label: dict[str, list[LabelBucket]] = {}
     for row in rows:

@@ -6,13 +6,14 @@ from the bus neutralised."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -22,6 +23,7 @@ from runbus.ingester.localredis import free_port
 from runbus.storage.beats import RunVitals
 from runbus.storage.health import Verdict
 from tests.helpers import ingest, ingest_command, read_store, run_cli, wait_for, xadd_event
+from tests.rank_processes import ranks_running
 from tests.test_health import alerts_of, health
 from tests.test_pipeline import store_opened
 
@@ -53,29 +55,36 @@ def scrape(port: int) -> dict[str, float]:
     }
 
 
-def test_a_nan_then_a_crash_alert_once_each_and_show_in_the_gauges(redis_url, store_url, tmp_path: Path):
-    alerts, port, run_id = tmp_path / "alerts.jsonl", free_port(), f"nan-{os.getpid()}"
+@contextlib.contextmanager
+def alerting_job(
+    redis_url: str, store_url: str, alerts: Path, script: str, world: int, env: dict[str, str], *ingest: str
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A live `runbus ingest --on-alert` (`ingest`: its other arguments) appending each alert to
+    `alerts`, and `world` ranks running `script` with `env`, while the block runs; the worker
+    must then stop cleanly on SIGTERM."""
+    on_alert = f"cat >> {alerts}; echo >> {alerts}"
     worker = subprocess.Popen(
-        [
-            *ingest_command(redis_url, store_url, "--crash-after", "4", "--stall-after", "3"),
-            "--on-alert",
-            f"cat >> {alerts}; echo >> {alerts}",
-            "--http",
-            f"127.0.0.1:{port}",
-        ],
+        [*ingest_command(redis_url, store_url, *ingest), "--on-alert", on_alert],
         stderr=subprocess.PIPE,
         text=True,
     )
     wait_for("the worker to open its store", lambda: store_opened(store_url) or worker.poll() is not None)
-    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "WORLD_SIZE": "2"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "STEPS": "25", "RUNBUS_QUIET": "1"},
-        )
-        for r in range(2)
-    ]
     try:
+        with ranks_running(
+            script, world, {"RUNBUS_REDIS_URL": redis_url, "RUNBUS_QUIET": "1", **env}
+        ) as ranks:
+            yield ranks
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+    assert worker.returncode == 0, err
+
+
+def test_a_nan_then_a_crash_alert_once_each_and_show_in_the_gauges(redis_url, store_url, tmp_path: Path):
+    alerts, port, run_id = tmp_path / "alerts.jsonl", free_port(), f"nan-{os.getpid()}"
+    ingest = ("--crash-after", "4", "--stall-after", "3", "--http", f"127.0.0.1:{port}")
+    env = {"RUNBUS_RUN_ID": run_id, "STEPS": "25"}
+    with alerting_job(redis_url, store_url, alerts, RANK, 2, env, *ingest) as ranks:
         first = wait_for("the anomaly alert", lambda: alerts_of(alerts), timeout=60)[0]
         assert first["run"] == run_id and first["state"] == "anomaly"
         assert [(a["label"], a["key"], a["step"], a["kind"]) for a in first["anomalies"]] == [
@@ -98,14 +107,6 @@ def test_a_nan_then_a_crash_alert_once_each_and_show_in_the_gauges(redis_url, st
         assert crashed["state"] == "crashed" and crashed["anomalies"][0]["label"] == "rank1"
         # An ended run's series are dropped.
         wait_for("the ended run's series to go", lambda: not any(run_id in k for k in scrape(port)))
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-            rank.wait(30)
-        worker.send_signal(signal.SIGTERM)
-        _, err = worker.communicate(timeout=30)
-    assert worker.returncode == 0, err
 
 
 def test_watch_prints_a_hostile_health_line_neutralised_and_ends_with_the_run(redis_url, store_url):
@@ -162,22 +163,8 @@ def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(
     redis_url, store_url, tmp_path: Path
 ):
     alerts, run_id = tmp_path / "alerts.jsonl", f"leaver-{os.getpid()}"
-    on_alert = f"cat >> {alerts}; echo >> {alerts}"
-    worker = subprocess.Popen(
-        [*ingest_command(redis_url, store_url, "--stall-after", "120"), "--on-alert", on_alert],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for("the worker to open its store", lambda: store_opened(store_url) or worker.poll() is not None)
-    env = {**os.environ, "RUNBUS_REDIS_URL": redis_url, "RUNBUS_RUN_ID": run_id, "WORLD_SIZE": "4"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", LEAVER],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LINGER": "30", "RUNBUS_QUIET": "1"},
-        )
-        for r in range(4)
-    ]
-    try:
+    env = {"RUNBUS_RUN_ID": run_id, "LINGER": "30"}
+    with alerting_job(redis_url, store_url, alerts, LEAVER, 4, env, "--stall-after", "120"):
         first = wait_for("the anomaly alert", lambda: alerts_of(alerts), timeout=60)[0]
         assert first["run"] == run_id and first["state"] == "anomaly"
         assert [(a["label"], a["key"], a["step"], a["kind"]) for a in first["anomalies"]] == [
@@ -188,10 +175,3 @@ def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(
         text = run_cli("show", run_id, "--store", store_url).stdout
         assert "rank2 left the cross-rank band in loss at step 300 first" in text
         assert "outlier  rank2 loss left the cross-rank band first, at step 300" in text
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait(30)
-        worker.send_signal(signal.SIGTERM)
-        _, err = worker.communicate(timeout=30)
-    assert worker.returncode == 0, err
