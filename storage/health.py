@@ -306,6 +306,8 @@ def _stalled(
         where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
         pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
         return Verdict(OK, note=pause, threshold=limit)
+    if not silent and (joining := _joining(heard, waits, now, limit)):
+        return Verdict(OK, note=joining, threshold=limit)
     culprits = [_silent(v, now) for v in silent] + _apart(heard, waits, now)
     culprits += _behind(labels, heard, {c["label"] for c in culprits}, now)
     named = {c["label"] for c in culprits}
@@ -324,6 +326,27 @@ def _paused(heard: Sequence[LabelVitals], waits: Mapping[str, str | None]) -> bo
     if any(waits[v.label] is not None for v in heard):
         return False
     return len({signature(v.stack) for v in heard}) == 1
+
+
+def _joining(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float, limit: float) -> str:
+    """A pause ending: the labels that wait in a collective entered it less than `limit` ago (by
+    their beats' timing) while the others are still outside it. Ranks leave an evaluation or a
+    checkpoint save one by one, so the stall began as a pause every label took, and the last ones
+    are not culprits until the first have waited as long as a stall takes. "" otherwise (a label
+    without timing, none waiting, or none outside)."""
+    waiting = [v for v in heard if waits[v.label] is not None]
+    outside = [v.label for v in heard if waits[v.label] is None]
+    times = [inside_for(v, now) for v in waiting]
+    if not waiting or not outside or any(t is None for t in times):
+        return ""
+    longest = max(t for t in times if t is not None)
+    if longest >= limit:
+        return ""
+    ahead = waits[waiting[0].label]
+    return (
+        f"paused: {len(outside)} label(s) still outside any collective ({', '.join(outside[:8])}), "
+        f"the others in {ahead} for {longest:.0f}s at most (a checkpoint or evaluation ending?)"
+    )
 
 
 def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: float) -> list[dict[str, Any]]:

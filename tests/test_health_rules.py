@@ -94,6 +94,28 @@ def test_a_beat_that_says_it_is_inside_a_collective_waits_whatever_its_stack():
     assert verdict.culprits[0]["reason"] == "in barrier while the others are in all_reduce"
 
 
+def test_ranks_leaving_a_pause_one_by_one_are_no_stall_until_the_first_waited_a_stall_long():
+    # Every rank evaluated for 15 s (past the 10 s threshold); three have just finished and wait
+    # in the all_reduce after it, timed by their beats, while rank3 still evaluates.
+    evaluating = [["train.py", 30, "main", "evaluate(model)"], ["train.py", 50, "evaluate", "m(x)"]]
+
+    def waiting(label: str, inside_s: float) -> LabelVitals:
+        vitals = rank(label, age=15.0)
+        vitals.beat.update(collective="all_reduce", collective_s=inside_s)  # type: ignore[union-attr]
+        return vitals
+
+    late = rank("rank3", age=15.0, stack=evaluating)
+    late.beat.update(collective=None, collective_s=None)  # type: ignore[union-attr]
+    labels = [waiting("rank0", 2.0), waiting("rank1", 1.0), waiting("rank2", 0.5), late]
+    verdict = judge("running", labels, NOW, SETTINGS)
+    assert verdict.state == OK and "rank3" in (verdict.note or "") and "all_reduce" in (verdict.note or "")
+    # Once the first has waited as long as a stall takes, the one still outside holds the job.
+    labels[0] = waiting("rank0", 9.5)  # 10.5 s by now: its beat was stored a second ago
+    verdict = judge("running", labels, NOW, SETTINGS)
+    assert verdict.state == STALLED and [c["label"] for c in verdict.culprits] == ["rank3"]
+    assert verdict.culprits[0]["reason"] == "in Python (evaluate)"
+
+
 def test_a_silent_rank_while_the_others_step_is_dead():
     going = [rank(f"rank{i}", age=0.1, stalled=False) for i in range(3)]
     gone = rank("rank3", age=0.1, stalled=False, seen=60.0, process="gone")
