@@ -232,11 +232,27 @@ def doing(stack: Sequence[Sequence[Any]]) -> str:
     return f"in Python ({innermost})"
 
 
+# Where a frame's file says it is a library's (installed packages, the standard library, frozen
+# modules), not the job's own code.
+_LIBRARY_MARKS = ("site-packages", "dist-packages", "/lib/python3", "\\lib\\python3", "<frozen ")
+
+
+def _own_frame(stack: Sequence[Sequence[Any]]) -> Sequence[Any]:
+    """A stack's innermost frame in the job's own code (its innermost of all where every frame is
+    a library's)."""
+    for frame in reversed(stack):
+        if not any(mark in str(frame[0]) for mark in _LIBRARY_MARKS):
+            return frame
+    return stack[-1]
+
+
 def signature(stack: Sequence[Sequence[Any]]) -> str:
-    """A stack's innermost function and file, to group ranks that stand at the same place."""
+    """A stack's innermost function and file of the job's own code, to group ranks that stand at
+    the same place: ranks evaluating in one function stand there together whether a beat caught
+    them in a sleep or inside the model's forward (torch's frames)."""
     if not stack:
         return ""
-    path, _, function = stack[-1][:3]
+    path, _, function = _own_frame(stack)[:3]
     return f"{function}@{path}"
 
 
@@ -303,7 +319,7 @@ def _stalled(
     heard = [v for v in labels if v not in silent]
     waits = {v.label: waits_in(v) for v in heard}
     if not silent and _paused(heard, waits):
-        where = heard[0].stack[-1][2] if heard[0].stack else "the same place"
+        where = _own_frame(heard[0].stack)[2] if heard[0].stack else "the same place"
         pause = f"paused: every label in {where} (a checkpoint or evaluation?)"
         return Verdict(OK, note=pause, threshold=limit)
     if not silent and (joining := _joining(heard, waits, now, limit)):

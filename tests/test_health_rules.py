@@ -128,6 +128,18 @@ def test_what_must_not_raise_an_alarm():
     # Every rank saving a checkpoint at the same place.
     paused = judge("running", [rank(f"rank{i}", stack=SAVE) for i in range(4)], NOW, SETTINGS)
     assert paused.state == OK and "save_checkpoint" in (paused.note or "")
+    # Every rank evaluating in one function of the job's, one caught inside torch's forward.
+    evaluating = [
+        ["train.py", 30, "main", "evaluate(model)"],
+        ["train.py", 50, "evaluate", "time.sleep(0.05)"],
+    ]
+    forward = [*evaluating[:1], ["train.py", 49, "evaluate", "model(x)"]]
+    forward.append(
+        ["/v/lib/python3.11/site-packages/torch/nn/modules/linear.py", 125, "forward", "F.linear(x)"]
+    )
+    labels = [rank(f"rank{i}", stack=evaluating) for i in range(3)] + [rank("rank3", stack=forward)]
+    paused = judge("running", labels, NOW, SETTINGS)
+    assert paused.state == OK and "paused: every label in evaluate" in (paused.note or "")
     # The start-up: beats, no step yet.
     starting = LabelVitals("rank0", {"every": 10.0, "stack": [TRAIN]}, NOW - 1, NOW - 1)
     assert judge("running", [starting, starting], NOW, SETTINGS).state == OK
