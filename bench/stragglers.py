@@ -40,14 +40,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 from common import emit, ingester, median, percentile, private_redis
 
 from runbus.storage import charts, open_store
-from runbus.storage.stragglers import MAD_SCALE, StepTimes, Tally, chronic, find, latest, ratios
+from runbus.storage.stragglers import MAD_SCALE, StepTimes, Tally, find, latest, ratios
 from tests.integration_runs import clean_env
 from tests.rank_processes import watch_job
 
 KEY = "perf/compute_s"
+WAIT_KEY = "perf/comm_wait_s"
 WITHIN = 20  # the issue's target: named within 20 steps
 # Steps allowed on top for the live verdict: the detector re-reads a run's values at most every
 # 2 s, plus ingest and the bench's poll; at this bench's ~0.1-0.2 s steps that is up to 20 steps.
@@ -94,14 +96,17 @@ async def live(store: Any, run_id: str, job: subprocess.Popen[bytes], wait: floa
     return {"named": named, "final": health}
 
 
-def replayed(times: Mapping[str, Mapping[int, float]]) -> dict[str, int]:
-    """The first step at which the straggler rules, given each label's values up to that step,
-    name each label chronic."""
-    named: dict[str, int] = {}
+def replayed(times: Mapping[str, Mapping[int, float]]) -> dict[str, dict[str, Any]]:
+    """Each label the straggler rules name chronic, given each label's values up to each step in
+    turn: the first step it is named at, at how many steps it is, and its largest `behind`."""
+    named: dict[str, dict[str, Any]] = {}
     for step in sorted({s for steps in times.values() for s in steps}):
         upto = {label: {s: t for s, t in steps.items() if s <= step} for label, steps in times.items()}
-        for label in chronic(find(StepTimes(KEY, False, latest(upto), {}), {})):
-            named.setdefault(label, step)
+        for entry in find(StepTimes(KEY, False, latest(upto), {}), {}):
+            if entry["kind"] == "chronic":
+                seen = named.setdefault(entry["label"], {"first": step, "steps_named": 0, "behind_max": 0.0})
+                seen["steps_named"] += 1
+                seen["behind_max"] = max(seen["behind_max"], entry["behind"])
     return named
 
 
@@ -140,17 +145,52 @@ async def trial(
             job.kill()
         job.wait(60)
     times = await charts.step_times(store, run_id, KEY, True, 10**6, since=0)
-    final = seen["final"] or {}
-    lost = {s["label"]: s["lost_s"] for s in final.get("stragglers") or []}
-    injected = args.steps * args.forward_s * (args.slowdown - 1) if label else 0.0
-    measured = Tally()
-    measured.count(times)
-    result: dict[str, Any] = {
+    waits = await charts.step_times(store, run_id, WAIT_KEY, True, 10**6, since=0)
+    if args.times:
+        keep(args.times, {"index": index, "slow": label, "times": times, "waits": waits})
+    return {
         "index": index,
         "slow": label,
         "exit_code": job.returncode,
         "wall_s": round(time.monotonic() - began, 1),
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        **outcome(times, seen, label, args),
+        **({"waited_s": waited(waits, label)} if label else {}),
+    }
+
+
+def waited(waits: Mapping[str, Mapping[int, float]], slow: str) -> float | None:
+    """What the fast ranks measured they waited for the slow one: over the steps, the median of
+    their perf/comm_wait_s less the slow rank's (its own all-reduce, which every rank spends)."""
+    if slow not in waits:
+        return None
+    total = 0.0
+    for step, mine in waits[slow].items():
+        fast = [steps[step] for label, steps in waits.items() if label != slow and step in steps]
+        if fast:
+            total += statistics.median(fast) - mine
+    return round(total, 3)
+
+
+def keep(path: str, record: dict[str, Any]) -> None:
+    with open(path, "ab") as out:
+        out.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+
+
+def outcome(
+    times: Mapping[str, Mapping[int, float]],
+    seen: dict[str, Any],
+    label: str | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """What a trial found: live and replayed naming, noise, and lost_s against the truth."""
+    measured = Tally()
+    measured.count(times)
+    rules = replayed(times)
+    for name, found in rules.items():
+        found["measured_excess_s"] = round(measured.lost.get(name, 0.0), 3)
+    final = seen["final"] or {}
+    result: dict[str, Any] = {
         "steps_stored": min((len(steps) for steps in times.values()), default=0),
         "compute_s_median": round(median([t for steps in times.values() for t in steps.values()]), 4)
         if times
@@ -158,10 +198,12 @@ async def trial(
         "noise": noise(times, label),
         "final_state": final.get("state"),
         "live": judged(seen["named"], label, WITHIN + WARMUP),
-        "rules": judged(replayed(times), label, WITHIN),
+        "rules": judged({name: found["first"] for name, found in rules.items()}, label, WITHIN),
+        "rules_false": {name: found for name, found in rules.items() if name != label},
     }
     if label:
-        reported = lost.get(label)
+        reported = {s["label"]: s["lost_s"] for s in final.get("stragglers") or []}.get(label)
+        injected = args.steps * args.forward_s * (args.slowdown - 1)
         result.update(
             lost_s=reported,
             injected_s=round(injected, 3),
@@ -197,6 +239,9 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
         "live": scores(trials, "live"),
         "rules": scores(trials, "rules"),
         "lost_ratio": ratios_,
+        "lost_to_waited": [
+            round(t["lost_s"] / t["waited_s"], 3) for t in trials if t.get("lost_s") and t.get("waited_s")
+        ],
         "lost_within_10pct": sum(abs(r - 1) <= LOST_TOLERANCE for r in ratios_),
         "noise_median": median([t["noise"] for t in trials if t["noise"] is not None]) if trials else None,
         "load_avg_1m": [min(t["load_avg_1m"][0] for t in trials), max(t["load_avg_1m"][1] for t in trials)]
@@ -236,6 +281,7 @@ def main() -> None:
     parser.add_argument("--forward-s", type=float, default=0.05, help="seconds each training forward sleeps")
     parser.add_argument("--slowdown", type=float, default=1.2, help="the slow rank's forward, times as long")
     parser.add_argument("--seed", type=int, default=24, help="picks the slow ranks")
+    parser.add_argument("--times", help="append each trial's perf/compute_s (JSON lines) to this file")
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the final verdict")
     args = parser.parse_args()
     started = time.monotonic()
