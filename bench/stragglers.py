@@ -226,6 +226,7 @@ def scores(trials: list[dict[str, Any]], how: str) -> dict[str, Any]:
         "fp": fp,
         "precision": round(tp / (tp + fp), 3) if tp + fp else None,
         "recall": round(tp / len(slow), 3) if slow else None,
+        "named_within_20": sum(step < WITHIN for step in steps),
         "median_step": median(steps) if steps else None,
         "p95_step": percentile(steps, 0.95) if steps else None,
     }
