@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -17,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from runbus.ingester.localredis import LocalRedis  # noqa: E402
+from tests.helpers import ingest_command  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -28,6 +31,24 @@ def private_redis() -> Iterator[str]:
         return
     with LocalRedis() as server:
         yield server.url
+
+
+@contextlib.contextmanager
+def ingester(redis_url: str, store_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """One `runbus ingest` worker with its defaults."""
+    worker = subprocess.Popen(
+        ingest_command(redis_url, store_url),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield worker
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

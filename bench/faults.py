@@ -26,21 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from common import emit, median, percentile, private_redis
+from common import emit, ingester, median, percentile, private_redis
 
 from runbus.storage import open_store
-from tests.helpers import ingest_command
 from tests.rank_processes import start_ranks, stop_ranks
 
 HANGS = ("loader", "cblock", "gil", "sigstop", "sigkill", "skip")
@@ -236,24 +232,6 @@ async def healthy_trial(store, redis_url: str, kind: str, world: int, index: int
         }
     finally:
         stop_ranks(ranks, 60)
-
-
-@contextlib.contextmanager
-def ingester(redis_url: str, store_url: str) -> Iterator[subprocess.Popen]:
-    """One `runbus ingest` worker with its defaults."""
-    worker = subprocess.Popen(
-        ingest_command(redis_url, store_url),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield worker
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
 
 
 def summary(hangs: list[dict[str, Any]], healthy: list[dict[str, Any]]) -> dict[str, Any]:

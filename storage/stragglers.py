@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WINDOW = 20  # values per label the chronic rule looks at
-MIN_VALUES = 5  # fewer values than this name no chronic straggler
+# Fewer values than this name no chronic straggler: half the window, so a median is never decided
+# by a handful of values. A run's first steps are uneven (DDP's first iteration, ranks still
+# starting): in bench/stragglers.py every rank's first two took 10-60% longer, and with 5 values a
+# healthy rank slow in those two and one more was named chronic.
+MIN_VALUES = WINDOW // 2
 CHRONIC = 1.10  # median ratio to the others' median time
 ONE_OFF = 2.0  # one value this many times the others' is a one-off
 SPREAD = 3.0  # how many (scaled) MADs of its own ratios a label must stand clear of 1

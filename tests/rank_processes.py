@@ -1,6 +1,6 @@
 """A job's ranks as processes started by hand, as torchrun would start them (RANK, LOCAL_RANK,
 WORLD_SIZE, a gloo rendezvous on 127.0.0.1), and tests/ddp_watch_job.py under torchrun itself:
-for the tests and bench/faults.py."""
+for the tests, bench/faults.py and bench/stragglers.py."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def ranks_running(script: str, world: int, env: Mapping[str, str]) -> Iterator[l
         stop_ranks(ranks)
 
 
-def watch_job(redis_url: str, run_id: str, *args: str) -> list[str]:
-    """The python argv of tests/ddp_watch_job.py's 3 ranks under torchrun, logging run `run_id`
-    into `redis_url`; `args` are the job's own."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+def watch_job(redis_url: str, run_id: str, *args: str, world: int = 3) -> list[str]:
+    """The python argv of tests/ddp_watch_job.py's `world` ranks under torchrun, logging run
+    `run_id` into `redis_url`; `args` are the job's own."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     return [*launcher, str(WATCH_JOB), "--redis-url", redis_url, "--run-id", run_id, *args]
