@@ -240,10 +240,8 @@ _LIBRARY_MARKS = ("site-packages", "dist-packages", "/lib/python3", "\\lib\\pyth
 def _own_frame(stack: Sequence[Sequence[Any]]) -> Sequence[Any]:
     """A stack's innermost frame in the job's own code (its innermost of all where every frame is
     a library's)."""
-    for frame in reversed(stack):
-        if not any(mark in str(frame[0]) for mark in _LIBRARY_MARKS):
-            return frame
-    return stack[-1]
+    own = [index for index, frame in enumerate(stack) if not any(m in str(frame[0]) for m in _LIBRARY_MARKS)]
+    return stack[own[-1] if own else -1]
 
 
 def signature(stack: Sequence[Sequence[Any]]) -> str:
