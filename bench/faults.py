@@ -42,6 +42,9 @@ from tests.rank_processes import start_ranks, stop_ranks
 HANGS = ("loader", "cblock", "gil", "sigstop", "sigkill", "skip")
 HEALTHY = ("checkpoint", "eval")
 ALARMS = frozenset({"stalled", "dead", "silent"})
+# What names a hang's culprit: an alarm, or the post-mortem of a run that failed after it (a
+# SIGKILLed rank under gloo, whose peers fail at once: storage/postmortem.py).
+NAMING = ALARMS | {"crashed"}
 TARGET_S = 30.0  # the issue's target: the culprit named within 30 s of the hang
 POLL_S = 0.2
 FAULT_STEP = 40  # after the first heartbeats (0.3 s steps: ~12 s in); each trial adds 0-29 steps
@@ -166,8 +169,8 @@ def injected_at(path: str) -> float | None:
 
 
 def named(health: dict[str, Any] | None) -> list[str]:
-    """The labels a verdict names as culprits, when it is an alarm."""
-    if not health or health.get("state") not in ALARMS:
+    """The labels a verdict names as culprits, when it is an alarm or a post-mortem."""
+    if not health or health.get("state") not in NAMING:
         return []
     return [c["label"] for c in health.get("culprits") or []]
 
