@@ -56,6 +56,26 @@ def _at(times: Mapping[str, Mapping[int, float]], step: int) -> dict[str, float]
     return {label: t for label, steps in times.items() if (t := steps.get(step)) is not None and t - t == 0}
 
 
+def medians_of_others(have: Mapping[str, float]) -> dict[str, float]:
+    """Each label's median of the *other* labels' values (at least two labels): one sort, then
+    each label's answer read off it, instead of a median per label (a 512-label step took 512
+    medians of 511 values)."""
+    order = sorted(have.values())
+    count = len(order) - 1  # the others of each label
+    middle = count // 2
+    # Where each value sits in `order` (equal values: any of their places gives the same answer).
+    place = {value: index for index, value in enumerate(order)}
+    found = {}
+    for label, mine in have.items():
+        skip = place[mine]
+
+        def nth(k: int, skip: int = skip) -> float:
+            return order[k if k < skip else k + 1]
+
+        found[label] = nth(middle) if count % 2 else (nth(middle - 1) + nth(middle)) / 2
+    return found
+
+
 def ratios(recent: Mapping[str, Mapping[int, float]]) -> dict[str, list[tuple[int, float, float]]]:
     """Each label's (step, ratio, excess seconds) against the median of the other labels' times
     at the same step, for the steps at least two labels logged, in step order."""
@@ -65,8 +85,9 @@ def ratios(recent: Mapping[str, Mapping[int, float]]) -> dict[str, list[tuple[in
         have = _at(recent, step)
         if len(have) < 2:
             continue
+        medians = medians_of_others(have)
         for label, mine in have.items():
-            others = statistics.median(t for other, t in have.items() if other != label)
+            others = medians[label]
             if others > 0:
                 found[label].append((step, mine / others, mine - others))
     return found
@@ -115,12 +136,13 @@ class Tally:
         upto = min((max(steps) for steps in times.values() if steps), default=self.done)
         for step in sorted({s for steps in times.values() for s in steps if self.done < s <= upto}):
             have = _at(times, step)
+            medians = medians_of_others(have) if len(have) >= 2 else {}
             for label, mine in have.items():
                 covered = step - self.last.get(label, -1)
                 self.last[label] = step
                 if len(have) < 2:
                     continue
-                others = statistics.median(t for other, t in have.items() if other != label)
+                others = medians[label]
                 self.lost[label] = self.lost.get(label, 0.0) + max(0.0, mine - others) * covered
         self.done = max(self.done, upto)
 

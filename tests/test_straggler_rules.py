@@ -119,3 +119,22 @@ def test_a_chronic_straggler_makes_a_running_run_straggling_below_a_stall():
     assert judge("running", stalled, now, HealthSettings(), slow).state == "stalled"
     crashed = judge("crashed", labels, now, HealthSettings(), slow)
     assert crashed.state == "crashed" and crashed.ended
+
+
+def test_the_median_of_the_others_is_each_labels_statistics_median_of_the_rest():
+    import random
+    import statistics
+
+    from runbus.storage.stragglers import medians_of_others
+
+    rng = random.Random(7)
+    for trial in range(300):
+        count = rng.randint(2, 40)
+        # Ties on purpose now and then: equal values must not confuse which one is left out.
+        have = {
+            f"rank{i}": float(rng.choice([1, 2, 3])) if trial % 3 == 0 else rng.random() for i in range(count)
+        }
+        expected = {
+            label: statistics.median(v for other, v in have.items() if other != label) for label in have
+        }
+        assert medians_of_others(have) == expected
