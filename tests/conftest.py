@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, NoReturn
 
@@ -15,6 +16,21 @@ from runbus.ingester.localredis import LocalRedis, RedisServerNotFound
 from runbus.storage import Store, open_store
 from tests.helpers import OpenStore
 from tests.pgserver import LocalPostgres, PostgresNotFound, create_database, drop_database
+
+
+def _as_a_terminal_delivers_them() -> None:
+    """Ctrl-C and hang-ups at their usual dispositions in this process, so its children inherit
+    them so: tests send SIGINT and SIGHUP to processes they start, or have them send one to
+    themselves, and expect what a terminal's would do. A suite started in the background
+    (`nohup`, or `&` from a shell without job control) inherits both ignored, and an ignored
+    signal stays ignored across exec."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+_as_a_terminal_delivers_them()
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
