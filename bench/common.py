@@ -9,7 +9,9 @@ import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import orjson
 import psutil
@@ -19,7 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from runbus.ingester.localredis import LocalRedis  # noqa: E402
-from tests.helpers import ingest_command  # noqa: E402
+from runbus.storage import open_store  # noqa: E402
+from tests.helpers import ingest_command, wait_for  # noqa: E402
+from tests.test_pipeline import store_opened  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -49,6 +53,22 @@ def ingester(redis_url: str, store_url: str) -> Iterator[subprocess.Popen[bytes]
             worker.wait(60)
         except subprocess.TimeoutExpired:
             worker.kill()
+
+
+@contextlib.asynccontextmanager
+async def live_store(prefix: str) -> AsyncIterator[tuple[str, str, Any]]:
+    """A throwaway folder, a private Redis and one live `runbus ingest` into a SQLite store there,
+    while the block runs: (folder, Redis URL, the store, open for reads once the worker made it)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, private_redis() as redis_url:
+        store_url = f"sqlite:///{tmp}/runbus.db"
+        with ingester(redis_url, store_url) as worker:
+            wait_for("the worker to make the store", lambda: store_opened(store_url), 60, running=worker)
+            store = open_store(store_url)
+            await store.connect()
+            try:
+                yield tmp, redis_url, store
+            finally:
+                await store.close()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -29,14 +29,12 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from typing import Any
 
-from common import emit, ingester, median, percentile, private_redis
+from common import emit, live_store, median, percentile
 
-from runbus.storage import open_store
 from tests.rank_processes import start_ranks, stop_ranks
 
 HANGS = ("loader", "cblock", "gil", "sigstop", "sigkill", "skip")
@@ -273,21 +271,13 @@ def plan(args) -> list[tuple[str, int, int]]:
 async def bench(args) -> dict[str, Any]:
     hangs: list[dict[str, Any]] = []
     healthy: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="runbus-faults-") as tmp, private_redis() as redis_url:
+    async with live_store("runbus-faults-") as (tmp, redis_url, store):
         args.tmp = tmp
-        store_url = f"sqlite:///{tmp}/runbus.db"
-        with ingester(redis_url, store_url):
-            store = open_store(store_url)
-            await asyncio.sleep(2)  # the worker creates the store's tables
-            await store.connect()
-            try:
-                for kind, world, index in plan(args):
-                    trial = hang_trial if kind in HANGS else healthy_trial
-                    result = await trial(store, redis_url, kind, world, index, args)
-                    (hangs if kind in HANGS else healthy).append(result)
-                    print(result, file=sys.stderr, flush=True)
-            finally:
-                await store.close()
+        for kind, world, index in plan(args):
+            trial = hang_trial if kind in HANGS else healthy_trial
+            result = await trial(store, redis_url, kind, world, index, args)
+            (hangs if kind in HANGS else healthy).append(result)
+            print(result, file=sys.stderr, flush=True)
     return {"summary": summary(hangs, healthy), "hangs": hangs, "healthy": healthy}
 
 

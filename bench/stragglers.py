@@ -35,15 +35,14 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from common import emit, ingester, median, percentile, private_redis
+from common import emit, live_store, median, percentile
 
-from runbus.storage import charts, open_store
+from runbus.storage import charts
 from runbus.storage.stragglers import MAD_SCALE, StepTimes, Tally, find, latest, ratios
 from tests.integration_runs import clean_env
 from tests.rank_processes import watch_job
@@ -254,21 +253,13 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     trials: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="runbus-stragglers-") as tmp, private_redis() as redis_url:
+    async with live_store("runbus-stragglers-") as (tmp, redis_url, store):
         args.tmp = tmp
-        store_url = f"sqlite:///{tmp}/runbus.db"
-        with ingester(redis_url, store_url):
-            store = open_store(store_url)
-            await asyncio.sleep(2)  # the worker creates the store's tables
-            await store.connect()
-            try:
-                for index in range(args.trials):
-                    slow = rng.randrange(args.world) if index % 2 == 0 else -1
-                    result = await trial(store, redis_url, index, slow, args)
-                    trials.append(result)
-                    print(result, file=sys.stderr, flush=True)
-            finally:
-                await store.close()
+        for index in range(args.trials):
+            slow = rng.randrange(args.world) if index % 2 == 0 else -1
+            result = await trial(store, redis_url, index, slow, args)
+            trials.append(result)
+            print(result, file=sys.stderr, flush=True)
     return {"summary": summary(trials), "trials": trials}
 
 
