@@ -67,12 +67,10 @@ def medians_of_others(have: Mapping[str, float]) -> dict[str, float]:
     place = {value: index for index, value in enumerate(order)}
     found = {}
     for label, mine in have.items():
-        skip = place[mine]
-
-        def nth(k: int, skip: int = skip) -> float:
-            return order[k if k < skip else k + 1]
-
-        found[label] = nth(middle) if count % 2 else (nth(middle - 1) + nth(middle)) / 2
+        skip = place[mine]  # the others are `order` without this place: later ones shift down one
+        low = order[middle - 1 + (middle - 1 >= skip)] if middle else 0.0
+        high = order[middle + (middle >= skip)]
+        found[label] = high if count % 2 else (low + high) / 2
     return found
 
 
