@@ -484,6 +484,8 @@ class Plan:
     fine_rows: dict[LabelRowKey, Partial]
     wide_deltas: dict[LabelRowKey, Partial]
     run_deltas: dict[RunRowKey, RunDelta]
+    # Each series' highest 128-step bucket after the batch: its open one.
+    tops: dict[SeriesKey, int] = field(default_factory=dict)
 
 
 def fine_ranges(
@@ -517,12 +519,14 @@ def plan(
     for (label_id, key, epoch, axis, bucket), part in fine.items():
         deltas.setdefault((key_id[label_id, key], axis, label_id, epoch), {})[bucket] = part
     fine_rows: dict[LabelRowKey, Partial] = {}
+    tops_after: dict[SeriesKey, int] = {}
     closing: list[tuple[SeriesKey, int, Partial]] = []  # (series, bucket, what goes into wider rows)
     samples: list[tuple[SeriesKey, int, float | None, float | None]] = []  # (series, bucket, out, in)
     for series, mine in deltas.items():
         kid, axis, label_id, epoch = series
         top_before = tops.get(series)
         top = max(mine) if top_before is None else max(top_before, max(mine))
+        tops_after[series] = top
         for bucket, part in mine.items():
             row_key = (kid, FINE_WIDTH, axis, label_id, epoch, bucket)
             held = stored.get(row_key)
@@ -548,7 +552,7 @@ def plan(
             row_key = (kid, 1 << shift, axis, label_id, epoch, bucket >> (shift - FINE_SHIFT))
             held = wide.get(row_key)
             wide[row_key] = part.copy() if held is None else merge(held, part)
-    return Plan(fine_rows, wide, _run_deltas(deltas, generation, samples))
+    return Plan(fine_rows, wide, _run_deltas(deltas, generation, samples), tops_after)
 
 
 def _run_deltas(

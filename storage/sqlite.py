@@ -17,7 +17,19 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from runbus.errors import StoreError, StoreRejected, StoreUnavailable
-from runbus.storage import backfill, base, beats, charts, chunking, metadata, reads, rollups, rows, values
+from runbus.storage import (
+    backfill,
+    base,
+    beats,
+    charts,
+    chunking,
+    metadata,
+    reads,
+    rollup_blocks,
+    rollups,
+    rows,
+    values,
+)
 from runbus.storage.base import (
     Point,
     PointTable,
@@ -41,8 +53,9 @@ REJECTED_CODES = frozenset(
 )
 
 # Migration 6, rollups (storage/rollups.py): a run's metric keys with ids, each label epoch's
-# generation, the per-label and cross-label bucket rows; DATA_MIGRATIONS[6] rolls up the metrics
-# already stored.
+# generation, the per-label buckets (open rows and blocks: storage/rollup_blocks.py; up to schema 9
+# a row per bucket, label_rollups, which migration 10 converts) and the cross-label bucket rows;
+# DATA_MIGRATIONS[6] rolls up the metrics already stored.
 ROLLUPS_SCHEMA = """
     CREATE TABLE series (
         id INTEGER PRIMARY KEY,
@@ -56,9 +69,8 @@ ROLLUPS_SCHEMA = """
         generation INTEGER NOT NULL,
         PRIMARY KEY (label_id, epoch)
     ) WITHOUT ROWID;
-    CREATE TABLE label_rollups (
+    CREATE TABLE IF NOT EXISTS label_open (
         key_id INTEGER NOT NULL,
-        width INTEGER NOT NULL,
         axis INTEGER NOT NULL,
         label_id INTEGER NOT NULL,
         epoch INTEGER NOT NULL,
@@ -76,7 +88,17 @@ ROLLUPS_SCHEMA = """
         ts_lo REAL NOT NULL,
         ts_hi REAL NOT NULL,
         first_seq INTEGER NOT NULL,
-        PRIMARY KEY (key_id, width, axis, label_id, epoch, bucket)
+        PRIMARY KEY (key_id, axis, label_id, epoch)
+    ) WITHOUT ROWID;
+    CREATE TABLE IF NOT EXISTS label_blocks (
+        key_id INTEGER NOT NULL,
+        width INTEGER NOT NULL,
+        axis INTEGER NOT NULL,
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        block INTEGER NOT NULL,
+        data BLOB NOT NULL,
+        PRIMARY KEY (key_id, width, axis, label_id, epoch, block)
     ) WITHOUT ROWID;
     CREATE TABLE run_rollups (
         key_id INTEGER NOT NULL,
@@ -246,6 +268,15 @@ MIGRATIONS: list[str] = [
     CHUNKS_SCHEMA,
     # Health (storage/beats.py): each label's latest heartbeat, each run's verdict.
     beats.SCHEMA,
+    # Label rollups as open rows and blocks (storage/rollup_blocks.py): the tables as migration 6
+    # now makes them; DATA_MIGRATIONS[10] converts a schema-9 store's label_rollups rows.
+    ROLLUPS_SCHEMA[
+        ROLLUPS_SCHEMA.index("    CREATE TABLE IF NOT EXISTS label_open") : ROLLUPS_SCHEMA.index(
+            "    CREATE TABLE run_rollups"
+        )
+    ]
+    .rstrip()
+    .rstrip(";"),
 ]
 
 
@@ -397,6 +428,21 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
         _roll_up(con, fine, *backfill.page_labels(labels, fine, table))
 
 
+def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
+    """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
+    in key order and written a series at a time; the table then dropped."""
+    if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_rollups'").fetchone():
+        return
+    found = con.execute(
+        f"SELECT {rollups.LABEL_KEY_COLUMNS}, {rollups.LABEL_VALUE_COLUMNS} FROM label_rollups "
+        f"ORDER BY {rollups.LABEL_KEY_COLUMNS}"
+    )
+    for open_rows, blocks in rollup_blocks.converted(found):
+        _insert(con, "label_open", 18, open_rows, verb="INSERT")
+        _insert(con, "label_blocks", 7, blocks, verb="INSERT")
+    con.execute("DROP TABLE label_rollups")
+
+
 def _roll_up(
     con: sqlite3.Connection,
     fine: dict[rollups.FineKey, rollups.Partial],
@@ -408,16 +454,12 @@ def _roll_up(
     at a time, so its run_rollups rows are all of slot 0."""
     key_id = _series_ids(con, fine, run_of)
     generation = _generations(con, fine, starts)
-    stored = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
+    stored, held = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
     plan = rollups.plan(fine, key_id, generation, stored)
-    label_rows = [rollups.label_row(key, part) for key, part in plan.fine_rows.items()]
-    if plan.wide_deltas:
-        wide = _stored_label_rows(con, list(plan.wide_deltas))
-        label_rows += [
-            rollups.label_row(key, delta if key not in wide else rollups.merge(wide[key], delta))
-            for key, delta in plan.wide_deltas.items()
-        ]
-    _insert(con, "label_rollups", 19, label_rows, verb="INSERT OR REPLACE")
+    held.update(_stored_blocks(con, {rollup_blocks.block_of(key) for key in plan.wide_deltas}))
+    open_rows, blocks = rollup_blocks.placed(plan, stored, held)
+    _insert(con, "label_open", 18, open_rows, verb="INSERT OR REPLACE")
+    _insert(con, "label_blocks", 7, blocks, verb="INSERT OR REPLACE")
     held = _stored_run_rows(con, list(plan.run_deltas))
     merged = []
     for key, delta in plan.run_deltas.items():
@@ -475,52 +517,54 @@ def _generations(
 
 def _stored_fine_rows(
     con: sqlite3.Connection, ranges: list[tuple[int, int, int, int, int]]
-) -> dict[rollups.LabelRowKey, rollups.Partial]:
-    """The 128-step label_rollups rows of each (key id, axis, label id, epoch, lowest bucket):
-    those from that bucket up, and the highest (rollups.fine_ranges)."""
+) -> tuple[dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Buckets]]:
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
+    the buckets of its blocks from that bucket's block up, or from its open bucket's if lower
+    (rollups.fine_ranges); and those blocks as read (rollup_blocks.placed rewrites them)."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    # From the lowest bucket, or from the highest if it is lower: one range of the primary key.
+    held: dict[rollup_blocks.BlockKey, rollup_blocks.Buckets] = {}
+    width = rollups.FINE_WIDTH
     query = (
-        f"SELECT x.{rollups.LABEL_KEY_COLUMNS.replace(', ', ', x.')}, "
-        f"x.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', x.')} FROM u JOIN label_rollups x "
-        "ON x.key_id = u.key_id AND x.width = ? AND x.axis = u.axis AND x.label_id = u.label_id "
-        "AND x.epoch = u.epoch AND x.bucket >= min(u.lo, (SELECT max(y.bucket) FROM label_rollups y "
-        "WHERE y.key_id = u.key_id AND y.width = ? AND y.axis = u.axis AND y.label_id = u.label_id "
-        "AND y.epoch = u.epoch))"
+        "SELECT x.key_id, x.axis, x.label_id, x.epoch, x.bucket, "
+        f"x.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', x.')} FROM u JOIN label_open x "
+        "USING (key_id, axis, label_id, epoch)"
+    )
+    blocks = (
+        "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
+        "LEFT JOIN label_open x USING (key_id, axis, label_id, epoch) JOIN label_blocks b "
+        "ON b.key_id = u.key_id AND b.width = ? AND b.axis = u.axis AND b.label_id = u.label_id "
+        f"AND b.epoch = u.epoch AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.BLOCK_SHIFT})"
     )
     for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
-        statement = _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), query)
-        width = rollups.FINE_WIDTH
-        for row in con.execute(statement, [*chain.from_iterable(chunk), width, width]):
-            found[tuple(row[:6])] = _label_part(row[6:])
-    return found
+        flat = list(chain.from_iterable(chunk))
+        for row in con.execute(
+            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), query), flat
+        ):
+            found[(row[0], width, *row[1:5])] = rollup_blocks.open_part(row[5:])
+        statement = _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks)
+        for row in con.execute(statement, [*flat, width]):
+            held[tuple(row[:6])] = buckets = rollup_blocks.decode(row[5], row[6])
+            for bucket, part in buckets.items():
+                found[(*row[:5], bucket)] = part
+    return found, held
 
 
-def _stored_label_rows(
-    con: sqlite3.Connection, keys: list[rollups.LabelRowKey]
-) -> dict[rollups.LabelRowKey, rollups.Partial]:
-    """The label_rollups rows at `keys`, those there are."""
-    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    for chunk in _chunks(keys, MAX_ROWS_PER_INSERT):
+def _stored_blocks(
+    con: sqlite3.Connection, keys: set[rollup_blocks.BlockKey]
+) -> dict[rollup_blocks.BlockKey, rollup_blocks.Buckets]:
+    """The label_blocks at `keys`, those there are, decoded."""
+    found: dict[rollup_blocks.BlockKey, rollup_blocks.Buckets] = {}
+    for chunk in _chunks(sorted(keys), MAX_ROWS_PER_INSERT):
         statement = _given_rows(
             "u",
-            rollups.LABEL_KEY_COLUMNS,
+            "key_id, width, axis, label_id, epoch, block",
             len(chunk),
-            f"SELECT r.{rollups.LABEL_KEY_COLUMNS.replace(', ', ', r.')}, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} FROM u JOIN label_rollups r "
-            "USING (key_id, width, axis, label_id, epoch, bucket)",
+            "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
+            "JOIN label_blocks b USING (key_id, width, axis, label_id, epoch, block)",
         )
         for row in con.execute(statement, list(chain.from_iterable(chunk))):
-            found[tuple(row[:6])] = _label_part(row[6:])
+            found[tuple(row[:6])] = rollup_blocks.decode(row[5], row[6])
     return found
-
-
-def _label_part(values: Sequence[Any]) -> rollups.Partial:
-    """A partial from label_rollups' value columns, NaN where SQLite holds NULL."""
-    part = list(values)
-    part[rollups.TOTAL] = _unreal(part[rollups.TOTAL])
-    part[rollups.LAST] = _unreal(part[rollups.LAST])
-    return part
 
 
 def _stored_run_rows(
@@ -757,6 +801,7 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     5: _start_configs_to_settings,
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
+    10: _label_rollups_to_blocks,
 }
 
 
@@ -1204,10 +1249,10 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             axis: count
             for axis, count in con.execute(
                 "SELECT a.axis, count(*) FROM (SELECT 0 AS axis UNION ALL SELECT 1) a CROSS JOIN labels l "
-                "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_rollups r "
-                "WHERE e.label_id = l.id AND r.key_id = ? AND r.width = ? AND r.axis = a.axis "
+                "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_open r "
+                "WHERE e.label_id = l.id AND r.key_id = ? AND r.axis = a.axis "
                 "AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
-                (run_id, found[0], rollups.FINE_WIDTH),
+                (run_id, found[0]),
             )
         }
         return base.KeyExtent(spans, labels)
@@ -1223,33 +1268,23 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         chosen = ""
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
-        width = rollups.FINE_WIDTH
-        # Each label epoch's highest bucket first (a seek from the end of its range), then its row:
-        # in one query the planner would scan every bucket to compare with the highest.
         query = (
-            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?), "
-            "tops AS MATERIALIZED (SELECT l.label, l.id AS label_id, e.epoch, e.generation, "
-            "(SELECT max(y.bucket) FROM label_rollups y WHERE y.key_id = k.id AND y.width = ? "
-            "AND y.axis = ? AND y.label_id = l.id AND y.epoch = e.epoch) AS bucket "
-            f"FROM k CROSS JOIN labels l CROSS JOIN label_epochs e WHERE l.run_id = ?{chosen} "
-            "AND e.label_id = l.id) "
-            "SELECT t.label, t.epoch, t.generation, t.bucket, "
+            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
+            "SELECT l.label, e.epoch, e.generation, r.bucket, "
             f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM tops t CROSS JOIN k CROSS JOIN label_rollups r WHERE t.bucket IS NOT NULL "
-            "AND r.key_id = k.id AND r.width = ? AND r.axis = ? AND r.label_id = t.label_id "
-            "AND r.epoch = t.epoch AND r.bucket = t.bucket"
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_open r "
+            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id AND r.axis = ? "
+            "AND r.label_id = l.id AND r.epoch = e.epoch"
         )
         args: list[Any] = [
             rollups.series_run(run_id, table),
             rows.storable_text(key),
-            width,
-            axis,
             run_id,
             *(labels or []),
         ]
         return [
-            base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:]))
-            for row in self._db().execute(query, [*args, width, axis])
+            base.LabelBucket(row[0], row[1], row[2], row[3], rollup_blocks.open_part(row[4:]))
+            for row in self._db().execute(query, [*args, axis])
         ]
 
     async def run_buckets(
@@ -1308,15 +1343,33 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
             args += list(labels)
-        query = (
+        shape = (
             "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, r.epoch, e.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_rollups r "
-            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id AND r.width = ? "
-            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.bucket BETWEEN ? AND ?"
+            "SELECT l.label, r.epoch, e.generation, {columns} "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN {table} r "
+            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
+            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND {where}"
         )
+        con = self._db()
         found = []
-        for row in self._db().execute(query, [*args, width, axis, lo, hi]):
-            found.append(base.LabelBucket(row[0], row[1], row[2], row[3], _label_part(row[4:])))
+        blocks = shape.format(
+            columns="r.block, r.data", table="label_blocks", where="r.width = ? AND r.block BETWEEN ? AND ?"
+        )
+        shift = rollup_blocks.BLOCK_SHIFT
+        for label, epoch, generation, block, data in con.execute(
+            blocks, [*args, axis, width, lo >> shift, hi >> shift]
+        ):
+            for bucket, part in rollup_blocks.decode(block, data).items():
+                if lo <= bucket <= hi:
+                    found.append(base.LabelBucket(label, epoch, generation, bucket, part))
+        if width == rollups.FINE_WIDTH:
+            opens = shape.format(
+                columns=f"r.bucket, r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}",
+                table="label_open",
+                where="r.bucket BETWEEN ? AND ?",
+            )
+            for row in con.execute(opens, [*args, axis, lo, hi]):
+                found.append(
+                    base.LabelBucket(row[0], row[1], row[2], row[3], rollup_blocks.open_part(row[4:]))
+                )
         return found

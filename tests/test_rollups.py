@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sqlite3
+import struct
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from dataclasses import astuple
 from typing import Any
 
@@ -25,13 +28,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runbus.dashboard.api import create_app
-from runbus.storage import Store, charts, open_store, rollups
+from runbus.storage import Store, charts, open_store, rollup_blocks, rollups
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
 from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, undo_migrations, xadd_event
+from tests import old_stores
 from tests.pgserver import create_database, drop_database
+from tests.test_chunks import restore_old_store
 
 T0 = 1_700_000_000.0
 KEYS = ("a", "b")
@@ -335,7 +340,16 @@ async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, an
 
 async def make_old(url: str) -> None:
     """The store as runbus left it before rollups: their tables gone, its version the one before."""
-    tables = ("series", "label_epochs", "label_rollups", "run_rollups", "chunks", "beats", "health")
+    tables = (
+        "series",
+        "label_epochs",
+        "label_open",
+        "label_blocks",
+        "run_rollups",
+        "chunks",
+        "beats",
+        "health",
+    )
     before = sqlite_backend.MIGRATIONS.index(sqlite_backend.ROLLUPS_SCHEMA)
     await undo_migrations(url, [f"DROP TABLE {table}" for table in tables], before)
 
@@ -915,3 +929,77 @@ def test_the_ingester_keeps_the_rollups_of_what_it_stores(redis_server_url: str,
             await store.close()
 
     asyncio.run(check())
+
+
+async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A store whose label rollups are a row per bucket (tests/data, written by the code of
+    schema 7; converted by migration 10) reads them back as before, and goes on from its open
+    buckets."""
+    url = await restore_old_store(any_store_url)
+    store = await open_stores(url)
+    for run in ("done", "live"):
+        await assert_rollups_recompute(store, run, exact=False)
+    last = max(e.seq for e in old_stores.events() if e.run == "live")
+    step = max(e.step for e in old_stores.events() if e.run == "live" and e.step is not None)
+    ts = max(e.ts for e in old_stores.events() if e.run == "live")
+    await store.write(
+        [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
+    )
+    await assert_rollups_recompute(store, "live", exact=False)
+    tables = await table_names(url)
+    assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
+
+
+async def table_names(url: str) -> set[str]:
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            return {row[0] for row in con.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+    con = await asyncpg.connect(url)
+    try:
+        return {
+            row[0] for row in await con.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        }
+    finally:
+        await con.close()
+
+
+finite_or_not = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(min_value=-(1 << 53), max_value=1 << 53)
+)
+
+
+@given(
+    buckets=st.dictionaries(
+        st.integers(min_value=0, max_value=rollup_blocks.BLOCK - 1),
+        st.tuples(
+            st.lists(st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1), min_size=7, max_size=7),
+            st.lists(
+                st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True)), min_size=6, max_size=6
+            ),
+        ),
+        min_size=1,
+    ),
+    block=st.integers(min_value=-(1 << 40), max_value=1 << 40),
+)
+def test_a_block_gives_back_every_bucket_bit_for_bit(buckets: dict, block: int) -> None:
+    """Any partials (integers of 64 bits, any float or None where the table allows NULL) come
+    back from a block as they went in: floats by their bits."""
+    first = block << rollup_blocks.BLOCK_SHIFT
+    parts = {}
+    for at, (ints, floats) in buckets.items():
+        part: list[Any] = [0] * 13
+        for place, value in zip((0, 1, 2, 7, 8, 9, 12), ints, strict=True):
+            part[place] = value
+        for place, value in zip((3, 4, 5, 6, 10, 11), floats, strict=True):
+            part[place] = value if place in (4, 5, 6) or value is not None else 0.0
+        parts[first + at] = part
+    back = rollup_blocks.decode(block, rollup_blocks.encode(parts))
+    assert back.keys() == parts.keys()
+    for bucket, part in parts.items():
+        assert [bits_or_same(v) for v in back[bucket]] == [bits_or_same(v) for v in part]
+
+
+def bits_or_same(value: Any) -> Any:
+    return struct.pack("<d", value) if isinstance(value, float) else value
