@@ -201,7 +201,16 @@ class Backend:
         return asyncio.run(postgres_size(url))
 
 
-async def postgres_size(url: str) -> int:
+    def log_bytes(self, url: str) -> int:
+        """What the run's log lines take: the logs table with its index (SQLite: their pages)."""
+        if self.kind == "sqlite":
+            with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+                found = con.execute("SELECT sum(pgsize) FROM dbstat WHERE name IN ('logs', 'logs_by_ts')")
+                return int(found.fetchone()[0] or 0)
+        return asyncio.run(postgres_size(url, "logs"))
+
+
+async def postgres_size(url: str, table: str | None = None) -> int:
     """pg_total_relation_size summed over the database's own tables (indexes and TOAST with them)."""
     import asyncpg
 
@@ -212,6 +221,8 @@ async def postgres_size(url: str) -> int:
             " JOIN pg_namespace n ON n.oid = c.relnamespace"
             " WHERE c.relkind IN ('r', 'm', 'p')"
             " AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast')"
+            " AND ($1::text IS NULL OR c.relname = $1)",
+            table,
         )
     finally:
         await con.close()
@@ -329,6 +340,8 @@ def measure_store(backend: Backend, redis_url: str, args: argparse.Namespace) ->
     with backend.fresh("counters") as url:
         counters = ingest(redis_url, url, "bench-counters", labels, steps, key_specs(7, COUNTER_KINDS))
         counters["bytes_per_point"] = round((backend.size(url) - empty) / counters["points"], 2)
+        # The run's log lines (5% of its steps, as in the main run) are not its keys' points.
+        counters["log_bytes_per_point"] = round(backend.log_bytes(url) / counters["points"], 2)
         found["constants_and_counters"] = counters
     for width in (2, args.wide_keys):
         with backend.fresh(f"keys{width}") as url:
@@ -361,6 +374,7 @@ def table(results: dict) -> str:
     rows = [
         ("bytes/point", "main", "bytes_per_point", "{:.1f}"),
         ("bytes/point, constants+counters", "constants_and_counters", "bytes_per_point", "{:.2f}"),
+        ("  of which their log lines", "constants_and_counters", "log_bytes_per_point", "{:.2f}"),
         ("history() whole run, values/s", "history_whole_run", "values_per_s", "{:,}"),
         ("history() whole run, peak B/value", "history_whole_run", "peak_bytes_per_value", "{}"),
         ("history(keys='loss'), values/s", "history_one_key", "values_per_s", "{:,}"),

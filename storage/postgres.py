@@ -412,7 +412,10 @@ async def _roll_up(
 
 
 async def _write_label_rollups(
-    con: asyncpg.Connection, opens: list[rows.Params], blocks: list[rows.Params], runs: list[rows.Params] = ()
+    con: asyncpg.Connection,
+    opens: list[rows.Params],
+    blocks: list[rows.Params],
+    runs: Sequence[rows.Params] = (),
 ) -> None:
     """Upsert label_open rows, label_blocks rows and this slot's run_rollups rows: one round trip."""
     await con.execute(_WRITE_ROLLUPS, *_columns(opens, 18), *_columns(blocks, 7), *_columns(list(runs), 18))

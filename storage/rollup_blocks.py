@@ -125,17 +125,25 @@ def placed(
             open_rows.append((kid, axis, label_id, epoch, bucket, *part))
         else:
             _put(into, held, key, part)
-    for key, part in stored.items():  # an open bucket the batch closed without a value of its own
-        kid, width, axis, label_id, epoch, bucket = key
-        top = plan.tops.get((kid, axis, label_id, epoch))
-        if width == FINE_WIDTH and top is not None and bucket < top and key not in plan.fine_rows:
-            if bucket not in held.get(block_of(key), {}):
-                _put(into, held, key, part)
+    for key, part in _closed_opens(plan, stored, held):
+        _put(into, held, key, part)
     for key, delta in plan.wide_deltas.items():
         known = held.get(block_of(key), {}).get(key[5])
         _put(into, held, key, delta if known is None else rollups.merge(known.copy(), delta))
     blocks = [(*block, encode(buckets)) for block, buckets in into.items()]
     return open_rows, blocks
+
+
+def _closed_opens(
+    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Buckets]
+) -> Iterator[tuple[LabelRowKey, Partial]]:
+    """The stored open rows a batch closed without a value of their own: into their blocks."""
+    for key, part in stored.items():
+        kid, width, axis, label_id, epoch, bucket = key
+        top = plan.tops.get((kid, axis, label_id, epoch))
+        closed = width == FINE_WIDTH and top is not None and bucket < top
+        if closed and key not in plan.fine_rows and bucket not in held.get(block_of(key), {}):
+            yield key, part
 
 
 def _put(

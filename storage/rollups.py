@@ -1,10 +1,12 @@
 """Rollups of metric values, kept as each batch is stored: pure functions every backend shares.
 
-Two tables, each a row per bucket of steps at every width of WIDTHS (128, 512, ... 131072):
+Two kinds of rows, a row per bucket of steps at every width of WIDTHS (128, 512, ... 131072):
 
-- `label_rollups`, per (label, key, epoch): count, NaN and ±inf counts, sum and min/max, the
-  last value (by seq), and the step, ts and seq ranges its values span. A label's line at any
-  zoom and its summary come from here, as do step times (ts span over step span).
+- `label_rollups` rows, per (label, key, epoch): count, NaN and ±inf counts, sum and min/max,
+  the last value (by seq), and the step, ts and seq ranges its values span (the tables keep them
+  as an open row per series and compressed blocks of 16 buckets: storage/rollup_blocks.py). A
+  label's line at any zoom and its summary come from here, as do step times (ts span over step
+  span).
 - `run_rollups`, per (key, generation) across labels, one row per writer `slot`: the same
   counts, sum, min/max and ranges, and a sketch of the labels' 128-step means (ALPHA below),
   from which the band's p10/p50/p90 are read. Rows of every slot are merged when read; on

@@ -454,12 +454,12 @@ def _roll_up(
     at a time, so its run_rollups rows are all of slot 0."""
     key_id = _series_ids(con, fine, run_of)
     generation = _generations(con, fine, starts)
-    stored, held = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
+    stored, blocks = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
     plan = rollups.plan(fine, key_id, generation, stored)
-    held.update(_stored_blocks(con, {rollup_blocks.block_of(key) for key in plan.wide_deltas}))
-    open_rows, blocks = rollup_blocks.placed(plan, stored, held)
+    blocks.update(_stored_blocks(con, {rollup_blocks.block_of(key) for key in plan.wide_deltas}))
+    open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
     _insert(con, "label_open", 18, open_rows, verb="INSERT OR REPLACE")
-    _insert(con, "label_blocks", 7, blocks, verb="INSERT OR REPLACE")
+    _insert(con, "label_blocks", 7, block_rows, verb="INSERT OR REPLACE")
     held = _stored_run_rows(con, list(plan.run_deltas))
     merged = []
     for key, delta in plan.run_deltas.items():
@@ -533,7 +533,8 @@ def _stored_fine_rows(
         "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
         "LEFT JOIN label_open x USING (key_id, axis, label_id, epoch) JOIN label_blocks b "
         "ON b.key_id = u.key_id AND b.width = ? AND b.axis = u.axis AND b.label_id = u.label_id "
-        f"AND b.epoch = u.epoch AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.BLOCK_SHIFT})"
+        "AND b.epoch = u.epoch "
+        f"AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.BLOCK_SHIFT})"
     )
     for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
         flat = list(chain.from_iterable(chunk))

@@ -33,8 +33,8 @@ from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
 from runbus.wire import Event
-from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, undo_migrations, xadd_event
 from tests import old_stores
+from tests.helpers import OpenStore, get_json, ingest, keep_values_in_rows, undo_migrations, xadd_event
 from tests.pgserver import create_database, drop_database
 from tests.test_chunks import restore_old_store
 
