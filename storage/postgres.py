@@ -84,13 +84,13 @@ ROLLUPS_SCHEMA = """
     ) WITH (fillfactor = 80);
     CREATE TABLE IF NOT EXISTS label_blocks (
         key_id BIGINT NOT NULL,
-        width INTEGER NOT NULL,
+        kind SMALLINT NOT NULL,
         axis SMALLINT NOT NULL,
         label_id BIGINT NOT NULL,
         epoch BIGINT NOT NULL,
         block BIGINT NOT NULL,
         data BYTEA NOT NULL,
-        PRIMARY KEY (key_id, width, axis, label_id, epoch, block)
+        PRIMARY KEY (key_id, kind, axis, label_id, epoch, block)
     );
     CREATE TABLE run_rollups (
         key_id BIGINT NOT NULL,
@@ -305,12 +305,12 @@ async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
 
 async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
     """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
-    in key order through a cursor and written a series at a time; the table then dropped."""
+    a label series at a time through a cursor and written so; the table then dropped."""
     if await con.fetchval("SELECT to_regclass('label_rollups')") is None:
         return
     found = con.cursor(
         f"SELECT {rollups.LABEL_KEY_COLUMNS}, {rollups.LABEL_VALUE_COLUMNS} FROM label_rollups "
-        f"ORDER BY {rollups.LABEL_KEY_COLUMNS}",
+        f"ORDER BY {rollup_blocks.CONVERTED_ORDER}",
         prefetch=MIGRATION_PAGE // 10,
     )
     opens: list[rows.Params] = []
@@ -327,10 +327,15 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
-    """The rows of a cursor over label_rollups, a series (its first five columns) at a time."""
+    """The rows of a cursor over label_rollups, a label series at a time (rollup_blocks.converted)."""
     series: list[Any] = []
     async for row in found:
-        if series and tuple(row[:5]) != tuple(series[-1][:5]):
+        if series and (row[0], row[2], row[3], row[4]) != (
+            series[-1][0],
+            series[-1][2],
+            series[-1][3],
+            series[-1][4],
+        ):
             yield series
             series = []
         series.append(row)
@@ -400,7 +405,7 @@ async def _roll_up(
     stored, blocks, free = await _stored_fine_rows(con, rollups.fine_ranges(fine, key_id), known.slot)
     learned.slot = known.slot if free else await _take_slot(con, known.slot)
     plan = rollups.plan(fine, key_id, generation, stored)
-    blocks.update(await _stored_blocks(con, {rollup_blocks.block_of(key) for key in plan.wide_deltas}))
+    blocks.update(await _stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
     open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
     slot_rows = await _slot_rows(con, list(plan.run_deltas), learned.slot)
     merged = []
@@ -442,7 +447,7 @@ _OPEN_TYPES = (
     "int8[], int2[], int8[], int8[], int8[], int8[], int8[], int8[], float8[], float8[], float8[], "
     "float8[], int8[], int8[], int8[], float8[], float8[], int8[]"
 )
-_BLOCK_TYPES = "int8[], int4[], int2[], int8[], int8[], int8[], bytea[]"
+_BLOCK_TYPES = "int8[], int2[], int2[], int8[], int8[], int8[], bytea[]"
 _RUN_TYPES = (
     "int8[], int4[], int2[], int4[], int8[], int4[], int8[], int8[], int8[], float8[], float8[], float8[], "
     "int8[], int8[], float8[], float8[], int8[], bytea[]"
@@ -464,7 +469,7 @@ _WRITE_ROLLUPS = (
     + "), blocked AS ("
     f"INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
     f"SELECT * FROM {_unnest(_BLOCK_TYPES, first=19)} "
-    "ON CONFLICT (key_id, width, axis, label_id, epoch, block) DO UPDATE SET data = EXCLUDED.data) "
+    "ON CONFLICT (key_id, kind, axis, label_id, epoch, block) DO UPDATE SET data = EXCLUDED.data) "
     f"INSERT INTO run_rollups ({rollups.RUN_KEY_COLUMNS}, slot, {rollups.RUN_VALUE_COLUMNS}) "
     f"SELECT * FROM {_unnest(_RUN_TYPES, first=26)} "
     "ON CONFLICT (key_id, width, axis, generation, bucket, slot) DO UPDATE SET "
@@ -550,22 +555,22 @@ async def _generations(
 async def _stored_fine_rows(
     con: asyncpg.Connection, ranges: list[tuple[int, int, int, int, int]], slot: int
 ) -> tuple[
-    dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Buckets], bool
+    dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places], bool
 ]:
     """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
     the buckets of its blocks from that bucket's block up, or from its open bucket's if lower
     (rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites them); and whether
     the run_rollups `slot` was free (it is then this transaction's), tried in the same round trip."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    held: dict[rollup_blocks.BlockKey, rollup_blocks.Buckets] = {}
+    held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
     rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), rollups.FINE_WIDTH, ROLLUP_SLOT_LOCK, slot)
     for row in rows_:
         if row["kind"] == 1:
             found[tuple(row[2:8])] = list(row[8:21])
         elif row["kind"] == 2:
-            held[tuple(row[2:8])] = buckets = rollup_blocks.decode(row[7], row[21])
-            for bucket, part in buckets.items():
-                found[(*row[2:7], bucket)] = part
+            block: rollup_blocks.BlockKey = tuple(row[2:8])
+            held[block] = rollup_blocks.decode(row[21])
+            found.update(rollup_blocks.stored_rows(block, held[block]))
     return found, held, bool(rows_[0]["held"])
 
 
@@ -582,31 +587,31 @@ _FINE_ROWS = (
     "OFFSET 0) x), "
     "found AS (SELECT 1 AS kind, o.key_id, $6::int4 AS width, o.axis, o.label_id, o.epoch, o.bucket, "
     f"o.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', o.')}, NULL::bytea AS data FROM o "
-    "UNION ALL SELECT 2, b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, "
+    "UNION ALL SELECT 2, b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, "
     + ", ".join(["NULL"] * 13)
     + ", b.data FROM u LEFT JOIN o USING (key_id, axis, label_id, epoch) CROSS JOIN LATERAL ("
-    "SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.width = $6 AND b.axis = u.axis "
-    "AND b.label_id = u.label_id AND b.epoch = u.epoch "
-    f"AND b.block >= (least(u.lo, coalesce(o.bucket, u.lo)) >> {rollup_blocks.BLOCK_SHIFT}) OFFSET 0) b) "
+    f"SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} "
+    "AND b.axis = u.axis AND b.label_id = u.label_id AND b.epoch = u.epoch "
+    f"AND b.block >= (least(u.lo, coalesce(o.bucket, u.lo)) >> {rollup_blocks.FINE_BITS}) OFFSET 0) b) "
     "SELECT lock.held, found.* FROM lock LEFT JOIN found ON true"
 )
 
 
 async def _stored_blocks(
     con: asyncpg.Connection, keys: set[rollup_blocks.BlockKey]
-) -> dict[rollup_blocks.BlockKey, rollup_blocks.Buckets]:
+) -> dict[rollup_blocks.BlockKey, rollup_blocks.Places]:
     """The label_blocks at `keys`, those there are, decoded."""
     if not keys:
         return {}
     found = await con.fetch(
-        "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM "
-        "unnest($1::int8[], $2::int4[], $3::int2[], $4::int8[], $5::int8[], $6::int8[]) "
-        "AS u(key_id, width, axis, label_id, epoch, block) CROSS JOIN LATERAL ("
-        "SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.width = u.width AND b.axis = u.axis "
+        "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM "
+        "unnest($1::int8[], $2::int2[], $3::int2[], $4::int8[], $5::int8[], $6::int8[]) "
+        "AS u(key_id, kind, axis, label_id, epoch, block) CROSS JOIN LATERAL ("
+        "SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.kind = u.kind AND b.axis = u.axis "
         "AND b.label_id = u.label_id AND b.epoch = u.epoch AND b.block = u.block OFFSET 0) b",
         *_columns(sorted(keys), 6),
     )
-    return {tuple(row[:6]): rollup_blocks.decode(row[5], row[6]) for row in found}
+    return {tuple(row[:6]): rollup_blocks.decode(row[6]) for row in found}
 
 
 async def _take_slot(con: asyncpg.Connection, taken: int) -> int:
@@ -1300,43 +1305,44 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         labels: Sequence[str] | None,
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        chosen = "" if labels is None else " AND l.label = ANY($8::text[])"
-        shift = rollup_blocks.BLOCK_SHIFT
+        chosen = " AND ($10::text[] IS NULL OR l.label = ANY($10::text[]))"
         # The blocks of the range, and at the finest width the open rows in it: one query.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $7 AND key = $2), "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $9 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
             f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
             "SELECT l.label, l.epoch, l.generation, b.block AS bucket, "
             + ", ".join(["NULL"] * 13)
             + ", b.data FROM k, l JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch "
-            "WHERE b.key_id = k.id AND b.width = $3 AND b.axis = $4 "
-            f"AND b.block BETWEEN $5::int8 >> {shift} AND $6::int8 >> {shift} "
+            "WHERE b.key_id = k.id AND b.kind = $6 AND b.axis = $4 AND b.block BETWEEN $7 AND $8 "
             "UNION ALL SELECT l.label, l.epoch, l.generation, r.bucket, "
             f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL "
             "FROM k, l JOIN label_open r ON r.label_id = l.label_id AND r.epoch = l.epoch "
             f"WHERE r.key_id = k.id AND $3 = {rollups.FINE_WIDTH} AND r.axis = $4 "
-            "AND r.bucket BETWEEN $5::int8 AND $6::int8"
+            "AND r.bucket BETWEEN $5::int8 AND $11::int8"
         )
+        kind, first, last = rollup_blocks.block_range(width, lo, hi)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
             width,
             axis,
             lo,
-            hi,
+            kind,
+            first,
+            last,
             rollups.series_run(run_id, table),
+            list(labels) if labels is not None else None,
+            hi,
         ]
-        if labels is not None:
-            args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
         buckets = []
         for row in found:
             if row[17] is None:
                 buckets.append(base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17])))
                 continue
-            for bucket, part in rollup_blocks.decode(row[3], row[17]).items():
-                if lo <= bucket <= hi:
+            for at, bucket, part in rollup_blocks.buckets(kind, row[3], rollup_blocks.decode(row[17])):
+                if at == width and lo <= bucket <= hi:
                     buckets.append(base.LabelBucket(row[0], row[1], row[2], bucket, part))
         return buckets
 

@@ -2,27 +2,29 @@
 other bucket packed with its neighbours into compressed blocks. Pure functions both backends share.
 
 A label's rollup rows (storage/rollups.py) are many and small: one per 128 steps per key, and a
-quarter as many again at each wider width. As rows they weighed nearly as much as the values
+third as many again at the wider widths. As rows they weighed nearly as much as the values
 themselves (PostgreSQL: ~240 bytes a row with its index entry, 3.8 bytes a point on issue #22's
 bench). So they are kept as:
 
-- `label_open`: one row per (key, axis, label, epoch), its highest 128-step bucket. That bucket
-  grows with every batch of a live run, so it stays a plain row, cheap to rewrite;
-- `label_blocks`: every other bucket, at every width, BLOCK (16) consecutive buckets to a row.
-  A bucket goes in once it is closed (a higher one got a value) and changes after that only for a
-  late value; a wider bucket changes only when a 128-step bucket closes under it. So a block is
-  rewritten about once per 128 steps of its label, not per batch.
+- `label_open`: one row per series (key, axis, label, epoch), its highest 128-step bucket. That
+  bucket grows with every batch of a live run, so it stays a plain row, cheap to rewrite;
+- `label_blocks`: every other bucket, in blocks. A *fine* block holds 16 consecutive 128-step
+  buckets; a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step
+  bucket: 256 + 64 + 16 + 4 + 1 places. A 128-step bucket goes into its block once it is closed (a
+  higher one got a value) and changes after that only for a late value; the wider buckets change
+  only as 128-step buckets close under them. So a block is rewritten about once per batch of its
+  series (a live run: once per 128 steps), and a series of a few thousand steps is three rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
-floats by their bits), each column as differences from the bucket before (wrapping), the words'
-bytes shuffled (every first byte, then every second, ...) and zlib-compressed: steps, seqs and
-counts that move by the same amount each bucket become runs of zeros, and so do constants.
+floats by their bits): each column as differences from the bucket before (wrapping; the counts,
+seqs, steps and timestamps as differences of differences, which are near zero for a label logging
+at a steady pace), the words' bytes shuffled (every first byte, then every second, ...), behind a
+map of the places present and of the None values, deflated.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import groupby
@@ -31,94 +33,146 @@ from typing import Any
 import numpy as np
 
 from runbus.storage import rollups
-from runbus.storage.rollups import FINE_WIDTH, HI, LAST, LO, LabelRowKey, Partial
+from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, HI, LAST, LO, SHIFTS, LabelRowKey, Partial
 
-BLOCK_SHIFT = 4
-BLOCK = 1 << BLOCK_SHIFT  # buckets per block
 FORMAT = 1
+FINE, WIDE = 0, 1
+FINE_PLACES = 16  # 128-step buckets per fine block
+FINE_BITS = FINE_PLACES.bit_length() - 1
+_WIDE_SHIFT = SHIFTS[-1]  # a wide block spans one bucket of the widest width
+# Where each wider width's buckets start in a wide block, and how many it holds.
+_WIDE_START: dict[int, int] = {}
+_start = 0
+for _shift in SHIFTS[1:]:
+    _WIDE_START[_shift] = _start
+    _start += 1 << (_WIDE_SHIFT - _shift)
+WIDE_PLACES = _start
+_WIDE_ORDER = sorted((start, shift) for shift, start in _WIDE_START.items())
 
-# (key id, width, axis, label id, epoch, block)
+# (key id, kind: FINE or WIDE, axis, label id, epoch, block)
 BlockKey = tuple[int, int, int, int, int, int]
-# A block's buckets as read: bucket (absolute) -> partial.
-Buckets = dict[int, Partial]
+# A block's buckets by place.
+Places = dict[int, Partial]
 
 _FIELDS = 13
 _FLOATS = (rollups.TOTAL, LO, HI, LAST, rollups.TS_LO, rollups.TS_HI)
 _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no value but NaN)
-_HEADER = struct.Struct("<BHHHH")  # format, buckets present, then a None mask per nullable field
+# Differences of differences: what moves at a steady pace (counts, seqs, steps, timestamps).
+_SECOND_ORDER = [c for c in range(_FIELDS) if c not in (rollups.TOTAL, LO, HI, LAST)]
 
+# The order converted() reads label_rollups rows in: a label series' rows together.
+CONVERTED_ORDER = "key_id, axis, label_id, epoch, width, bucket"
 OPEN_COLUMNS = f"key_id, axis, label_id, epoch, bucket, {rollups.LABEL_VALUE_COLUMNS}"
-BLOCK_COLUMNS = "key_id, width, axis, label_id, epoch, block, data"
+BLOCK_COLUMNS = "key_id, kind, axis, label_id, epoch, block, data"
 
 
-def block_of(key: LabelRowKey) -> BlockKey:
-    """The block a label_rollups bucket belongs to."""
+def place_of(key: LabelRowKey) -> tuple[BlockKey, int]:
+    """The block a label_rollups bucket is kept in, and its place there."""
     kid, width, axis, label_id, epoch, bucket = key
-    return kid, width, axis, label_id, epoch, bucket >> BLOCK_SHIFT
+    shift = width.bit_length() - 1
+    if shift == FINE_SHIFT:
+        return (kid, FINE, axis, label_id, epoch, bucket >> FINE_BITS), bucket & (FINE_PLACES - 1)
+    within = _WIDE_SHIFT - shift
+    place = _WIDE_START[shift] + (bucket & ((1 << within) - 1))
+    return (kid, WIDE, axis, label_id, epoch, bucket >> within), place
 
 
-def encode(buckets: Mapping[int, Partial]) -> bytes:
-    """A block's data from its buckets (at least one; any bucket numbers of one block)."""
-    order = sorted(buckets)
-    present = 0
-    for bucket in order:
-        present |= 1 << (bucket & (BLOCK - 1))
-    nones = [0] * len(_NULLABLE)
-    words = np.empty((_FIELDS, len(order)), dtype=np.int64)
+def block_range(width: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """The kind and the first and last block that hold `width`'s buckets lo..hi."""
+    shift = width.bit_length() - 1
+    if shift == FINE_SHIFT:
+        return FINE, lo >> FINE_BITS, hi >> FINE_BITS
+    within = _WIDE_SHIFT - shift
+    return WIDE, lo >> within, hi >> within
+
+
+def buckets(kind: int, block: int, places: Mapping[int, Partial]) -> Iterator[tuple[int, int, Partial]]:
+    """(width, bucket, partial) of a block's places."""
+    if kind == FINE:
+        for place, part in places.items():
+            yield FINE_WIDTH, (block << FINE_BITS) + place, part
+        return
+    for place, part in places.items():
+        start, shift = _WIDE_ORDER[_wide_width(place)]
+        yield 1 << shift, (block << (_WIDE_SHIFT - shift)) + place - start, part
+
+
+def _wide_width(place: int) -> int:
+    """The index in _WIDE_ORDER of the width a wide block's place belongs to."""
+    found = 0
+    for index, (start, _) in enumerate(_WIDE_ORDER):
+        if place >= start:
+            found = index
+    return found
+
+
+def encode(places: Mapping[int, Partial]) -> bytes:
+    """A block's data from its buckets by place (at least one)."""
+    order = sorted(places)
+    count = len(order)
+    present = np.zeros(order[-1] + 1, dtype=bool)
+    present[order] = True
+    nones = np.zeros((len(_NULLABLE), count), dtype=bool)
+    words = np.empty((_FIELDS, count), dtype=np.int64)
     floats = words.view(np.float64)
-    for column in range(_FIELDS):
-        values = [buckets[b][column] for b in order]
+    columns = list(zip(*(places[p] for p in order), strict=True))
+    for column, values in enumerate(columns):
         if column in _NULLABLE:
-            place = _NULLABLE.index(column)
-            for i, value in enumerate(values):
-                if value is None:
-                    nones[place] |= 1 << i
-            values = [0.0 if v is None else v for v in values]
+            row = _NULLABLE.index(column)
+            nones[row] = [v is None for v in values]
+            values = tuple(0.0 if v is None else v for v in values)
         if column in _FLOATS:
             floats[column] = values
         else:
             words[column] = values
-    deltas = np.diff(words, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
-    shuffled = deltas.view(np.uint8).reshape(-1, 8).T.tobytes()
-    return _HEADER.pack(FORMAT, present, *nones) + zlib.compress(shuffled)
+    first = np.diff(words, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
+    first[_SECOND_ORDER] = np.diff(
+        first[_SECOND_ORDER], axis=1, prepend=np.zeros((len(_SECOND_ORDER), 1), np.int64)
+    )
+    shuffled = first.view(np.uint8).reshape(-1, 8).T.tobytes()
+    maps = np.packbits(present).tobytes() + np.packbits(nones, axis=1).tobytes()
+    squeezer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    head = bytes([FORMAT]) + len(present).to_bytes(2, "little")
+    return head + squeezer.compress(maps + shuffled) + squeezer.flush()
 
 
-def decode(block: int, data: bytes) -> Buckets:
-    """The buckets of block number `block` from its data."""
-    form, present, *nones = _HEADER.unpack_from(data)
-    if form != FORMAT:
-        raise ValueError(f"a rollup block of format {form}: this runbus reads format {FORMAT}")
-    places = [i for i in range(BLOCK) if present >> i & 1]
-    count = len(places)
-    raw = np.frombuffer(zlib.decompress(data[_HEADER.size :]), dtype=np.uint8)
-    words = np.cumsum(raw.reshape(8, -1).T.copy().view(np.int64).reshape(_FIELDS, count), axis=1)
+def decode(data: bytes) -> Places:
+    """A block's buckets by place, from its data."""
+    if data[0] != FORMAT:
+        raise ValueError(f"a rollup block of format {data[0]}: this runbus reads format {FORMAT}")
+    size = int.from_bytes(data[1:3], "little")
+    raw = np.frombuffer(zlib.decompress(data[3:], -15), dtype=np.uint8)
+    present_bytes = (size + 7) // 8
+    order = np.flatnonzero(np.unpackbits(raw[:present_bytes])[:size]).tolist()
+    count = len(order)
+    none_bytes = (count + 7) // 8
+    nones = np.unpackbits(
+        raw[present_bytes : present_bytes + none_bytes * len(_NULLABLE)].reshape(-1, none_bytes), axis=1
+    )
+    body = raw[present_bytes + none_bytes * len(_NULLABLE) :]
+    words = body.reshape(8, -1).T.copy().view(np.int64).reshape(_FIELDS, count)
+    words[_SECOND_ORDER] = np.cumsum(words[_SECOND_ORDER], axis=1)
+    words = np.cumsum(words, axis=1)
     floats = words.view(np.float64)
     columns: list[list[Any]] = [(floats[c] if c in _FLOATS else words[c]).tolist() for c in range(_FIELDS)]
-    for place, column in enumerate(_NULLABLE):
-        mask = nones[place]
-        if mask:
-            columns[column] = [None if mask >> i & 1 else v for i, v in enumerate(columns[column])]
-    first = block << BLOCK_SHIFT
-    return {first + at: list(part) for at, part in zip(places, zip(*columns, strict=True), strict=True)}
-
-
-def rows_of(key: BlockKey, data: bytes) -> Iterator[tuple[LabelRowKey, Partial]]:
-    """The label_rollups rows (key, partial) a stored block holds."""
-    kid, width, axis, label_id, epoch, block = key
-    for bucket, part in decode(block, data).items():
-        yield (kid, width, axis, label_id, epoch, bucket), part
+    for row, column in enumerate(_NULLABLE):
+        if nones[row, :count].any():
+            columns[column] = [
+                None if n else v for n, v in zip(nones[row, :count], columns[column], strict=True)
+            ]
+    return {place: list(part) for place, part in zip(order, zip(*columns, strict=True), strict=True)}
 
 
 def placed(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Buckets]
+    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """Where a batch's rollup rows go: the label_open rows (OPEN_COLUMNS) of the series whose open
     bucket changed, and the label_blocks rows (BLOCK_COLUMNS) of the blocks that changed, each
     whole: `held`'s stored buckets with the batch's merged in. `stored` is what plan() was
     given; `held` must hold every stored block of the fine rows plan() names (from each series'
-    lowest bucket in the batch, or its highest stored if lower) and of its wide deltas."""
+    lowest bucket in the batch, or its open one if lower) and of its wide deltas."""
     open_rows: list[tuple[Any, ...]] = []
-    into: dict[BlockKey, Buckets] = {}
+    into: dict[BlockKey, Places] = {}
     for key, part in plan.fine_rows.items():
         kid, _, axis, label_id, epoch, bucket = key
         if plan.tops[kid, axis, label_id, epoch] == bucket:
@@ -128,36 +182,39 @@ def placed(
     for key, part in _closed_opens(plan, stored, held):
         _put(into, held, key, part)
     for key, delta in plan.wide_deltas.items():
-        known = held.get(block_of(key), {}).get(key[5])
+        block, place = place_of(key)
+        known = held.get(block, {}).get(place)
         _put(into, held, key, delta if known is None else rollups.merge(known.copy(), delta))
-    blocks = [(*block, encode(buckets)) for block, buckets in into.items()]
+    blocks = [(*block, encode(places)) for block, places in into.items()]
     return open_rows, blocks
 
 
 def _closed_opens(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Buckets]
+    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
 ) -> Iterator[tuple[LabelRowKey, Partial]]:
     """The stored open rows a batch closed without a value of their own: into their blocks."""
     for key, part in stored.items():
         kid, width, axis, label_id, epoch, bucket = key
         top = plan.tops.get((kid, axis, label_id, epoch))
-        closed = width == FINE_WIDTH and top is not None and bucket < top
-        if closed and key not in plan.fine_rows and bucket not in held.get(block_of(key), {}):
+        if width != FINE_WIDTH or top is None or bucket >= top or key in plan.fine_rows:
+            continue
+        block, place = place_of(key)
+        if place not in held.get(block, {}):
             yield key, part
 
 
 def _put(
-    into: dict[BlockKey, Buckets], held: Mapping[BlockKey, Buckets], key: LabelRowKey, part: Partial
+    into: dict[BlockKey, Places], held: Mapping[BlockKey, Places], key: LabelRowKey, part: Partial
 ) -> None:
-    block = block_of(key)
-    buckets = into.get(block)
-    if buckets is None:
-        buckets = into[block] = dict(held.get(block, {}))
-    buckets[key[5]] = part
+    block, place = place_of(key)
+    places = into.get(block)
+    if places is None:
+        places = into[block] = dict(held.get(block, {}))
+    places[place] = part
 
 
 def open_part(row: Iterable[Any]) -> Partial:
-    """A partial from label_open's or a block's value columns; NaN where a store holds NULL."""
+    """A partial from label_open's value columns; NaN where a store holds NULL (SQLite's NaN)."""
     part = list(row)
     for place in (rollups.TOTAL, LAST):
         if part[place] is None:
@@ -165,18 +222,27 @@ def open_part(row: Iterable[Any]) -> Partial:
     return part
 
 
+def stored_rows(block: BlockKey, places: Mapping[int, Partial]) -> Iterator[tuple[LabelRowKey, Partial]]:
+    """The label_rollups rows (key, partial) of a block's places."""
+    kid, kind, axis, label_id, epoch, number = block
+    for width, bucket, part in buckets(kind, number, places):
+        yield (kid, width, axis, label_id, epoch, bucket), part
+
+
 def converted(rows: Iterable[Any]) -> Iterator[tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
     """Rows of the label_rollups table of schema 9 (its key columns, then its value columns; in
-    its primary key's order) as label_open and label_blocks rows, a series (key, width, axis,
-    label, epoch) at a time: how a store migrates to blocks in bounded memory."""
-    for series, group in groupby(rows, key=lambda row: tuple(row[:5])):
-        parts = {row[5]: open_part(row[6:]) for row in group}
-        kid, width, axis, label_id, epoch = series
+    CONVERTED_ORDER) as label_open and label_blocks rows, a label series (key, axis, label,
+    epoch) at a time: how a store migrates to blocks in bounded memory."""
+    for series, group in groupby(rows, key=lambda row: (row[0], row[2], row[3], row[4])):
+        parts = {(row[1], row[5]): open_part(row[6:]) for row in group}
+        kid, axis, label_id, epoch = series
         open_rows = []
-        if width == FINE_WIDTH:
-            top = max(parts)
-            open_rows.append((kid, axis, label_id, epoch, top, *parts.pop(top)))
-        blocks: dict[int, Buckets] = {}
-        for bucket, part in parts.items():
-            blocks.setdefault(bucket >> BLOCK_SHIFT, {})[bucket] = part
-        yield open_rows, [(*series, block, encode(buckets)) for block, buckets in blocks.items()]
+        fine = [bucket for width, bucket in parts if width == FINE_WIDTH]
+        if fine:
+            top = max(fine)
+            open_rows.append((kid, axis, label_id, epoch, top, *parts.pop((FINE_WIDTH, top))))
+        blocks: dict[BlockKey, Places] = {}
+        for (width, bucket), part in parts.items():
+            block, place = place_of((kid, width, axis, label_id, epoch, bucket))
+            blocks.setdefault(block, {})[place] = part
+        yield open_rows, [(*block, encode(places)) for block, places in blocks.items()]

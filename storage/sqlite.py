@@ -92,13 +92,13 @@ ROLLUPS_SCHEMA = """
     ) WITHOUT ROWID;
     CREATE TABLE IF NOT EXISTS label_blocks (
         key_id INTEGER NOT NULL,
-        width INTEGER NOT NULL,
+        kind INTEGER NOT NULL,
         axis INTEGER NOT NULL,
         label_id INTEGER NOT NULL,
         epoch INTEGER NOT NULL,
         block INTEGER NOT NULL,
         data BLOB NOT NULL,
-        PRIMARY KEY (key_id, width, axis, label_id, epoch, block)
+        PRIMARY KEY (key_id, kind, axis, label_id, epoch, block)
     ) WITHOUT ROWID;
     CREATE TABLE run_rollups (
         key_id INTEGER NOT NULL,
@@ -430,12 +430,13 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
 
 def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
     """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
-    in key order and written a series at a time; the table then dropped."""
+    a label series at a time (sorted by SQLite, in temporary files if need be) and written so;
+    the table then dropped."""
     if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_rollups'").fetchone():
         return
     found = con.execute(
         f"SELECT {rollups.LABEL_KEY_COLUMNS}, {rollups.LABEL_VALUE_COLUMNS} FROM label_rollups "
-        f"ORDER BY {rollups.LABEL_KEY_COLUMNS}"
+        f"ORDER BY {rollup_blocks.CONVERTED_ORDER}"
     )
     for open_rows, blocks in rollup_blocks.converted(found):
         _insert(con, "label_open", 18, open_rows, verb="INSERT")
@@ -456,7 +457,7 @@ def _roll_up(
     generation = _generations(con, fine, starts)
     stored, blocks = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
     plan = rollups.plan(fine, key_id, generation, stored)
-    blocks.update(_stored_blocks(con, {rollup_blocks.block_of(key) for key in plan.wide_deltas}))
+    blocks.update(_stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
     open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
     _insert(con, "label_open", 18, open_rows, verb="INSERT OR REPLACE")
     _insert(con, "label_blocks", 7, block_rows, verb="INSERT OR REPLACE")
@@ -517,54 +518,54 @@ def _generations(
 
 def _stored_fine_rows(
     con: sqlite3.Connection, ranges: list[tuple[int, int, int, int, int]]
-) -> tuple[dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Buckets]]:
+) -> tuple[dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places]]:
     """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
-    the buckets of its blocks from that bucket's block up, or from its open bucket's if lower
+    the buckets of its fine blocks from that bucket's block up, or from its open bucket's if lower
     (rollups.fine_ranges); and those blocks as read (rollup_blocks.placed rewrites them)."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    held: dict[rollup_blocks.BlockKey, rollup_blocks.Buckets] = {}
-    width = rollups.FINE_WIDTH
-    query = (
+    held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
+    opens = (
         "SELECT x.key_id, x.axis, x.label_id, x.epoch, x.bucket, "
         f"x.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', x.')} FROM u JOIN label_open x "
         "USING (key_id, axis, label_id, epoch)"
     )
     blocks = (
-        "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
+        "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
         "LEFT JOIN label_open x USING (key_id, axis, label_id, epoch) JOIN label_blocks b "
-        "ON b.key_id = u.key_id AND b.width = ? AND b.axis = u.axis AND b.label_id = u.label_id "
-        "AND b.epoch = u.epoch "
-        f"AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.BLOCK_SHIFT})"
+        f"ON b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} AND b.axis = u.axis "
+        "AND b.label_id = u.label_id AND b.epoch = u.epoch "
+        f"AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.FINE_BITS})"
     )
     for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
         flat = list(chain.from_iterable(chunk))
         for row in con.execute(
-            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), query), flat
+            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), opens), flat
         ):
-            found[(row[0], width, *row[1:5])] = rollup_blocks.open_part(row[5:])
-        statement = _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks)
-        for row in con.execute(statement, [*flat, width]):
-            held[tuple(row[:6])] = buckets = rollup_blocks.decode(row[5], row[6])
-            for bucket, part in buckets.items():
-                found[(*row[:5], bucket)] = part
+            found[(row[0], rollups.FINE_WIDTH, *row[1:5])] = rollup_blocks.open_part(row[5:])
+        for row in con.execute(
+            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat
+        ):
+            block: rollup_blocks.BlockKey = tuple(row[:6])
+            held[block] = rollup_blocks.decode(row[6])
+            found.update(rollup_blocks.stored_rows(block, held[block]))
     return found, held
 
 
 def _stored_blocks(
     con: sqlite3.Connection, keys: set[rollup_blocks.BlockKey]
-) -> dict[rollup_blocks.BlockKey, rollup_blocks.Buckets]:
+) -> dict[rollup_blocks.BlockKey, rollup_blocks.Places]:
     """The label_blocks at `keys`, those there are, decoded."""
-    found: dict[rollup_blocks.BlockKey, rollup_blocks.Buckets] = {}
+    found: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
     for chunk in _chunks(sorted(keys), MAX_ROWS_PER_INSERT):
         statement = _given_rows(
             "u",
-            "key_id, width, axis, label_id, epoch, block",
+            "key_id, kind, axis, label_id, epoch, block",
             len(chunk),
-            "SELECT b.key_id, b.width, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
-            "JOIN label_blocks b USING (key_id, width, axis, label_id, epoch, block)",
+            "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
+            "JOIN label_blocks b USING (key_id, kind, axis, label_id, epoch, block)",
         )
         for row in con.execute(statement, list(chain.from_iterable(chunk))):
-            found[tuple(row[:6])] = rollup_blocks.decode(row[5], row[6])
+            found[tuple(row[:6])] = rollup_blocks.decode(row[6])
     return found
 
 
@@ -1354,14 +1355,12 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         con = self._db()
         found = []
         blocks = shape.format(
-            columns="r.block, r.data", table="label_blocks", where="r.width = ? AND r.block BETWEEN ? AND ?"
+            columns="r.block, r.data", table="label_blocks", where="r.kind = ? AND r.block BETWEEN ? AND ?"
         )
-        shift = rollup_blocks.BLOCK_SHIFT
-        for label, epoch, generation, block, data in con.execute(
-            blocks, [*args, axis, width, lo >> shift, hi >> shift]
-        ):
-            for bucket, part in rollup_blocks.decode(block, data).items():
-                if lo <= bucket <= hi:
+        kind, first, last = rollup_blocks.block_range(width, lo, hi)
+        for label, epoch, generation, block, data in con.execute(blocks, [*args, axis, kind, first, last]):
+            for at, bucket, part in rollup_blocks.buckets(kind, block, rollup_blocks.decode(data)):
+                if at == width and lo <= bucket <= hi:
                     found.append(base.LabelBucket(label, epoch, generation, bucket, part))
         if width == rollups.FINE_WIDTH:
             opens = shape.format(
