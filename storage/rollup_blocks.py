@@ -16,10 +16,12 @@ bench). So they are kept as:
   series (a live run: once per 128 steps), and a series of a few thousand steps is three rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
-floats by their bits): each column as differences from the bucket before (wrapping; the counts,
-seqs, steps and timestamps as differences of differences, which are near zero for a label logging
-at a steady pace), the words' bytes shuffled (every first byte, then every second, ...), behind a
-map of the places present and of the None values, deflated.
+floats by their bits): each column as differences from the bucket before (wrapping), or as
+differences of those differences where they are smaller (the counts, seqs, steps, timestamps and
+counters of a label logging at a steady pace), zigzagged (a small negative number as a small
+number); the words' bytes shuffled (every first byte, then
+every second, ...), behind a map of the places present, of the None values and of the columns
+differenced twice; deflated.
 """
 
 from __future__ import annotations
@@ -57,8 +59,6 @@ Places = dict[int, Partial]
 _FIELDS = 13
 _FLOATS = (rollups.TOTAL, LO, HI, LAST, rollups.TS_LO, rollups.TS_HI)
 _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no value but NaN)
-# Differences of differences: what moves at a steady pace (counts, seqs, steps, timestamps).
-_SECOND_ORDER = [c for c in range(_FIELDS) if c not in (rollups.TOTAL, LO, HI, LAST)]
 
 # The order converted() reads label_rollups rows in: a label series' rows together.
 CONVERTED_ORDER = "key_id, axis, label_id, epoch, width, bucket"
@@ -126,14 +126,27 @@ def encode(places: Mapping[int, Partial]) -> bytes:
         else:
             words[column] = values
     first = np.diff(words, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
-    first[_SECOND_ORDER] = np.diff(
-        first[_SECOND_ORDER], axis=1, prepend=np.zeros((len(_SECOND_ORDER), 1), np.int64)
+    second = np.diff(first, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
+    twice = _width(second) < _width(first)  # per column: what moves at a steady pace
+    first[twice] = second[twice]
+    zigzag = (first << 1) ^ (first >> 63)  # small negative differences as small numbers
+    shuffled = zigzag.view(np.uint8).reshape(-1, 8).T.tobytes()
+    maps = (
+        np.packbits(present).tobytes() + np.packbits(nones, axis=1).tobytes() + np.packbits(twice).tobytes()
     )
-    shuffled = first.view(np.uint8).reshape(-1, 8).T.tobytes()
-    maps = np.packbits(present).tobytes() + np.packbits(nones, axis=1).tobytes()
     squeezer = zlib.compressobj(9, zlib.DEFLATED, -15)
     head = bytes([FORMAT]) + len(present).to_bytes(2, "little")
     return head + squeezer.compress(maps + shuffled) + squeezer.flush()
+
+
+_TWICE_BYTES = (_FIELDS + 7) // 8
+_BYTE_LIMITS = np.array([1 << (8 * n - 1) for n in range(1, 8)], dtype=np.int64)
+
+
+def _width(differences: np.ndarray) -> np.ndarray:
+    """Per column, the bytes its differences take as signed integers: how well it compresses."""
+    magnitude = np.where(differences < 0, ~differences, differences)
+    return (magnitude[:, :, None] >= _BYTE_LIMITS).sum(axis=(1, 2))
 
 
 def decode(data: bytes) -> Places:
@@ -149,9 +162,11 @@ def decode(data: bytes) -> Places:
     nones = np.unpackbits(
         raw[present_bytes : present_bytes + none_bytes * len(_NULLABLE)].reshape(-1, none_bytes), axis=1
     )
-    body = raw[present_bytes + none_bytes * len(_NULLABLE) :]
-    words = body.reshape(8, -1).T.copy().view(np.int64).reshape(_FIELDS, count)
-    words[_SECOND_ORDER] = np.cumsum(words[_SECOND_ORDER], axis=1)
+    at = present_bytes + none_bytes * len(_NULLABLE)
+    twice = np.unpackbits(raw[at : at + _TWICE_BYTES])[:_FIELDS].astype(bool)
+    zigzag = raw[at + _TWICE_BYTES :].reshape(8, -1).T.copy().view(np.uint64).reshape(_FIELDS, count)
+    words = (zigzag >> np.uint64(1)).view(np.int64) ^ -(zigzag & np.uint64(1)).view(np.int64)
+    words[twice] = np.cumsum(words[twice], axis=1)
     words = np.cumsum(words, axis=1)
     floats = words.view(np.float64)
     columns: list[list[Any]] = [(floats[c] if c in _FLOATS else words[c]).tolist() for c in range(_FIELDS)]

@@ -52,23 +52,8 @@ REJECTED_CODES = frozenset(
     {sqlite3.SQLITE_CONSTRAINT, sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH, sqlite3.SQLITE_RANGE}
 )
 
-# Migration 6, rollups (storage/rollups.py): a run's metric keys with ids, each label epoch's
-# generation, the per-label buckets (open rows and blocks: storage/rollup_blocks.py; up to schema 9
-# a row per bucket, label_rollups, which migration 10 converts) and the cross-label bucket rows;
-# DATA_MIGRATIONS[6] rolls up the metrics already stored.
-ROLLUPS_SCHEMA = """
-    CREATE TABLE series (
-        id INTEGER PRIMARY KEY,
-        run_id TEXT NOT NULL,
-        key TEXT NOT NULL,
-        UNIQUE (run_id, key)
-    );
-    CREATE TABLE label_epochs (
-        label_id INTEGER NOT NULL,
-        epoch INTEGER NOT NULL,
-        generation INTEGER NOT NULL,
-        PRIMARY KEY (label_id, epoch)
-    ) WITHOUT ROWID;
+# The label rollups (storage/rollup_blocks.py): an open row per label series, blocks of the rest.
+LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id INTEGER NOT NULL,
         axis INTEGER NOT NULL,
@@ -100,7 +85,26 @@ ROLLUPS_SCHEMA = """
         data BLOB NOT NULL,
         PRIMARY KEY (key_id, kind, axis, label_id, epoch, block)
     ) WITHOUT ROWID;
-    CREATE TABLE run_rollups (
+"""
+
+# Migration 6, rollups (storage/rollups.py): a run's metric keys with ids, each label epoch's
+# generation, the per-label buckets (open rows and blocks: storage/rollup_blocks.py; up to schema 9
+# a row per bucket, label_rollups, which migration 10 converts) and the cross-label bucket rows;
+# DATA_MIGRATIONS[6] rolls up the metrics already stored.
+ROLLUPS_SCHEMA = f"""
+    CREATE TABLE series (
+        id INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        key TEXT NOT NULL,
+        UNIQUE (run_id, key)
+    );
+    CREATE TABLE label_epochs (
+        label_id INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        generation INTEGER NOT NULL,
+        PRIMARY KEY (label_id, epoch)
+    ) WITHOUT ROWID;
+{LABEL_ROLLUPS}    CREATE TABLE run_rollups (
         key_id INTEGER NOT NULL,
         width INTEGER NOT NULL,
         axis INTEGER NOT NULL,
@@ -270,13 +274,7 @@ MIGRATIONS: list[str] = [
     beats.SCHEMA,
     # Label rollups as open rows and blocks (storage/rollup_blocks.py): the tables as migration 6
     # now makes them; DATA_MIGRATIONS[10] converts a schema-9 store's label_rollups rows.
-    ROLLUPS_SCHEMA[
-        ROLLUPS_SCHEMA.index("    CREATE TABLE IF NOT EXISTS label_open") : ROLLUPS_SCHEMA.index(
-            "    CREATE TABLE run_rollups"
-        )
-    ]
-    .rstrip()
-    .rstrip(";"),
+    LABEL_ROLLUPS,
 ]
 
 
