@@ -1325,6 +1325,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             "AND r.bucket BETWEEN $5::int8 AND $11::int8"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
+        wanted = rollup_blocks.places_of(width)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
@@ -1344,7 +1345,9 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             if row[17] is None:
                 buckets.append(base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17])))
                 continue
-            for at, bucket, part in rollup_blocks.buckets(kind, row[3], rollup_blocks.decode(row[17])):
+            for at, bucket, part in rollup_blocks.buckets(
+                kind, row[3], rollup_blocks.decode(row[17], wanted)
+            ):
                 if at == width and lo <= bucket <= hi:
                     buckets.append(base.LabelBucket(row[0], row[1], row[2], bucket, part))
         return buckets

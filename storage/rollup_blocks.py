@@ -57,7 +57,8 @@ BlockKey = tuple[int, int, int, int, int, int]
 Places = dict[int, Partial]
 
 _FIELDS = 13
-_FLOATS = (rollups.TOTAL, LO, HI, LAST, rollups.TS_LO, rollups.TS_HI)
+_FLOATS = [rollups.TOTAL, LO, HI, LAST, rollups.TS_LO, rollups.TS_HI]
+_INTS = [c for c in range(_FIELDS) if c not in _FLOATS]
 _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no value but NaN)
 
 # The order converted() reads label_rollups rows in: a label series' rows together.
@@ -109,22 +110,14 @@ def _wide_width(place: int) -> int:
 def encode(places: Mapping[int, Partial]) -> bytes:
     """A block's data from its buckets by place (at least one)."""
     order = sorted(places)
-    count = len(order)
+    rows = [places[p] for p in order]
     present = np.zeros(order[-1] + 1, dtype=bool)
     present[order] = True
-    nones = np.zeros((len(_NULLABLE), count), dtype=bool)
-    words = np.empty((_FIELDS, count), dtype=np.int64)
-    floats = words.view(np.float64)
-    columns = list(zip(*(places[p] for p in order), strict=True))
-    for column, values in enumerate(columns):
-        if column in _NULLABLE:
-            row = _NULLABLE.index(column)
-            nones[row] = [v is None for v in values]
-            values = tuple(0.0 if v is None else v for v in values)
-        if column in _FLOATS:
-            floats[column] = values
-        else:
-            words[column] = values
+    nones = np.array([[row[c] is None for row in rows] for c in _NULLABLE], dtype=bool)
+    words = np.empty((_FIELDS, len(order)), dtype=np.int64)
+    words[_INTS] = np.array([[row[c] for c in _INTS] for row in rows], dtype=np.int64).T
+    # None (a bucket with no lo, hi or last) becomes NaN here: its mark in `nones` says which.
+    words[_FLOATS] = np.array([[row[c] for c in _FLOATS] for row in rows], dtype=np.float64).T.view(np.int64)
     first = np.diff(words, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
     second = np.diff(first, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
     twice = _width(second) < _width(first)  # per column: what moves at a steady pace
@@ -134,7 +127,8 @@ def encode(places: Mapping[int, Partial]) -> bytes:
     maps = (
         np.packbits(present).tobytes() + np.packbits(nones, axis=1).tobytes() + np.packbits(twice).tobytes()
     )
-    squeezer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    # A block's kB need no larger window, and zlib's default one costs more to set up than to use.
+    squeezer = zlib.compressobj(6, zlib.DEFLATED, -12, 4)
     head = bytes([FORMAT]) + len(present).to_bytes(2, "little")
     return head + squeezer.compress(maps + shuffled) + squeezer.flush()
 
@@ -149,33 +143,49 @@ def _width(differences: np.ndarray) -> np.ndarray:
     return (magnitude[:, :, None] >= _BYTE_LIMITS).sum(axis=(1, 2))
 
 
-def decode(data: bytes) -> Places:
-    """A block's buckets by place, from its data."""
+def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
+    """A block's buckets by place, from its data; only those at places [first, end) if `wanted`
+    (places_of: one width's), so a read of one width never builds the others' partials."""
     if data[0] != FORMAT:
         raise ValueError(f"a rollup block of format {data[0]}: this runbus reads format {FORMAT}")
     size = int.from_bytes(data[1:3], "little")
     raw = np.frombuffer(zlib.decompress(data[3:], -15), dtype=np.uint8)
     present_bytes = (size + 7) // 8
-    order = np.flatnonzero(np.unpackbits(raw[:present_bytes])[:size]).tolist()
+    order = np.flatnonzero(np.unpackbits(raw[:present_bytes])[:size])
     count = len(order)
     none_bytes = (count + 7) // 8
     nones = np.unpackbits(
         raw[present_bytes : present_bytes + none_bytes * len(_NULLABLE)].reshape(-1, none_bytes), axis=1
-    )
+    )[:, :count].astype(bool)
     at = present_bytes + none_bytes * len(_NULLABLE)
     twice = np.unpackbits(raw[at : at + _TWICE_BYTES])[:_FIELDS].astype(bool)
     zigzag = raw[at + _TWICE_BYTES :].reshape(8, -1).T.copy().view(np.uint64).reshape(_FIELDS, count)
     words = (zigzag >> np.uint64(1)).view(np.int64) ^ -(zigzag & np.uint64(1)).view(np.int64)
     words[twice] = np.cumsum(words[twice], axis=1)
     words = np.cumsum(words, axis=1)
+    first, end = (0, count) if wanted is None else np.searchsorted(order, wanted).tolist()
+    return _partials(order[first:end].tolist(), words[:, first:end], nones[:, first:end])
+
+
+def _partials(order: list[int], words: np.ndarray, nones: np.ndarray) -> Places:
+    """Partials by place from a block's decoded words (13 x places) and None marks."""
     floats = words.view(np.float64)
     columns: list[list[Any]] = [(floats[c] if c in _FLOATS else words[c]).tolist() for c in range(_FIELDS)]
     for row, column in enumerate(_NULLABLE):
-        if nones[row, :count].any():
+        if nones[row].any():
             columns[column] = [
-                None if n else v for n, v in zip(nones[row, :count], columns[column], strict=True)
+                None if n else v for n, v in zip(nones[row].tolist(), columns[column], strict=True)
             ]
     return {place: list(part) for place, part in zip(order, zip(*columns, strict=True), strict=True)}
+
+
+def places_of(width: int) -> tuple[int, int]:
+    """The places [first, end) of `width`'s buckets in its blocks."""
+    shift = width.bit_length() - 1
+    if shift == FINE_SHIFT:
+        return 0, FINE_PLACES
+    start = _WIDE_START[shift]
+    return start, start + (1 << (_WIDE_SHIFT - shift))
 
 
 def placed(

@@ -1356,8 +1356,9 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             columns="r.block, r.data", table="label_blocks", where="r.kind = ? AND r.block BETWEEN ? AND ?"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
+        wanted = rollup_blocks.places_of(width)
         for label, epoch, generation, block, data in con.execute(blocks, [*args, axis, kind, first, last]):
-            for at, bucket, part in rollup_blocks.buckets(kind, block, rollup_blocks.decode(data)):
+            for at, bucket, part in rollup_blocks.buckets(kind, block, rollup_blocks.decode(data, wanted)):
                 if at == width and lo <= bucket <= hi:
                     found.append(base.LabelBucket(label, epoch, generation, bucket, part))
         if width == rollups.FINE_WIDTH:
