@@ -140,7 +140,8 @@ _BYTE_LIMITS = np.array([1 << (8 * n - 1) for n in range(1, 8)], dtype=np.int64)
 def _width(differences: np.ndarray) -> np.ndarray:
     """Per column, the bytes its differences take as signed integers: how well it compresses."""
     magnitude = np.where(differences < 0, ~differences, differences)
-    return (magnitude[:, :, None] >= _BYTE_LIMITS).sum(axis=(1, 2))
+    counts: np.ndarray = (magnitude[:, :, None] >= _BYTE_LIMITS).sum(axis=(1, 2))
+    return counts
 
 
 def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
