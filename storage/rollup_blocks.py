@@ -16,12 +16,12 @@ bench). So they are kept as:
   series (a live run: once per 128 steps), and a series of a few thousand steps is three rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
-floats by their bits): each column as differences from the bucket before (wrapping), or as
-differences of those differences where they are smaller (the counts, seqs, steps, timestamps and
-counters of a label logging at a steady pace), zigzagged (a small negative number as a small
-number); the words' bytes shuffled (every first byte, then
-every second, ...), behind a map of the places present, of the None values and of the columns
-differenced twice; deflated.
+floats by their bits): each column as its first bucket's word, then differences from the bucket
+before (wrapping), or differences of those differences where they are smaller (the counts, seqs,
+steps, timestamps and counters of a label logging at a steady pace), zigzagged (a small negative
+number as a small number); the differences' bytes shuffled into planes (a column's first bytes,
+its second bytes, ...) and the planes of zeros left out, behind maps of the places present, of the
+None values, of the columns differenced twice and of the planes kept; deflated.
 """
 
 from __future__ import annotations
@@ -118,22 +118,29 @@ def encode(places: Mapping[int, Partial]) -> bytes:
     words[_INTS] = np.array([[row[c] for c in _INTS] for row in rows], dtype=np.int64).T
     # None (a bucket with no lo, hi or last) becomes NaN here: its mark in `nones` says which.
     words[_FLOATS] = np.array([[row[c] for c in _FLOATS] for row in rows], dtype=np.float64).T.view(np.int64)
-    first = np.diff(words, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
-    second = np.diff(first, axis=1, prepend=np.zeros((_FIELDS, 1), dtype=np.int64))
+    first = np.diff(words, axis=1)  # from the first bucket's, kept whole
+    second = first.copy()
+    second[:, 1:] = np.diff(first, axis=1)
     twice = _width(second) < _width(first)  # per column: what moves at a steady pace
     first[twice] = second[twice]
     zigzag = (first << 1) ^ (first >> 63)  # small negative differences as small numbers
-    shuffled = zigzag.view(np.uint8).reshape(-1, 8).T.tobytes()
-    maps = (
-        np.packbits(present).tobytes() + np.packbits(nones, axis=1).tobytes() + np.packbits(twice).tobytes()
+    planes = zigzag.view(np.uint8).reshape(_FIELDS, -1, 8).transpose(0, 2, 1).reshape(_PLANES, -1)
+    kept = planes.any(axis=1)  # a plane of zeros is left out: most of a steady column's
+    maps = [present, *nones, twice, kept]
+    shuffled = (
+        b"".join(np.packbits(bits).tobytes() for bits in maps)
+        + words[:, 0].tobytes()
+        + planes[kept].tobytes()
     )
     # A block's kB need no larger window, and zlib's default one costs more to set up than to use.
     squeezer = zlib.compressobj(6, zlib.DEFLATED, -12, 4)
     head = bytes([FORMAT]) + len(present).to_bytes(2, "little")
-    return head + squeezer.compress(maps + shuffled) + squeezer.flush()
+    return head + squeezer.compress(shuffled) + squeezer.flush()
 
 
 _TWICE_BYTES = (_FIELDS + 7) // 8
+_PLANES = _FIELDS * 8  # a column's first bytes, its second bytes, ...
+_PLANE_BYTES = _PLANES // 8
 _BYTE_LIMITS = np.array([1 << (8 * n - 1) for n in range(1, 8)], dtype=np.int64)
 
 
@@ -160,10 +167,24 @@ def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
     )[:, :count].astype(bool)
     at = present_bytes + none_bytes * len(_NULLABLE)
     twice = np.unpackbits(raw[at : at + _TWICE_BYTES])[:_FIELDS].astype(bool)
-    zigzag = raw[at + _TWICE_BYTES :].reshape(8, -1).T.copy().view(np.uint64).reshape(_FIELDS, count)
-    words = (zigzag >> np.uint64(1)).view(np.int64) ^ -(zigzag & np.uint64(1)).view(np.int64)
-    words[twice] = np.cumsum(words[twice], axis=1)
-    words = np.cumsum(words, axis=1)
+    at += _TWICE_BYTES
+    kept = np.unpackbits(raw[at : at + _PLANE_BYTES])[:_PLANES].astype(bool)
+    at += _PLANE_BYTES
+    head = raw[at : at + _FIELDS * 8].copy().view(np.int64)
+    at += _FIELDS * 8
+    planes = np.zeros((_PLANES, count - 1), dtype=np.uint8)
+    if count > 1:
+        planes[kept] = raw[at:].reshape(-1, count - 1)
+    zigzag = (
+        planes.reshape(_FIELDS, 8, count - 1)
+        .transpose(0, 2, 1)
+        .copy()
+        .view(np.uint64)
+        .reshape(_FIELDS, count - 1)
+    )
+    differences = (zigzag >> np.uint64(1)).view(np.int64) ^ -(zigzag & np.uint64(1)).view(np.int64)
+    differences[twice] = np.cumsum(differences[twice], axis=1)
+    words = np.cumsum(np.concatenate([head[:, None], differences], axis=1), axis=1)
     first, end = (0, count) if wanted is None else np.searchsorted(order, wanted).tolist()
     return _partials(order[first:end].tolist(), words[:, first:end], nones[:, first:end])
 
