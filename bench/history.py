@@ -200,7 +200,6 @@ class Backend:
             )
         return asyncio.run(postgres_size(url))
 
-
     def log_bytes(self, url: str) -> int:
         """What the run's log lines take: the logs table with its index (SQLite: their pages)."""
         if self.kind == "sqlite":
