@@ -15,13 +15,14 @@ bad by the trial's kind:
 - `inf`: its grad norm is +inf at that step only (an AMP scaler's overflow, the step skipped);
 - `outlier`: its loss is 5x from that step on (it left the band).
 
-Every other trial of a kind (its first too) a second rank goes bad the same way 1 to 8 steps later: the first
-anomaly must still be the first rank's. The bench reads the run's health from the store every
-POLL_S seconds while the job runs and until its final verdict: the seconds from the injected
-value's log() to the first verdict whose first anomaly is the injected (label, key, step, kind),
-and any verdict whose first anomaly was something else. A trial is exact when the first anomaly
-ever shown is the injected one and the final verdict's is too; any anomaly not injected, in any
-trial, is a false one. Healthy trials (nobody goes bad) count the anomalies named.
+Every other trial of a kind (its first too) a second rank goes bad 1 to 8 steps later, the same
+way (or by `--second`): the first anomaly must still be the first rank's. The bench reads the
+run's health from the store every POLL_S seconds while the job runs and until its final verdict:
+the seconds from the injected value's log() to the first verdict whose first anomaly is the
+injected (label, key, step, kind), and any verdict whose first anomaly was something else. A
+trial is exact when the first anomaly ever shown is the injected one and the final verdict's is
+too; any anomaly not injected, in any trial, is a false one. Healthy trials (nobody goes bad)
+count the anomalies named.
 
 The injected step leaves two closed 128-step buckets after it within the job (a band leaver is
 named only once they are: docs/health.md), and falls at least MIN_STEP steps in.
@@ -96,20 +97,21 @@ def row(anomaly: dict[str, Any]) -> Row:
 
 
 def faults_of(
-    kind: str | None, world: int, second: bool, steps: int, rng: random.Random
-) -> list[tuple[int, int]]:
-    """(rank, step) of the ranks going bad, the first first: a random rank at a random step that
-    leaves two closed 128-step buckets after its own (or after the next: a departure late in a
-    bucket is found from the bucket after), and a second rank SECOND_AFTER steps later."""
+    kind: str | None, world: int, second: str | None, steps: int, rng: random.Random
+) -> list[tuple[int, int, str]]:
+    """(rank, step, kind) of the ranks going bad, the first first: a random rank at a random step
+    that leaves two closed 128-step buckets after its own (or after the next: a departure late in
+    a bucket is found from the bucket after), and (`second`: its kind) another SECOND_AFTER steps
+    later."""
     if kind is None:
         return []
     last_bucket = ((steps - 1) >> FINE_SHIFT) - 3  # the highest bucket is open; two closed after
     last = ((last_bucket + 1) << FINE_SHIFT) - 1 - SECOND_AFTER[1]
-    first = (rng.randrange(world), rng.randint(MIN_STEP, last))
+    first = (rng.randrange(world), rng.randint(MIN_STEP, last), kind)
     if not second:
         return [first]
     other = rng.choice([r for r in range(world) if r != first[0]])
-    return [first, (other, first[1] + rng.randint(*SECOND_AFTER))]
+    return [first, (other, first[1] + rng.randint(*SECOND_AFTER), second)]
 
 
 class Seen:
@@ -180,10 +182,10 @@ def judged(seen: Seen, expected: list[Row], at: float | None, step_s: float) -> 
 
 
 async def trial(
-    store: Any, redis_url: str, fault: tuple[str | None, bool], world: int, index: int, args
+    store: Any, redis_url: str, fault: tuple[str | None, str | None], world: int, index: int, args
 ) -> dict[str, Any]:
-    """One job: its ranks started, one (or with `second`, two) going bad by `kind` (None:
-    healthy), watched to its final verdict."""
+    """One job: its ranks started, one going bad by `kind` (None: healthy) and, with `second`,
+    another a few steps later by `second` (a kind), watched to its final verdict."""
     kind, second = fault
     run_id = f"{kind or 'healthy'}-{world}-{index}"
     rng = random.Random(f"{args.seed}-{run_id}")
@@ -197,9 +199,9 @@ async def trial(
         "STEPS": str(args.steps),
         "STEP_S": str(args.step_s),
         "TRIAL_DIR": folder,
-        "FAULTS": ",".join(f"{rank}:{step}:{kind}" for rank, step in bad),
+        "FAULTS": ",".join(f"{rank}:{step}:{how}" for rank, step, how in bad),
     }
-    expected = [(f"rank{rank}", KEY_OF[kind], step, kind) for rank, step in bad] if kind else []
+    expected = [(f"rank{rank}", KEY_OF[how], step, how) for rank, step, how in bad]
     ranks = start_ranks(RANK, world, env)
     try:
         seen = await watch(store, run_id, ranks, expected, args.wait)
@@ -252,15 +254,18 @@ def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plan(args) -> list[tuple[str | None, int, int, bool]]:
+def plan(args) -> list[tuple[str | None, int, int, str | None]]:
     """(kind, world, index, second) of every trial: at each world the kinds in turn and the healthy
-    runs, shuffled; every other trial of a kind (its first too) with a second bad rank."""
-    trials: list[tuple[str | None, int, int, bool]] = []
+    runs, shuffled; every other trial of a kind (its first too) with a second bad rank, going bad
+    by `--second` (`same`: the trial's kind)."""
+    trials: list[tuple[str | None, int, int, str | None]] = []
     for world in args.worlds:
         kinds = [args.kinds[i % len(args.kinds)] for i in range(args.trials)] + [None] * args.healthy
         random.Random(f"{args.seed}-{world}").shuffle(kinds)
         for index, kind in enumerate(kinds):
-            trials.append((kind, world, index, kind is not None and kinds[:index].count(kind) % 2 == 0))
+            second = kind is not None and kinds[:index].count(kind) % 2 == 0
+            how = kind if args.second == "same" else args.second
+            trials.append((kind, world, index, how if second else None))
     return trials
 
 
@@ -286,7 +291,10 @@ def main() -> None:
     )
     parser.add_argument("--healthy", type=int, default=5, help="healthy trials at each world")
     parser.add_argument("--kinds", default=",".join(KINDS), help="injected kinds, comma-separated")
-    parser.add_argument("--steps", type=int, default=768, help="steps per job (at least 640)")
+    parser.add_argument(
+        "--second", default="same", choices=("same", *KINDS), help="how the second bad rank goes bad"
+    )
+    parser.add_argument("--steps", type=int, default=768, help="steps per job (at least 512)")
     parser.add_argument("--step-s", type=float, default=0.03, help="seconds a step")
     parser.add_argument("--seed", type=int, default=24, help="picks the ranks and steps")
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the final verdict")
