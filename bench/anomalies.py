@@ -160,7 +160,8 @@ def injected_at(folder: str, rank: int) -> float | None:
 
 def judged(seen: Seen, expected: list[Row], at: float | None, step_s: float) -> dict[str, Any]:
     """The trial's figures from what was seen: exact (the first anomaly ever shown and the final
-    one are the injected first), seconds to it, other firsts shown, anomalies not injected."""
+    one are the injected first), seconds to it, other firsts shown and for how long before it,
+    anomalies not injected."""
     firsts = sorted(seen.firsts, key=seen.firsts.__getitem__)
     result: dict[str, Any] = {
         "false": [list(r) for r in seen.named if r not in expected],
@@ -176,6 +177,8 @@ def judged(seen: Seen, expected: list[Row], at: float | None, step_s: float) -> 
         seconds=seconds,
         steps_after=None if seconds is None else round(seconds / step_s),
         other_firsts=[list(r) for r in firsts if r != first],
+        # How long another first anomaly was shown before the injected one (None: none was).
+        other_first_s=round(shown - seen.firsts[firsts[0]], 2) if shown and firsts[0] != first else None,
         second_named=len(expected) < 2 or expected[1] in seen.final,
     )
     return result
@@ -234,17 +237,29 @@ def by_kind(injected: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return found
 
 
+def firsts(injected: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the injected trials: the first anomaly exact live and at the end, exact at the end only
+    (another shown first meanwhile: for how long at most), and the second bad rank named."""
+    twice = [t for t in injected if len(t["injected"]) > 1]
+    late = [t["other_first_s"] for t in injected if t["other_first_s"] is not None]
+    return {
+        "exact_first": sum(t["exact"] for t in injected),
+        "exact_final": sum(t["final_first"] == t["injected"][0] for t in injected),
+        "other_first_shown": len(late),
+        "other_first_max_s": max(late, default=None),
+        "with_second": len(twice),
+        "second_named": sum(t["second_named"] for t in twice),
+    }
+
+
 def summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
     """Exact firsts and seconds to them, overall and by kind and world; anomalies named falsely."""
     injected = [t for t in trials if t["kind"] != "healthy"]
     healthy = [t for t in trials if t["kind"] == "healthy"]
     seconds = [t["seconds"] for t in injected if t["exact"] and t["seconds"] is not None]
-    twice = [t for t in injected if len(t["injected"]) > 1]
     return {
         "injected": len(injected),
-        "exact_first": sum(t["exact"] for t in injected),
-        "with_second": len(twice),
-        "second_named": sum(t["second_named"] for t in twice),
+        **firsts(injected),
         "median_s": round(median(seconds), 2) if seconds else None,
         "p95_s": round(percentile(seconds, 0.95), 2) if seconds else None,
         "healthy_runs": len(healthy),
