@@ -25,7 +25,8 @@ too; any anomaly not injected, in any trial, is a false one. Healthy trials (nob
 count the anomalies named.
 
 The injected step leaves two closed 128-step buckets after it within the job (a band leaver is
-named only once they are: docs/health.md), and falls at least MIN_STEP steps in.
+named only once they are: docs/health.md), and falls at least MIN_STEP steps in; `--offsets`
+puts it at given steps of its bucket (a jump at a bucket's edges is the hardest to place).
 
     python bench/anomalies.py --quick                                   # each kind once at 8 ranks
     python bench/anomalies.py [--worlds 8,32] [--trials 20] [--healthy 5]
@@ -96,18 +97,24 @@ def row(anomaly: dict[str, Any]) -> Row:
     return anomaly["label"], anomaly["key"], anomaly["step"], anomaly["kind"]
 
 
-def faults_of(
-    kind: str | None, world: int, second: str | None, steps: int, rng: random.Random
-) -> list[tuple[int, int, str]]:
-    """(rank, step, kind) of the ranks going bad, the first first: a random rank at a random step
-    that leaves two closed 128-step buckets after its own (or after the next: a departure late in
-    a bucket is found from the bucket after), and (`second`: its kind) another SECOND_AFTER steps
-    later."""
-    if kind is None:
-        return []
+def first_steps(steps: int, offsets: list[int] | None) -> list[int]:
+    """The steps the first rank may go bad at: those that leave two closed 128-step buckets after
+    their own (or after the next: a departure late in a bucket is found from the bucket after),
+    the second rank's included; with `offsets`, only those at these steps of their bucket."""
     last_bucket = ((steps - 1) >> FINE_SHIFT) - 3  # the highest bucket is open; two closed after
     last = ((last_bucket + 1) << FINE_SHIFT) - 1 - SECOND_AFTER[1]
-    first = (rng.randrange(world), rng.randint(MIN_STEP, last), kind)
+    width = 1 << FINE_SHIFT
+    return [s for s in range(MIN_STEP, last + 1) if offsets is None or s % width in offsets]
+
+
+def faults_of(
+    kind: str | None, world: int, second: str | None, steps: list[int], rng: random.Random
+) -> list[tuple[int, int, str]]:
+    """(rank, step, kind) of the ranks going bad, the first first: a random rank at a random step
+    of `steps`, and (`second`: its kind) another SECOND_AFTER steps later."""
+    if kind is None:
+        return []
+    first = (rng.randrange(world), rng.choice(steps), kind)
     if not second:
         return [first]
     other = rng.choice([r for r in range(world) if r != first[0]])
@@ -192,7 +199,7 @@ async def trial(
     kind, second = fault
     run_id = f"{kind or 'healthy'}-{world}-{index}"
     rng = random.Random(f"{args.seed}-{run_id}")
-    bad = faults_of(kind, world, second, args.steps, rng)
+    bad = faults_of(kind, world, second, first_steps(args.steps, args.offsets), rng)
     folder = os.path.join(args.tmp, run_id)
     os.makedirs(folder)
     env = {
@@ -311,6 +318,10 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=768, help="steps per job (at least 512)")
     parser.add_argument("--step-s", type=float, default=0.03, help="seconds a step")
+    parser.add_argument(
+        "--offsets",
+        help="the first bad step only at these steps of its 128-step bucket (its edges: 0,1,126,127)",
+    )
     parser.add_argument("--seed", type=int, default=24, help="picks the ranks and steps")
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the final verdict")
     args = parser.parse_args()
@@ -318,6 +329,7 @@ def main() -> None:
         args.worlds, args.trials, args.healthy = "8", 3, 1
     args.worlds = [int(w) for w in args.worlds.split(",")]
     args.kinds = [k for k in args.kinds.split(",") if k]
+    args.offsets = [int(o) for o in args.offsets.split(",")] if args.offsets else None
     started = time.monotonic()
     results = asyncio.run(bench(args))
     emit(
