@@ -25,6 +25,9 @@ from runbus.storage import open_store  # noqa: E402
 from tests.helpers import ingest_command, wait_for  # noqa: E402
 from tests.test_pipeline import store_opened  # noqa: E402
 
+# The anchor the health benches compare against: which trackers name the rank at fault.
+TRACKERS_NAMING_A_RANK = "none (W&B, MLflow, Neptune, Aim, ClearML)"
+
 
 @contextlib.contextmanager
 def private_redis() -> Iterator[str]:

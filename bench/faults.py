@@ -33,7 +33,7 @@ import textwrap
 import time
 from typing import Any
 
-from common import emit, live_store, median, percentile
+from common import TRACKERS_NAMING_A_RANK, emit, live_store, median, percentile
 
 from tests.rank_processes import start_ranks, stop_ranks
 
@@ -50,7 +50,7 @@ PAUSE_S = 15.0  # a checkpoint or evaluation longer than the 10 s stall floor
 ANCHORS = {
     "nccl_watchdog_default_s": 600,
     "holmes_localisation_s": 30.3,
-    "trackers_naming_a_rank": "none (W&B, MLflow, Neptune, Aim, ClearML)",
+    "trackers_naming_a_rank": TRACKERS_NAMING_A_RANK,
 }
 
 RANK = textwrap.dedent(

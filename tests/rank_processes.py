@@ -1,6 +1,6 @@
 """A job's ranks as processes started by hand, as torchrun would start them (RANK, LOCAL_RANK,
 WORLD_SIZE, a gloo rendezvous on 127.0.0.1), and tests/ddp_watch_job.py under torchrun itself:
-for the tests, bench/faults.py and bench/stragglers.py."""
+for the tests, bench/faults.py, bench/stragglers.py and bench/anomalies.py."""
 
 from __future__ import annotations
 
