@@ -141,6 +141,16 @@ def columns(blob: bytes) -> tuple[Bounds, list[tuple[int, bytes]]]:
     return found, parts
 
 
+def seqs_column(blob: bytes) -> bytes:
+    """A chunk's seqs column as its bytes stand (encoding, length, payload): two chunks of as
+    many points whose seqs columns are the same bytes hold the same seqs, so a read can tell a
+    key's chunk that holds its clock chunk's seqs without decoding either."""
+    if len(blob) < HEADER.size + COLUMN.size:
+        raise FormatError("a column chunk ends inside its seqs column's header")
+    _, size = COLUMN.unpack_from(blob, HEADER.size)
+    return blob[HEADER.size : HEADER.size + COLUMN.size + size]
+
+
 def smallest(candidates: Sequence[tuple[int, bytes]]) -> tuple[int, bytes]:
     """The (encoding, payload) with the fewest bytes, the earliest of equals."""
     return min(candidates, key=lambda candidate: len(candidate[1]))
