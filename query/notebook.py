@@ -369,7 +369,9 @@ class StoredRun:
         from runbus.query import frames
 
         return self.api.read(
-            lambda store: frames.system_table(store, self.run_id, keys, labels, self.api.page_rows, exact=True)
+            lambda store: frames.system_table(
+                store, self.run_id, keys, labels, self.api.page_rows, exact=True
+            )
         )
 
     def logs(

@@ -111,7 +111,9 @@ def _planes_of(payload: bytes, count: int) -> list[tuple[npt.NDArray[np.intp], n
     raw = b"" if not packed and rest == _NOTHING_DEFLATED else inflate(rest, _PLANES_IN[packed] * count)
     found = []
     if stored_size:
-        found.append((_PLANES_OF[stored], np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count)))
+        found.append(
+            (_PLANES_OF[stored], np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count))
+        )
     if raw:
         found.append((_PLANES_OF[packed], np.frombuffer(raw, np.uint8).reshape(-1, count)))
     return found
@@ -344,23 +346,32 @@ _LOGGED_INTS = -1
 
 class _Planes:
     """One column of many chunks as words: each chunk's planes are written at its offset
-    straight into the bytes of the words (planes of zeros left as they are), so the words of
-    every chunk are there at the end with no planes array to turn around."""
+    straight into the bytes of the words, so the words of every chunk are there at the end with
+    no planes array to turn around. Every word is written (plane 0 as whole words, its other
+    bytes zero; zeros where plane 0 is not kept): the memory need not start zeroed."""
 
     def __init__(self, total: int, out: npt.NDArray[np.generic] | None = None) -> None:
-        if out is None:
-            self.words: Words = np.zeros(total, _WORD)
-        else:  # the caller's memory (8 bytes a point): the words, and then the values, go there
-            self.words = out.view(_WORD)
-            self.words.fill(0)
+        # The caller's memory (8 bytes a point) where given: the words, and then the values, go there.
+        self.words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
         self._bytes = self.words.view(np.uint8).reshape(total, 8)
 
+    def zeros(self, at: int, count: int) -> None:
+        """A chunk without this column: zeros."""
+        self.words[at : at + count] = 0
+
     def put(self, payload: bytes, at: int, count: int) -> None:
-        rows = self._bytes[at : at + count]
-        for planes, block in _planes_of(payload, count):
+        # The block with plane 0 first: widening it writes every byte of the words.
+        blocks = sorted(_planes_of(payload, count), key=lambda found: int(found[0][0]))
+        words, rows = self.words[at : at + count], self._bytes[at : at + count]
+        if not blocks or blocks[0][0][0] != 0:
+            words.fill(0)
+        for planes, block in blocks:
+            if planes[0] == 0:
+                words[:] = block[0]  # plane 0 widened: the word's other bytes zero
+                planes, block = planes[1:], block[1:]
             if len(planes) == 1:
                 rows[:, planes[0]] = block[0]
-            else:
+            elif len(planes):
                 rows[:, planes] = block.T
 
 
@@ -400,7 +411,11 @@ def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = No
         seqs, steps, values = _Planes(total), _Planes(total), _Planes(total)
         ts, nulls = _Planes(total if times else 0), np.zeros(total, np.bool_)
     else:
-        seqs, steps, values = _Planes(total, into.seqs), _Planes(total, into.steps), _Planes(total, into.values)
+        seqs, steps, values = (
+            _Planes(total, into.seqs),
+            _Planes(total, into.steps),
+            _Planes(total, into.values),
+        )
         ts = _Planes(total, into.ts) if times else _Planes(0)
         nulls = into.step_nulls if into.step_nulls is not None else np.zeros(total, np.bool_)
         nulls.fill(False)
@@ -414,6 +429,8 @@ def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = No
         from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
         if flags & FLAG_STEPS:
             steps.put(encoded[1][1], at, count)
+        else:
+            steps.zeros(at, count)
         if flags & FLAG_STEP_NULLS:
             nulls[at : at + count] = _nulls(encoded, count)
         elif not flags & FLAG_STEPS:
@@ -479,6 +496,8 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
     gathered = _gather(blobs, times, into)
     counts = gathered.counts
     if not len(counts):
+        if into is not None:
+            return into._replace(step_nulls=None, ts=into.ts if times else np.zeros(0, np.int64))
         return Arrays(np.zeros(0, np.int64), np.zeros(0, np.int64), None, np.zeros(0, np.int64), np.zeros(0))
     starts = np.cumsum(counts) - counts
     seqs = _undod_segments(gathered.seqs, starts, counts)
