@@ -41,7 +41,7 @@ from runbus.storage import rows
 from runbus.storage.base import LogLine, PointTable, RunSummary, Store
 from runbus.storage.rules import natural_key
 from runbus.storage.runlist import RunQuery
-from runbus.storage.values import step_range
+from runbus.storage.values import code_type, step_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -332,11 +332,10 @@ def category_codes(
 
 
 def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Series:
-    import numpy as np
     import pandas as pd
 
     # Codes as small as pandas keeps them: made so at once, not made int32 and then copied.
-    small = np.int8 if len(categories) < 2**7 else np.int16 if len(categories) < 2**15 else np.int32
+    small = code_type(len(categories))
     return pd.Series(
         pd.Categorical.from_codes(
             category_codes(codes, names, categories, small), categories=pd.Index(categories)

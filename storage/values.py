@@ -40,8 +40,14 @@ SLICE_POINTS = 1 << 17  # points decoded together: a read's workings beyond its 
 MIN_SLICE_POINTS = 1 << 14  # a slice smaller than this costs more to hand to a thread than it saves
 DECODE_THREADS = 4  # at most, and no more than the machine's cores
 
-# Label and key codes: places in Values.labels and Values.keys.
-Codes = npt.NDArray[np.int32]
+# Label and key codes: places in Values.labels and Values.keys, in as few bytes as they need
+# (code_type): a table's categoricals keep them so, with no copy.
+Codes = npt.NDArray[np.signedinteger[Any]]
+
+
+def code_type(names: int) -> type[np.signedinteger[Any]]:
+    """The smallest integer type of the codes of `names` names, as pandas' categoricals pick it."""
+    return np.int8 if names < 2**7 else np.int16 if names < 2**15 else np.int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +170,8 @@ def _from_chunks(
     found = Values(
         [],
         [],
-        np.repeat(np.array([label_code[c[0]] for c in chunks], np.int32), counts),
-        np.repeat(np.array([key_code[c[1]] for c in chunks], np.int32), counts),
+        np.repeat(np.array([label_code[c[0]] for c in chunks], code_type(len(label_code))), counts),
+        np.repeat(np.array([key_code[c[1]] for c in chunks], code_type(len(key_code))), counts),
         np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
         np.empty(total, np.int64),
         np.empty(total, np.int64),
