@@ -32,6 +32,7 @@ from runbus.storage.columns import (
     FormatError,
     checked_count,
     column,
+    column_views,
     columns,
     deflate,
     header,
@@ -95,7 +96,9 @@ def _unshuffle(payload: bytes, count: int) -> Words:
 _NOTHING_DEFLATED = deflate(b"", ZLIB_LEVEL)
 
 
-def _planes_of(payload: bytes, count: int) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]]:
+def _planes_of(
+    payload: bytes | memoryview, count: int
+) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]]:
     """A payload's kept planes (as unpack_planes reads them) as (plane indexes, a block of one
     row a plane): the stored planes, then the inflated ones; no block for none."""
     if len(payload) < 2:
@@ -234,7 +237,7 @@ def _int_column(part: tuple[int, bytes], count: int) -> Ints:
     return _undod_words(_int_words(part, count))
 
 
-def _nulls(parts: list[tuple[int, bytes]], count: int) -> Mask:
+def _nulls(parts: Sequence[tuple[int, bytes | memoryview]], count: int) -> Mask:
     if parts[2][0] != NULL_MASK:
         raise FormatError(f"a null mask column with encoding {parts[2][0]}")
     packed = np.frombuffer(inflate(parts[2][1], (count + 7) // 8), np.uint8)
@@ -359,7 +362,7 @@ class _Planes:
         """A chunk without this column: zeros."""
         self.words[at : at + count] = 0
 
-    def put(self, payload: bytes, at: int, count: int) -> None:
+    def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
         # The block with plane 0 first: widening it writes every byte of the words.
         blocks = sorted(_planes_of(payload, count), key=lambda found: int(found[0][0]))
         words, rows = self.words[at : at + count], self._bytes[at : at + count]
@@ -386,11 +389,11 @@ class _Gathered(NamedTuple):
     value_encodings: Ints  # a chunk at a time, _LOGGED_INTS for ints
 
 
-def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, bytes]]]]:
+def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, memoryview]]]]:
     """(count, flags, columns) of each chunk that holds points, its encodings checked."""
     found = []
     for blob in blobs:
-        bounds, encoded = columns(blob)
+        bounds, encoded = column_views(blob)
         flags = blob[1]
         if not bounds.points:
             continue
