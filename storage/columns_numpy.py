@@ -364,7 +364,9 @@ class _Planes:
 
     def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
         # The block with plane 0 first: widening it writes every byte of the words.
-        blocks = sorted(_planes_of(payload, count), key=lambda found: int(found[0][0]))
+        blocks = _planes_of(payload, count)
+        if len(blocks) == 2 and blocks[1][0][0] == 0:  # plane 0 inflated, others stored
+            blocks.reverse()
         words, rows = self.words[at : at + count], self._bytes[at : at + count]
         if not blocks or blocks[0][0][0] != 0:
             words.fill(0)
