@@ -166,19 +166,7 @@ def _from_chunks(
     twins = _twins(chunks, heads, clocks)
     unmatched = [at for at, twin in enumerate(twins) if twin is None]
     clock = _Clock.of(clocks, groups, [chunks[at] for at in unmatched], [heads[at] for at in unmatched])
-    total = int(counts.sum())
-    found = Values(
-        [],
-        [],
-        np.repeat(np.array([label_code[c[0]] for c in chunks], code_type(len(label_code))), counts),
-        np.repeat(np.array([key_code[c[1]] for c in chunks], code_type(len(key_code))), counts),
-        np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
-        np.empty(total, np.int64),
-        np.empty(total, np.int64),
-        np.empty(total, np.bool_),
-        np.empty(total, np.float64),
-        np.empty(total, np.float64),
-    )
+    found = _columns_of(chunks, counts, label_code, key_code)
     offsets = np.cumsum(counts) - counts
 
     def fill(first: int, end: int) -> None:
@@ -193,6 +181,26 @@ def _from_chunks(
 
     _side_by_side(fill, _slices(counts))
     return found, not _overlapping(chunks, heads)
+
+
+def _columns_of(
+    chunks: list[ChunkPart], counts: Ints, label_code: dict[str, int], key_code: dict[str, int]
+) -> Values:
+    """The columns `chunks` are decoded into: label, key and epoch filled (a chunk's are its
+    points'), the others to be written a slice at a time."""
+    total = int(counts.sum())
+    return Values(
+        [],
+        [],
+        np.repeat(np.array([label_code[c[0]] for c in chunks], code_type(len(label_code))), counts),
+        np.repeat(np.array([key_code[c[1]] for c in chunks], code_type(len(key_code))), counts),
+        np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
+        np.empty(total, np.int64),
+        np.empty(total, np.int64),
+        np.empty(total, np.bool_),
+        np.empty(total, np.float64),
+        np.empty(total, np.float64),
+    )
 
 
 def _twins(chunks: list[ChunkPart], heads: list[Bounds], clocks: list[ClockPart]) -> list[bytes | None]:
