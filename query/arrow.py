@@ -25,13 +25,15 @@ async def arrow_table(
     keys: str | Iterable[str] | None = None,
     labels: str | Iterable[str] | None = None,
     steps: tuple[int | None, int | None] | None = None,
+    exact: bool = False,
 ) -> pa.Table:
-    """Every value of a run's `table` (of `keys`, of `labels`, at `steps`) as a pyarrow Table."""
+    """Every value of a run's `table` (of `keys`, of `labels`, at `steps`) as a pyarrow Table;
+    `exact` as frames.read_values takes it."""
     require_pyarrow("Api().run(ID).arrow()")
     import numpy as np
     import pyarrow as pa
 
-    read = await frames.read_values(store, run_id, table, keys, labels, steps)
+    read = await frames.read_values(store, run_id, table, keys, labels, steps, exact)
     found = read.found
     ts = frames.micros(found.ts, reuse=True)  # the read's own array: its seconds are not read again
     columns = {

@@ -41,7 +41,7 @@ from runbus.storage import rows
 from runbus.storage.base import LogLine, PointTable, RunSummary, Store
 from runbus.storage.rules import natural_key
 from runbus.storage.runlist import RunQuery
-from runbus.storage.values import step_range
+from runbus.storage.values import code_type, step_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -124,12 +124,14 @@ async def history_table(
     wide: bool = False,
     page_rows: int | None = None,
     steps: tuple[int | None, int | None] | None = None,
+    exact: bool = False,
 ) -> pd.DataFrame:
     """Every metric value of a run (of `labels`, of `keys`, at `steps`), long or wide (see the
-    module)."""
+    module); `exact` as read_values takes it."""
     require_pandas()
     page_size(page_rows)
-    history = _point_table(await read_values(store, run_id, "metrics", keys, labels, steps), "metrics")
+    read = await read_values(store, run_id, "metrics", keys, labels, steps, exact)
+    history = _point_table(read, "metrics")
     return wide_history(history) if wide else history
 
 
@@ -139,11 +141,12 @@ async def system_table(
     keys: str | Iterable[str] | None = None,
     labels: str | Iterable[str] | None = None,
     page_rows: int | None = None,
+    exact: bool = False,
 ) -> pd.DataFrame:
-    """Every system sample of a run (of `labels`, of `keys`)."""
+    """Every system sample of a run (of `labels`, of `keys`); `exact` as read_values takes it."""
     require_pandas()
     page_size(page_rows)
-    return _point_table(await read_values(store, run_id, "system", keys, labels), "system")
+    return _point_table(await read_values(store, run_id, "system", keys, labels, exact=exact), "system")
 
 
 async def logs_table(
@@ -208,26 +211,26 @@ def _listing(found: Sequence[str]) -> str:
 
 def _labels(run: RunSummary, labels: str | Iterable[str] | None) -> list[str]:
     """The run's labels to read, in order; an unknown one is an error naming the run's labels."""
-    known = [lab.label for lab in run.labels]
+    return _chosen_labels(run.run_id, [lab.label for lab in run.labels], labels)
+
+
+def _chosen_labels(run_id: str, known: list[str], labels: str | Iterable[str] | None) -> list[str]:
     chosen = names(labels, "labels")
     if chosen is None:
         return sorted(known, key=natural_key)
     for label in chosen:
         if label not in known:
-            raise CommandError(f"run {run.run_id!r} has no label {label!r}; its labels: {_listing(known)}")
+            raise CommandError(f"run {run_id!r} has no label {label!r}; its labels: {_listing(known)}")
     return sorted(set(chosen), key=natural_key)
 
 
-async def _check_keys(store: Store, run: RunSummary, keys: list[str], table: PointTable = "metrics") -> None:
-    """Each of `keys` logged in the run's `table`, else a CommandError naming the keys it has."""
-    if table == "metrics":
-        known, what = await store.metric_keys(run.run_id), "metric"
-    else:
-        known, what = await store.system_keys(run.run_id), "system key"
+def _check_keys(run_id: str, known: list[str], keys: list[str], table: PointTable = "metrics") -> None:
+    """Each of `keys` among the `known` keys of the run's `table`, else a CommandError naming them."""
+    what = "metric" if table == "metrics" else "system key"
     for key in keys:
         if rows.storable_text(key) not in known:
             listed = f"its {what}s: {_listing(known)}" if known else f"it has no {what}s"
-            raise CommandError(f"run {run.run_id!r} has no {what} {key!r}; {listed}")
+            raise CommandError(f"run {run_id!r} has no {what} {key!r}; {listed}")
 
 
 def page_size(page_rows: int | None) -> int:
@@ -255,23 +258,37 @@ async def read_values(
     keys: str | Iterable[str] | None,
     labels: str | Iterable[str] | None,
     steps: tuple[int | None, int | None] | None = None,
+    exact: bool = False,
 ) -> RunValues:
     """A run's values of `table` (of `labels`, of `keys`: unknown ones are a CommandError that
-    names those there are; at `steps`, values.step_range's), as arrays (Store.values)."""
+    names those there are; at `steps`, values.step_range's), as arrays (Store.values). `exact`:
+    `run_id` is a stored run's whole id (runbus.Api's run has it), not a prefix to look up."""
     in_range = step_range(steps, table)
-    run = await known_run(store, run_id)
+    run_id, lives = await _run_lives(store, run_id, exact)
     chosen_keys = names(keys, "keys")
+    all_keys = await (store.metric_keys(run_id) if table == "metrics" else store.system_keys(run_id))
     if chosen_keys is not None:
-        await _check_keys(store, run, chosen_keys, table)
-    chosen = None if labels is None else _labels(run, labels)
-    all_keys = await (store.metric_keys(run.run_id) if table == "metrics" else store.system_keys(run.run_id))
-    found = await store.values(run.run_id, table, chosen_keys, chosen, in_range)
+        _check_keys(run_id, all_keys, chosen_keys, table)
+    chosen = None if labels is None else _chosen_labels(run_id, list(lives), labels)
+    found = await store.values(run_id, table, chosen_keys, chosen, in_range)
     return RunValues(
         found,
-        sorted((lab.label for lab in run.labels), key=natural_key),
+        sorted(lives, key=natural_key),
         sorted(set(all_keys) | set(found.keys)),
-        _life_column(found, _lives(run)),
+        _life_column(found, lives),
     )
+
+
+async def _run_lives(store: Store, run_id: str, exact: bool) -> tuple[str, dict[str, dict[int, int]]]:
+    """The run's id and its labels' lives: read alone where `run_id` is `exact` (a few ms less
+    than the run's whole record), else from its record (known_run: by a prefix of its id too,
+    and RunNotFound where no run has it)."""
+    if exact:
+        lives = await store.label_lives(run_id)
+        if lives:
+            return run_id, lives
+    run = await known_run(store, run_id)
+    return run.run_id, _lives(run)
 
 
 def _point_table(read: RunValues, table: PointTable) -> pd.DataFrame:
@@ -308,16 +325,17 @@ def category_codes(
     if names == categories:  # every label (or key) of the run read: the codes are already theirs
         return codes.astype(dtype or np.int32, copy=False)
     place = {name: at for at, name in enumerate(categories)}
+    if len(names) == 1:  # one label or key read: every code is its place
+        return np.full(len(codes), place[names[0]], dtype or np.int32)
     remap = np.array([place[name] for name in names], dtype or np.int32)
     return remap[codes] if len(codes) else np.zeros(0, remap.dtype)
 
 
 def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Series:
-    import numpy as np
     import pandas as pd
 
     # Codes as small as pandas keeps them: made so at once, not made int32 and then copied.
-    small = np.int8 if len(categories) < 2**7 else np.int16 if len(categories) < 2**15 else np.int32
+    small = code_type(len(categories))
     return pd.Series(
         pd.Categorical.from_codes(
             category_codes(codes, names, categories, small), categories=pd.Index(categories)
@@ -447,12 +465,16 @@ def micros(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> np.nda
         whole = np.multiply(np.asarray(seconds, dtype=np.float64), 1e6)
     np.rint(whole, out=whole)
     with np.errstate(invalid="ignore"):
-        bad = ~(np.abs(whole) < MAX_MICROSECONDS)  # NaN compares False: bad too
-    whole[bad] = 0
+        # NaN compares False: bad too. Two bounds, not abs(): no column made for it.
+        bad = ~((whole < MAX_MICROSECONDS) & (whole > -MAX_MICROSECONDS))
+    any_bad = bool(bad.any())
+    if any_bad:
+        whole[bad] = 0
     out: np.ndarray = whole.view(np.int64)
     # Converted in place a slice at a time: numpy copies an overlapping source first, so the
     # slice bounds what that costs.
     for at in range(0, len(out), CAST_SLICE):
         out[at : at + CAST_SLICE] = whole[at : at + CAST_SLICE]
-    out[bad] = np.iinfo(np.int64).min
+    if any_bad:
+        out[bad] = np.iinfo(np.int64).min
     return out

@@ -340,7 +340,7 @@ class StoredRun:
 
         return self.api.read(
             lambda store: frames.history_table(
-                store, self.run_id, keys, labels, wide, self.api.page_rows, steps
+                store, self.run_id, keys, labels, wide, self.api.page_rows, steps, exact=True
             )
         )
 
@@ -358,7 +358,9 @@ class StoredRun:
         from runbus.storage.base import point_table
 
         chosen = point_table(table)
-        return self.api.read(lambda store: arrow.arrow_table(store, self.run_id, chosen, keys, labels, steps))
+        return self.api.read(
+            lambda store: arrow.arrow_table(store, self.run_id, chosen, keys, labels, steps, exact=True)
+        )
 
     def system(
         self, keys: str | Iterable[str] | None = None, labels: str | Iterable[str] | None = None
@@ -367,7 +369,9 @@ class StoredRun:
         from runbus.query import frames
 
         return self.api.read(
-            lambda store: frames.system_table(store, self.run_id, keys, labels, self.api.page_rows)
+            lambda store: frames.system_table(
+                store, self.run_id, keys, labels, self.api.page_rows, exact=True
+            )
         )
 
     def logs(

@@ -461,6 +461,12 @@ class Store(RollupReader, Protocol):
         """The metric names logged in a run."""
         ...
 
+    async def label_lives(self, run_id: str) -> dict[str, dict[int, int]]:
+        """Each label of a run with its lives by lease epoch (LabelSummary.lives), read alone:
+        what a table's `life` column needs, without the rest of the run's record; {} where no
+        run has the id (not a prefix)."""
+        ...
+
     async def system_keys(self, run_id: str) -> list[str]:
         """The system sample keys of a run (`gpu.0.util`, `proc.rss_mb` ...), from its rollups."""
         ...

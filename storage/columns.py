@@ -19,7 +19,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeVar, cast
 
 VERSION = 1
 
@@ -123,8 +123,22 @@ def column(encoding: int, payload: bytes) -> bytes:
     return COLUMN.pack(encoding, len(payload)) + payload
 
 
+# A chunk's bytes, or a view of them.
+B = TypeVar("B", bytes, memoryview)
+
+
 def columns(blob: bytes) -> tuple[Bounds, list[tuple[int, bytes]]]:
     """A chunk's bounds and its columns' (encoding, payload), in order."""
+    return _columns(blob, blob)
+
+
+def column_views(blob: bytes) -> tuple[Bounds, list[tuple[int, memoryview]]]:
+    """columns(), the payloads as views of `blob` rather than copies of its bytes (a read
+    decodes them at once: a chunk's values need not be copied to be read)."""
+    return _columns(blob, memoryview(blob))
+
+
+def _columns(blob: bytes, data: B) -> tuple[Bounds, list[tuple[int, B]]]:
     found, parts, at = bounds(blob), [], HEADER.size
     while at < len(blob):
         if at + COLUMN.size > len(blob):
@@ -133,7 +147,7 @@ def columns(blob: bytes) -> tuple[Bounds, list[tuple[int, bytes]]]:
         at += COLUMN.size
         if at + size > len(blob):
             raise FormatError("a column chunk ends inside a column")
-        parts.append((encoding, blob[at : at + size]))
+        parts.append((encoding, data[at : at + size]))
         at += size
     expected = 3 + bool(found.has_steps) + bool(blob[1] & FLAG_STEP_NULLS)
     if len(parts) != expected:
@@ -141,12 +155,22 @@ def columns(blob: bytes) -> tuple[Bounds, list[tuple[int, bytes]]]:
     return found, parts
 
 
+def seqs_column(blob: bytes) -> bytes:
+    """A chunk's seqs column as its bytes stand (encoding, length, payload): two chunks of as
+    many points whose seqs columns are the same bytes hold the same seqs, so a read can tell a
+    key's chunk that holds its clock chunk's seqs without decoding either."""
+    if len(blob) < HEADER.size + COLUMN.size:
+        raise FormatError("a column chunk ends inside its seqs column's header")
+    _, size = COLUMN.unpack_from(blob, HEADER.size)
+    return blob[HEADER.size : HEADER.size + COLUMN.size + size]
+
+
 def smallest(candidates: Sequence[tuple[int, bytes]]) -> tuple[int, bytes]:
     """The (encoding, payload) with the fewest bytes, the earliest of equals."""
     return min(candidates, key=lambda candidate: len(candidate[1]))
 
 
-def inflate(payload: bytes, size: int) -> bytes:
+def inflate(payload: bytes | memoryview, size: int) -> bytes:
     """A zlib payload that must hold exactly `size` bytes."""
     try:
         raw = zlib.decompress(payload)

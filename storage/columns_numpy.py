@@ -32,6 +32,7 @@ from runbus.storage.columns import (
     FormatError,
     checked_count,
     column,
+    column_views,
     columns,
     deflate,
     header,
@@ -86,14 +87,20 @@ def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
 
 
 def _unshuffle(payload: bytes, count: int) -> Words:
-    words = np.zeros((8, count), np.uint8)
-    _put_planes(words, payload, 0, count)
-    return np.ascontiguousarray(words.T).view(_WORD).reshape(count)
+    words = _Planes(count)
+    words.put(payload, 0, count)
+    return words.words
 
 
-def _put_planes(planes: npt.NDArray[np.uint8], payload: bytes, at: int, count: int) -> int:
-    """Puts a payload's planes (as unpack_planes reads them) in `planes` at offset `at`, the
-    stored ones and the inflated ones a block each; returns its mask of kept planes."""
+# A zlib part that inflates to nothing, as pack_planes writes it: known, so never inflated.
+_NOTHING_DEFLATED = deflate(b"", ZLIB_LEVEL)
+
+
+def _planes_of(
+    payload: bytes | memoryview, count: int
+) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]]:
+    """A payload's kept planes (as unpack_planes reads them) as (plane indexes, a block of one
+    row a plane): the stored planes, then the inflated ones; no block for none."""
     if len(payload) < 2:
         raise FormatError("a shuffled column without its plane masks")
     kept, stored = payload[0], payload[1]
@@ -103,13 +110,16 @@ def _put_planes(planes: npt.NDArray[np.uint8], payload: bytes, at: int, count: i
     if len(payload) < 2 + stored_size:
         raise FormatError("a shuffled column ends inside its stored planes")
     packed = kept & ~stored
-    raw = inflate(payload[2 + stored_size :], _PLANES_IN[packed] * count)
+    rest = payload[2 + stored_size :]
+    raw = b"" if not packed and rest == _NOTHING_DEFLATED else inflate(rest, _PLANES_IN[packed] * count)
+    found = []
     if stored_size:
-        block = np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count)
-        planes[_PLANES_OF[stored], at : at + count] = block
+        found.append(
+            (_PLANES_OF[stored], np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count))
+        )
     if raw:
-        planes[_PLANES_OF[packed], at : at + count] = np.frombuffer(raw, np.uint8).reshape(-1, count)
-    return kept
+        found.append((_PLANES_OF[packed], np.frombuffer(raw, np.uint8).reshape(-1, count)))
+    return found
 
 
 def _dod_words(values: Ints) -> Words:
@@ -227,7 +237,7 @@ def _int_column(part: tuple[int, bytes], count: int) -> Ints:
     return _undod_words(_int_words(part, count))
 
 
-def _nulls(parts: list[tuple[int, bytes]], count: int) -> Mask:
+def _nulls(parts: Sequence[tuple[int, bytes | memoryview]], count: int) -> Mask:
     if parts[2][0] != NULL_MASK:
         raise FormatError(f"a null mask column with encoding {parts[2][0]}")
     packed = np.frombuffer(inflate(parts[2][1], (count + 7) // 8), np.uint8)
@@ -264,11 +274,15 @@ def decode_arrays(blob: bytes) -> Arrays:
 def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
     two running sums over all of them at once, each chunk's start set so that the sums start
-    again there (from the segment sums of the chunk before, np.add.reduceat). `words` is reused."""
-    steps = words >> np.uint64(1)
-    words &= np.uint64(1)
-    np.negative(words, out=words)
-    steps ^= words  # the zigzag undone
+    again there (from the segment sums of the chunk before, np.add.reduceat). The values are
+    made in `words`' memory."""
+    if np.count_nonzero(words) * SPARSE_SHARE < len(words):
+        return _undod_sparse(words, starts)
+    low = words & np.uint64(1)
+    np.negative(low, out=low)
+    steps = words
+    steps >>= np.uint64(1)
+    steps ^= low  # the zigzag undone
     # Each chunk's first word is its first value: kept aside, the chunk's deltas start at 0.
     firsts = steps[starts]
     steps[starts] = 0
@@ -279,6 +293,44 @@ def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     _restart_at(steps, starts, firsts)
     np.cumsum(steps, out=steps)
     return steps.view(np.int64)
+
+
+# A column whose words are mostly zero (seqs, steps, counters: their deltas rarely change) is
+# decoded as runs of equal deltas, where fewer than one word in SPARSE_SHARE is not zero.
+SPARSE_SHARE = 8
+
+
+def _undod_sparse(words: Words, starts: Ints) -> Ints:
+    """_undod_segments where few words are not zero: between two of them (or a chunk's first
+    two points) the delta stays the same, so each run of points is a line, its first value and
+    delta found by running sums over the runs alone, and the points made from them at once."""
+    count = len(words)
+    # Where a run starts: at a word that is not zero, and at each chunk's first two points.
+    marks = words != 0
+    marks[starts] = True
+    marks[starts[starts + 1 < count] + 1] = True
+    edges = np.flatnonzero(marks)
+    word = words[edges]
+    step = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))  # the zigzag undone
+    first = np.searchsorted(edges, starts)  # each chunk's first run
+    # The delta of each run: a chunk's first point has none, the others add their step.
+    firsts = step[first]
+    step[first] = 0
+    _restart_at(step, first, np.zeros(len(first), np.uint64))
+    delta = np.cumsum(step, dtype=np.uint64)
+    # The first value of each run: the one before's first, its length less one times its
+    # delta, plus this run's delta; a chunk's first run starts at its first word.
+    lengths = np.diff(np.append(edges, count)).astype(np.uint64)
+    rise = delta.copy()
+    rise[1:] += (lengths[:-1] - np.uint64(1)) * delta[:-1]
+    rise[first] = 0
+    _restart_at(rise, first, firsts)
+    begin = np.cumsum(rise, dtype=np.uint64)
+    # Each point: its run's first value plus its distance into the run times the run's delta.
+    runs = lengths.astype(np.intp)
+    np.multiply(np.arange(count, dtype=np.uint64), np.repeat(delta, runs), out=words)
+    words += np.repeat(begin - edges.astype(np.uint64) * delta, runs)
+    return words.view(np.int64)
 
 
 def _restart_at(words: Words, starts: Ints, values: Words) -> None:
@@ -296,25 +348,36 @@ _LOGGED_INTS = -1
 
 
 class _Planes:
-    """One column of many chunks as byte planes side by side: each chunk's planes go in at its
-    offset, and the words of every chunk come out at once at the end."""
+    """One column of many chunks as words: each chunk's planes are written at its offset
+    straight into the bytes of the words, so the words of every chunk are there at the end with
+    no planes array to turn around. Every word is written (plane 0 as whole words, its other
+    bytes zero; zeros where plane 0 is not kept): the memory need not start zeroed."""
 
-    def __init__(self, total: int) -> None:
-        self.planes = np.zeros((8, total), np.uint8)
-        self.used = 0  # bit k: some chunk has plane k
+    def __init__(self, total: int, out: npt.NDArray[np.generic] | None = None) -> None:
+        # The caller's memory (8 bytes a point) where given: the words, and then the values, go there.
+        self.words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
+        self._bytes = self.words.view(np.uint8).reshape(total, 8)
 
-    def put(self, payload: bytes, at: int, count: int) -> None:
-        self.used |= _put_planes(self.planes, payload, at, count)
+    def zeros(self, at: int, count: int) -> None:
+        """A chunk without this column: zeros."""
+        self.words[at : at + count] = 0
 
-    def words(self) -> Words:
-        used = [index for index in range(8) if self.used >> index & 1]
-        if len(used) > 3:
-            return np.ascontiguousarray(self.planes.T).view(_WORD).reshape(-1)
-        # An integer column keeps a plane or three: shifting those in beats moving all eight.
-        words = np.zeros(self.planes.shape[1], np.uint64)
-        for index in used:
-            words |= self.planes[index].astype(np.uint64) << np.uint64(8 * index)
-        return words
+    def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
+        # The block with plane 0 first: widening it writes every byte of the words.
+        blocks = _planes_of(payload, count)
+        if len(blocks) == 2 and blocks[1][0][0] == 0:  # plane 0 inflated, others stored
+            blocks.reverse()
+        words, rows = self.words[at : at + count], self._bytes[at : at + count]
+        if not blocks or blocks[0][0][0] != 0:
+            words.fill(0)
+        for planes, block in blocks:
+            if planes[0] == 0:
+                words[:] = block[0]  # plane 0 widened: the word's other bytes zero
+                planes, block = planes[1:], block[1:]
+            if len(planes) == 1:
+                rows[:, planes[0]] = block[0]
+            elif len(planes):
+                rows[:, planes] = block.T
 
 
 class _Gathered(NamedTuple):
@@ -328,11 +391,11 @@ class _Gathered(NamedTuple):
     value_encodings: Ints  # a chunk at a time, _LOGGED_INTS for ints
 
 
-def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, bytes]]]]:
+def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, memoryview]]]]:
     """(count, flags, columns) of each chunk that holds points, its encodings checked."""
     found = []
     for blob in blobs:
-        bounds, encoded = columns(blob)
+        bounds, encoded = column_views(blob)
         flags = blob[1]
         if not bounds.points:
             continue
@@ -345,21 +408,34 @@ def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, byte
     return found
 
 
-def _gather(blobs: Sequence[bytes]) -> _Gathered:
+def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> _Gathered:
     found = _parsed(blobs)
     counts = np.array([count for count, _, _ in found], np.int64)
     total = int(counts.sum())
-    seqs, steps, ts, values = _Planes(total), _Planes(total), _Planes(total), _Planes(total)
-    nulls = np.zeros(total, np.bool_)
+    if into is None:
+        seqs, steps, values = _Planes(total), _Planes(total), _Planes(total)
+        ts, nulls = _Planes(total if times else 0), np.zeros(total, np.bool_)
+    else:
+        seqs, steps, values = (
+            _Planes(total, into.seqs),
+            _Planes(total, into.steps),
+            _Planes(total, into.values),
+        )
+        ts = _Planes(total, into.ts) if times else _Planes(0)
+        nulls = into.step_nulls if into.step_nulls is not None else np.zeros(total, np.bool_)
+        nulls.fill(False)
     from_seqs, encodings, at = [], [], 0
     for count, flags, encoded in found:
         seqs.put(encoded[0][1], at, count)
-        ts.put(encoded[-2][1], at, count)
+        if times:
+            ts.put(encoded[-2][1], at, count)
         values.put(encoded[-1][1], at, count)
         encodings.append(_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0])
         from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
         if flags & FLAG_STEPS:
             steps.put(encoded[1][1], at, count)
+        else:
+            steps.zeros(at, count)
         if flags & FLAG_STEP_NULLS:
             nulls[at : at + count] = _nulls(encoded, count)
         elif not flags & FLAG_STEPS:
@@ -367,12 +443,12 @@ def _gather(blobs: Sequence[bytes]) -> _Gathered:
         at += count
     return _Gathered(
         counts,
-        seqs.words(),
-        steps.words(),
+        seqs.words,
+        steps.words,
         np.array(from_seqs, np.bool_),
         nulls,
-        ts.words(),
-        values.words(),
+        ts.words,
+        values.words,
         np.array(encodings, np.int64),
     )
 
@@ -385,6 +461,13 @@ def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
         return _undod_segments(words, starts, counts)
     bits = words  # FLOAT_PLAIN: the bits as they are
     xor = encodings == FLOAT_XOR
+    if xor.all():  # the usual: a running XOR over every chunk, in place
+        np.bitwise_xor.accumulate(words, out=words)
+        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
+        ended = np.zeros(len(counts), np.uint64)
+        ended[1:] = words[starts[1:] - 1]
+        words ^= np.repeat(ended, counts)
+        return words.view(np.float64)
     if xor.any():
         mine = np.repeat(xor, counts)
         part = words[mine]
@@ -406,25 +489,53 @@ def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
     return floats
 
 
-def decode_many(blobs: Sequence[bytes]) -> Arrays:
+def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> Arrays:
     """The points of many chunks, one chunk after another, as one set of arrays: what a read of
     a key across its chunks wants, at a fraction of decode_arrays' cost per chunk. Values are
     int64 where every chunk's were logged as ints, else float64 (ints converted, as a store of
-    float64 values keeps them)."""
-    gathered = _gather(blobs)
+    float64 values keeps them). Without `times`, the ts column is left undecoded (and empty):
+    a store's series chunks hold zeros there, their times are their clock's (decode_times).
+
+    `into`: arrays of as many points as the chunks hold (a step_nulls array, float64 values)
+    where the columns are decoded in place, with no copy: the arrays returned are those."""
+    gathered = _gather(blobs, times, into)
     counts = gathered.counts
     if not len(counts):
+        if into is not None:
+            return into._replace(step_nulls=None, ts=into.ts if times else np.zeros(0, np.int64))
         return Arrays(np.zeros(0, np.int64), np.zeros(0, np.int64), None, np.zeros(0, np.int64), np.zeros(0))
     starts = np.cumsum(counts) - counts
     seqs = _undod_segments(gathered.seqs, starts, counts)
     ts = _undod_segments(gathered.ts, starts, counts) if gathered.ts.any() else gathered.ts.view(np.int64)
     steps = _undod_segments(gathered.steps, starts, counts)
-    if gathered.steps_from_seqs.any():
+    if gathered.steps_from_seqs.all():
+        steps.view(np.uint64)[:] += seqs.view(np.uint64)
+    elif gathered.steps_from_seqs.any():
         relative = np.repeat(gathered.steps_from_seqs, counts)
         steps[relative] = (steps[relative].view(np.uint64) + seqs[relative].view(np.uint64)).view(np.int64)
+    values = _values_of(gathered, starts)
+    if into is not None and values.dtype != into.values.dtype:  # logged as ints, kept as float64
+        np.copyto(into.values, values)
+        values = into.values
     nulls = gathered.nulls
-    steps[nulls] = 0
-    return Arrays(seqs, steps, nulls if nulls.any() else None, ts, _values_of(gathered, starts))
+    if nulls.any():
+        steps[nulls] = 0
+        return Arrays(seqs, steps, nulls, ts, values)
+    return Arrays(seqs, steps, None, ts, values)
+
+
+def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
+    """The ts column alone of many chunks, one chunk after another (decode_many's `ts`): a
+    clock's timestamps, where a read has its seqs already; decoded in `into` where given."""
+    found = _parsed(blobs)
+    counts = np.array([count for count, _, _ in found], np.int64)
+    ts, at = _Planes(int(counts.sum()), into), 0
+    for count, _, encoded in found:
+        ts.put(encoded[-2][1], at, count)
+        at += count
+    if not ts.words.any():
+        return ts.words.view(np.int64)
+    return _undod_segments(ts.words, np.cumsum(counts) - counts, counts)
 
 
 def arrays_of(chunk: Chunk) -> Arrays:

@@ -23,6 +23,7 @@ from runbus.storage.base import (
     Store,
 )
 from runbus.storage.dialect import SQLITE_MEMBER_MISSING, Dialect
+from runbus.storage.rules import lives_of
 from runbus.storage.runlist import RunQuery, config_texts
 from runbus.wire import level_number
 
@@ -44,6 +45,11 @@ RUN_KEYS_SQL = "SELECT key FROM series WHERE run_id = ? ORDER BY key"
 SERIES_ID_SQL = "SELECT id FROM series WHERE run_id = ? AND key = ?"
 LABEL_ID_SQL = "SELECT id FROM labels WHERE run_id = ? AND label = ?"
 LABEL_STARTS_SQL = "SELECT label, start_data FROM labels WHERE run_id = ? ORDER BY label"
+# A run's labels, each with its lease epoch and those of its events seen: their lives.
+LABEL_EPOCHS_SQL = (
+    "SELECT DISTINCT l.label, l.epoch, s.epoch FROM labels l LEFT JOIN seen s ON s.label_id = l.id "
+    "WHERE l.run_id = ?"
+)
 # A label's columns for rows.label_state, of `labels l`.
 LABEL_COLUMNS = (
     "l.id, l.run_id, l.label, l.state, l.exit_code, l.state_epoch, l.state_seq, l.state_ts, "
@@ -342,6 +348,16 @@ async def metric_keys(reader: Fetcher, run_id: str) -> list[str]:
     return [row[0] for row in await reader._fetch(_query(reader, RUN_KEYS_SQL, run_id))]
 
 
+async def label_lives(reader: Fetcher, run_id: str) -> dict[str, dict[int, int]]:
+    found: dict[str, set[int]] = {}
+    for label, epoch, seen in await reader._fetch(_query(reader, LABEL_EPOCHS_SQL, run_id)):
+        epochs = found.setdefault(label, set())
+        epochs.add(epoch)
+        if seen is not None:
+            epochs.add(seen)
+    return {label: lives_of(epochs) for label, epochs in found.items()}
+
+
 async def system_keys(reader: Fetcher, run_id: str) -> list[str]:
     return await metric_keys(reader, rollups.series_run(run_id, "system"))
 
@@ -429,6 +445,7 @@ class SharedReads:
     run_page = run_page
     run_ids = run_ids
     metric_keys = metric_keys
+    label_lives = label_lives
     system_keys = system_keys
     metrics = metrics
     system = system

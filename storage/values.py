@@ -24,8 +24,8 @@ import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
-from runbus.storage.columns import Bounds, bounds
-from runbus.storage.columns_numpy import Floats, Ints, Mask, decode_many
+from runbus.storage.columns import Bounds, bounds, seqs_column
+from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_many, decode_times
 from runbus.storage.rules import natural_key
 
 # A chunk row as a read selects it: (label, key, epoch, first seq, data).
@@ -40,8 +40,14 @@ SLICE_POINTS = 1 << 17  # points decoded together: a read's workings beyond its 
 MIN_SLICE_POINTS = 1 << 14  # a slice smaller than this costs more to hand to a thread than it saves
 DECODE_THREADS = 4  # at most, and no more than the machine's cores
 
-# Label and key codes: places in Values.labels and Values.keys.
-Codes = npt.NDArray[np.int32]
+# Label and key codes: places in Values.labels and Values.keys, in as few bytes as they need
+# (code_type): a table's categoricals keep them so, with no copy.
+Codes = npt.NDArray[np.signedinteger[Any]]
+
+
+def code_type(names: int) -> type[np.signedinteger[Any]]:
+    """The smallest integer type of the codes of `names` names, as pandas' categoricals pick it."""
+    return np.int8 if names < 2**7 else np.int16 if names < 2**15 else np.int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +163,37 @@ def _from_chunks(
     # Each label epoch a group: a point's timestamp is its group's clock's at its seq.
     groups: dict[tuple[str, int], int] = {}
     chunk_group = np.array([groups.setdefault((c[0], c[2]), len(groups)) for c in chunks], np.int64)
-    clock = _Clock.of(clocks, groups, chunks, heads)
+    twins = _twins(chunks, heads, clocks)
+    unmatched = [at for at, twin in enumerate(twins) if twin is None]
+    clock = _Clock.of(clocks, groups, [chunks[at] for at in unmatched], [heads[at] for at in unmatched])
+    found = _columns_of(chunks, counts, label_code, key_code)
+    offsets = np.cumsum(counts) - counts
+
+    def fill(first: int, end: int) -> None:
+        at = slice(int(offsets[first]), int(offsets[end - 1] + counts[end - 1]))
+        ts = found.ts[at]
+        # Decoded where the columns are, with no copy (the series chunks' ts are zeros: not read).
+        into = Arrays(found.seq[at], found.step[at], found.no_step[at], ts.view(np.int64), found.value[at])
+        arrays = decode_many([chunk[4] for chunk in chunks[first:end]], times=False, into=into)
+        if any(twin is None for twin in twins[first:end]):
+            ts[:] = clock.times(chunk_group[first:end], counts[first:end], arrays.seqs)
+        _twin_times(ts, twins[first:end], counts[first:end].tolist())
+
+    _side_by_side(fill, _slices(counts))
+    return found, not _overlapping(chunks, heads)
+
+
+def _columns_of(
+    chunks: list[ChunkPart], counts: Ints, label_code: dict[str, int], key_code: dict[str, int]
+) -> Values:
+    """The columns `chunks` are decoded into: label, key and epoch filled (a chunk's are its
+    points'), the others to be written a slice at a time."""
     total = int(counts.sum())
-    found = Values(
+    return Values(
         [],
         [],
-        np.repeat(np.array([label_code[c[0]] for c in chunks], np.int32), counts),
-        np.repeat(np.array([key_code[c[1]] for c in chunks], np.int32), counts),
+        np.repeat(np.array([label_code[c[0]] for c in chunks], code_type(len(label_code))), counts),
+        np.repeat(np.array([key_code[c[1]] for c in chunks], code_type(len(key_code))), counts),
         np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
         np.empty(total, np.int64),
         np.empty(total, np.int64),
@@ -171,17 +201,47 @@ def _from_chunks(
         np.empty(total, np.float64),
         np.empty(total, np.float64),
     )
-    offsets = np.cumsum(counts) - counts
 
-    def fill(first: int, end: int) -> None:
-        arrays = decode_many([chunk[4] for chunk in chunks[first:end]])
-        at = slice(int(offsets[first]), int(offsets[first]) + len(arrays.seqs))
-        found.seq[at], found.step[at], found.value[at] = arrays.seqs, arrays.steps, arrays.values
-        found.no_step[at] = False if arrays.step_nulls is None else arrays.step_nulls
-        found.ts[at] = clock.times(chunk_group[first:end], counts[first:end], arrays.seqs)
 
-    _side_by_side(fill, _slices(counts))
-    return found, not _overlapping(chunks, heads)
+def _twins(chunks: list[ChunkPart], heads: list[Bounds], clocks: list[ClockPart]) -> list[bytes | None]:
+    """For each chunk, the clock chunk of its label epoch that holds the same seqs (as many
+    points, the seqs column's bytes the same: a key logged at every event of a compaction), or
+    None: its timestamps are then the clock's, point for point, with no seq looked up."""
+    by_start: dict[tuple[str, int, int], tuple[bytes, int]] = {}
+    for label, epoch, data in clocks:
+        head = bounds(data)
+        by_start[label, epoch, head.first_seq] = data, head.points
+    twins: list[bytes | None] = []
+    for chunk, head in zip(chunks, heads, strict=True):
+        data, points = by_start.get((chunk[0], chunk[2], head.first_seq), (b"", 0))
+        same = points == head.points and seqs_column(data) == seqs_column(chunk[4])
+        twins.append(data if same else None)
+    return twins
+
+
+def _twin_times(ts: Floats, twins: list[bytes | None], counts: list[int]) -> None:
+    """The timestamps of a slice's chunks that have a twin clock chunk (_twins), each clock
+    chunk decoded once for the slice, put in `ts` (the slice's)."""
+    places: dict[int, int] = {}  # a clock chunk (by id) -> where its points start in `times`
+    blobs: list[bytes] = []
+    at = 0
+    for twin, count in zip(twins, counts, strict=True):
+        if twin is not None and id(twin) not in places:
+            places[id(twin)] = at
+            blobs.append(twin)
+            at += count
+    if not blobs:
+        return
+    if at == len(ts):  # each chunk a clock chunk of its own, in order (a read of one key): in place
+        decode_times(blobs, ts.view(np.int64))
+        return
+    times = decode_times(blobs).view(np.float64)
+    start = 0
+    for twin, count in zip(twins, counts, strict=True):
+        if twin is not None:
+            source = places[id(twin)]
+            ts[start : start + count] = times[source : source + count]
+        start += count
 
 
 def _overlapping(chunks: list[ChunkPart], heads: list[Bounds]) -> bool:
@@ -202,7 +262,7 @@ def _slices(counts: Ints) -> list[tuple[int, int]]:
     or smaller, down to MIN_SLICE_POINTS, so that a smaller read is still shared by the threads."""
     total = int(counts.sum())
     size = max(MIN_SLICE_POINTS, min(SLICE_POINTS, -(-total // _thread_count())))
-    ends = np.flatnonzero(np.diff(np.cumsum(counts) // size)) + 1
+    ends = np.flatnonzero(np.diff((np.cumsum(counts) - counts) // size)) + 1
     edges = [0, *ends.tolist(), len(counts)]
     return [(first, end) for first, end in pairwise(edges) if end > first]
 
@@ -289,19 +349,20 @@ class _Clock:
             low, high = spans.get(of_chunk, (head.first_seq, head.last_seq))
             spans[of_chunk] = (min(low, head.first_seq), max(high, head.last_seq))
         mine = []
-        for clock in clocks:
+        for clock in clocks if spans else ():  # no chunk to time: no clock chunk decoded
             of = groups.get((clock[0], clock[1]))
+            span = None if of is None else spans.get(of)
             head = bounds(clock[2])
-            if of is None or not head.points:
+            if span is None or not head.points:
                 continue
-            if head.last_seq >= spans[of][0] and head.first_seq <= spans[of][1]:
+            if head.last_seq >= span[0] and head.first_seq <= span[1]:
                 mine.append((of, head.first_seq, head.points, clock[2]))
         mine.sort(key=lambda found: found[:2])
         counts = np.array([n for _, _, n, _ in mine], np.int64)
         seqs, ts = _clock_columns([blob for _, _, _, blob in mine], counts)
         group = np.repeat(np.array([of for of, _, _, _ in mine], np.int64), counts)
-        low = min([head.first_seq for head in heads] + ([int(seqs.min())] if mine else []))
-        high = max([head.last_seq for head in heads] + ([int(seqs.max())] if mine else []))
+        low = min([head.first_seq for head in heads] + ([int(seqs.min())] if mine else []), default=0)
+        high = max([head.last_seq for head in heads] + ([int(seqs.max())] if mine else []), default=0)
         return cls(group, seqs, ts, low, high - low + 1)
 
     def times(self, chunk_group: Ints, counts: Ints, seq: Ints) -> Floats:

@@ -115,6 +115,38 @@ async def test_a_label_epoch_is_compacted_once_its_head_is_full_and_reads_span_b
     assert [p.value for p in loss] == [noisy(s) for s in range(2, total + 2)]
 
 
+async def test_keys_logged_at_every_event_or_some_keep_each_points_timestamp(store: Store) -> None:
+    # "every" is logged at each event of its compaction: its chunks hold their clock chunks' seqs
+    # and take their timestamps point for point; "odd" and "late" (a late event's chunk) look
+    # theirs up by seq. Read alone, together and with other labels, every point keeps its own.
+    ts = {s: 1_700_000_000.5 + s * 0.25 + random.Random(s).random() * 1e-3 for s in range(2, 900)}
+    for label in ("rank0", "rank1"):
+        await store.write([start(1, primary=label == "rank0", label=label)])
+        await store.write(
+            [
+                metric(
+                    s, {"every": float(s), **({"odd": -s} if s % 2 else {})}, step=s, ts=ts[s], label=label
+                )
+                for s in range(2, 800)
+            ]
+        )
+        await store.write([finish(800, label=label)])
+        await store.write([metric(850, {"late": 1.0, "every": 850.0}, step=850, ts=ts[850], label=label)])
+    for keys, labels in (
+        (None, None),
+        (["every"], None),
+        (["odd"], ["rank1"]),
+        (["every", "late"], ["rank0"]),
+    ):
+        found = await store.values(RUN, keys=keys, labels=labels)
+        assert len(found)
+        expected = [bits(ts[s]) for s in found.seq.tolist()]
+        assert [bits(t) for t in found.ts.tolist()] == expected, (keys, labels)
+        if "every" in found.keys:
+            every = found.key == found.keys.index("every")
+            assert found.value[every].tolist() == [float(s) for s in found.seq[every].tolist()]
+
+
 async def test_a_late_event_inside_a_compacted_range_is_read_in_its_place(store: Store) -> None:
     await store.write([start(1, primary=True)])
     await store.write([metric(s, {"loss": float(s)}, step=s) for s in range(2, 600) if s != 300])

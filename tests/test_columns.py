@@ -227,3 +227,60 @@ def test_many_chunks_decode_at_once_as_one_by_one(chunks_: list[Chunk]) -> None:
         assert (
             together.values.view(np.uint64).tolist() == np.array(logged, np.float64).view(np.uint64).tolist()
         )
+
+
+def garbage_arrays(count: int) -> columns_numpy.Arrays:
+    """Arrays of `count` points filled with bytes a decoder must overwrite, every one of them."""
+    noise = np.frombuffer(bytes(range(256)) * (count * 8 // 256 + 1), np.uint8)[: count * 8]
+    return columns_numpy.Arrays(
+        noise.view(np.int64).copy(),
+        noise.view(np.int64).copy(),
+        np.ones(count, np.bool_),
+        noise.view(np.int64).copy(),
+        noise.view(np.float64).copy(),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(chunks(), max_size=6))
+def test_decoding_in_place_and_the_times_alone_give_the_same_columns(chunks_: list[Chunk]) -> None:
+    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    together = columns_numpy.decode_many(blobs)
+    into = garbage_arrays(len(together.seqs))
+    found = columns_numpy.decode_many(blobs, times=False, into=into)
+    assert found.seqs.tolist() == together.seqs.tolist()
+    if len(found.seqs):  # decoded in the memory given
+        assert np.shares_memory(found.seqs, into.seqs) and np.shares_memory(found.values, into.values)
+    assert found.steps.tolist() == together.steps.tolist()
+    nulls = np.zeros(len(together.seqs), np.bool_) if together.step_nulls is None else together.step_nulls
+    assert into.step_nulls is not None and into.step_nulls.tolist() == nulls.tolist()
+    assert (found.step_nulls is None) == (together.step_nulls is None)
+    # In place, values are float64 whatever was logged: a store keeps them so.
+    assert (
+        found.values.view(np.uint64).tolist() == together.values.astype(np.float64).view(np.uint64).tolist()
+    )
+    assert len(found.ts) == 0
+    times = into.ts.copy()
+    assert columns_numpy.decode_times(blobs).tolist() == together.ts.tolist()
+    assert columns_numpy.decode_times(blobs, times).tolist() == together.ts.tolist()
+
+
+# Columns whose delta changes now and then (seqs with gaps, steps, counters): decoded as runs.
+RUNS = st.lists(st.tuples(st.integers(1, 60), st.integers(-(2**63), 2**63 - 1)), min_size=1, max_size=6).map(
+    lambda runs: [delta for length, delta in runs for _ in range(length)]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(INT64, RUNS), min_size=1, max_size=5))
+def test_columns_of_runs_decode_as_the_reference_does(columns_: list[tuple[int, list[int]]]) -> None:
+    chunks_ = []
+    for first, deltas in columns_:
+        seqs = [first]
+        for delta in deltas:
+            seqs.append((seqs[-1] + delta + 2**63) % 2**64 - 2**63)  # int64 wraps
+        chunks_.append(Chunk(seqs, [None] * len(seqs), [0] * len(seqs), list(seqs)))
+    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    found = columns_numpy.decode_many(blobs)
+    expected = [seq for chunk in chunks_ for seq in chunk.seqs]
+    assert found.seqs.tolist() == expected and found.values.tolist() == expected
