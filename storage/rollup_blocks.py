@@ -159,33 +159,30 @@ def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
     size = int.from_bytes(data[1:3], "little")
     raw = np.frombuffer(zlib.decompress(data[3:], -15), dtype=np.uint8)
     present_bytes = (size + 7) // 8
-    order = np.flatnonzero(np.unpackbits(raw[:present_bytes])[:size])
+    order = np.flatnonzero(np.unpackbits(raw[:present_bytes], count=size))
     count = len(order)
     none_bytes = (count + 7) // 8
-    nones = np.unpackbits(
-        raw[present_bytes : present_bytes + none_bytes * len(_NULLABLE)].reshape(-1, none_bytes), axis=1
-    )[:, :count].astype(bool)
     at = present_bytes + none_bytes * len(_NULLABLE)
-    twice = np.unpackbits(raw[at : at + _TWICE_BYTES])[:_FIELDS].astype(bool)
-    at += _TWICE_BYTES
-    kept = np.unpackbits(raw[at : at + _PLANE_BYTES])[:_PLANES].astype(bool)
-    at += _PLANE_BYTES
-    head = raw[at : at + _FIELDS * 8].copy().view(np.int64)
+    # The None marks, the columns differenced twice and the planes kept: one unpacking.
+    bits = np.unpackbits(raw[present_bytes : at + _TWICE_BYTES + _PLANE_BYTES]).view(bool)
+    nones = bits[: none_bytes * 8 * len(_NULLABLE)].reshape(len(_NULLABLE), -1)[:, :count]
+    twice = bits[none_bytes * 8 * len(_NULLABLE) :][:_FIELDS]
+    kept = bits[(at - present_bytes + _TWICE_BYTES) * 8 :][:_PLANES]
+    at += _TWICE_BYTES + _PLANE_BYTES
+    head = raw[at : at + _FIELDS * 8].view(np.int64)
     at += _FIELDS * 8
-    planes = np.zeros((_PLANES, count - 1), dtype=np.uint8)
+    planes = np.zeros((_FIELDS, 8, count - 1), dtype=np.uint8)
     if count > 1:
-        planes[kept] = raw[at:].reshape(-1, count - 1)
-    zigzag = (
-        planes.reshape(_FIELDS, 8, count - 1)
-        .transpose(0, 2, 1)
-        .copy()
-        .view(np.uint64)
-        .reshape(_FIELDS, count - 1)
-    )
-    differences = (zigzag >> np.uint64(1)).view(np.int64) ^ -(zigzag & np.uint64(1)).view(np.int64)
-    differences[twice] = np.cumsum(differences[twice], axis=1)
-    words = np.cumsum(np.concatenate([head[:, None], differences], axis=1), axis=1)
+        planes.reshape(_PLANES, count - 1)[kept] = raw[at:].reshape(-1, count - 1)
+    unsigned = planes.transpose(0, 2, 1).copy().view(np.uint64).reshape(_FIELDS, count - 1)
+    differences = (unsigned >> np.uint64(1)).view(np.int64) ^ -(unsigned & np.uint64(1)).view(np.int64)
+    if twice.any():
+        differences[twice] = np.cumsum(differences[twice], axis=1)
     first, end = (0, count) if wanted is None else np.searchsorted(order, wanted).tolist()
+    words = np.empty((_FIELDS, end), dtype=np.int64)
+    words[:, 0] = head
+    np.cumsum(differences[:, : end - 1], axis=1, out=words[:, 1:])
+    words[:, 1:] += head[:, None]
     return _partials(order[first:end].tolist(), words[:, first:end], nones[:, first:end])
 
 
