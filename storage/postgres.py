@@ -565,15 +565,13 @@ async def _stored_fine_rows(
     (rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites them); and whether
     the run_rollups `slot` was free (it is then this transaction's), tried in the same round trip."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
     rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), rollups.FINE_WIDTH, ROLLUP_SLOT_LOCK, slot)
     for row in rows_:
         if row["kind"] == 1:
             found[tuple(row[2:8])] = list(row[8:21])
-        elif row["kind"] == 2:
-            block: rollup_blocks.BlockKey = tuple(row[2:8])
-            held[block] = rollup_blocks.decode(row[21])
-            found.update(rollup_blocks.stored_rows(block, held[block]))
+    held = rollup_blocks.decoded((*row[2:8], row[21]) for row in rows_ if row["kind"] == 2)
+    for block, places in held.items():
+        found.update(rollup_blocks.stored_rows(block, places))
     return found, held, bool(rows_[0]["held"])
 
 
@@ -614,7 +612,7 @@ async def _stored_blocks(
         "AND b.label_id = u.label_id AND b.epoch = u.epoch AND b.block = u.block OFFSET 0) b",
         *_columns(sorted(keys), 6),
     )
-    return {tuple(row[:6]): rollup_blocks.decode(row[6]) for row in found}
+    return rollup_blocks.decoded(found)
 
 
 async def _take_slot(con: asyncpg.Connection, taken: int) -> int:
@@ -1325,7 +1323,6 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             "AND r.bucket BETWEEN $5::int8 AND $11::int8"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
-        wanted = rollup_blocks.places_of(width)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
@@ -1340,16 +1337,13 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             hi,
         ]
         found = await self._call(lambda con: con.fetch(query, *args))
-        buckets = []
-        for row in found:
-            if row[17] is None:
-                buckets.append(base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17])))
-                continue
-            for at, bucket, part in rollup_blocks.buckets(
-                kind, row[3], rollup_blocks.decode(row[17], wanted)
-            ):
-                if at == width and lo <= bucket <= hi:
-                    buckets.append(base.LabelBucket(row[0], row[1], row[2], bucket, part))
+        blocks = [(row[0], row[1], row[2], row[3], row[17]) for row in found if row[17] is not None]
+        buckets = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, kind, width, lo, hi)]
+        buckets += [
+            base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17]))
+            for row in found
+            if row[17] is None
+        ]
         return buckets
 
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import groupby
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -152,8 +152,22 @@ def _width(differences: np.ndarray) -> np.ndarray:
 
 
 def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
-    """A block's buckets by place, from its data; only those at places [first, end) if `wanted`
-    (places_of: one width's), so a read of one width never builds the others' partials."""
+    """A block's buckets by place, from its data (decode_many of one)."""
+    return decode_many([data], wanted)[0]
+
+
+class _Parsed(NamedTuple):
+    """One block's maps and bytes, as decode_many lays them side by side."""
+
+    order: np.ndarray  # the places present
+    nones: np.ndarray  # (3, count) where lo, hi, last are None
+    twice: np.ndarray  # the columns differenced twice
+    kept: np.ndarray  # the byte planes stored
+    head: np.ndarray  # each column's first word
+    planes: np.ndarray  # the stored planes' bytes
+
+
+def _parsed(data: bytes) -> _Parsed:
     if data[0] != FORMAT:
         raise ValueError(f"a rollup block of format {data[0]}: this runbus reads format {FORMAT}")
     size = int.from_bytes(data[1:3], "little")
@@ -161,41 +175,104 @@ def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
     present_bytes = (size + 7) // 8
     order = np.flatnonzero(np.unpackbits(raw[:present_bytes], count=size))
     count = len(order)
-    none_bytes = (count + 7) // 8
-    at = present_bytes + none_bytes * len(_NULLABLE)
+    none_bits = (count + 7) // 8 * 8
+    at = present_bytes + none_bits // 8 * len(_NULLABLE)
     # The None marks, the columns differenced twice and the planes kept: one unpacking.
     bits = np.unpackbits(raw[present_bytes : at + _TWICE_BYTES + _PLANE_BYTES]).view(bool)
-    nones = bits[: none_bytes * 8 * len(_NULLABLE)].reshape(len(_NULLABLE), -1)[:, :count]
-    twice = bits[none_bytes * 8 * len(_NULLABLE) :][:_FIELDS]
-    kept = bits[(at - present_bytes + _TWICE_BYTES) * 8 :][:_PLANES]
+    nones = bits[: none_bits * len(_NULLABLE)].reshape(len(_NULLABLE), -1)[:, :count]
+    twice = bits[none_bits * len(_NULLABLE) :][:_FIELDS]
+    kept = bits[none_bits * len(_NULLABLE) + _TWICE_BYTES * 8 :][:_PLANES]
     at += _TWICE_BYTES + _PLANE_BYTES
     head = raw[at : at + _FIELDS * 8].view(np.int64)
-    at += _FIELDS * 8
-    planes = np.zeros((_FIELDS, 8, count - 1), dtype=np.uint8)
-    if count > 1:
-        planes.reshape(_PLANES, count - 1)[kept] = raw[at:].reshape(-1, count - 1)
-    unsigned = planes.transpose(0, 2, 1).copy().view(np.uint64).reshape(_FIELDS, count - 1)
+    planes = raw[at + _FIELDS * 8 :]
+    return _Parsed(order, nones, twice, kept, head, planes)
+
+
+def decode_many(datas: Sequence[bytes], wanted: tuple[int, int] | None = None) -> list[Places]:
+    """Blocks' buckets by place, from their data; only those at places [first, end) if `wanted`
+    (places_of: one width's), so a read of one width never builds the others' partials. The
+    blocks side by side in one array, their running sums taken at once: a read of a thousand
+    labels' blocks costs little more per block than inflating it."""
+    if not datas:
+        return []
+    parsed = [_parsed(data) for data in datas]
+    counts = np.array([len(p.order) for p in parsed], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    total = int(counts.sum())
+    planes = np.zeros((_PLANES, total), dtype=np.uint8)
+    twice = np.zeros((_FIELDS, total), dtype=bool)
+    nones = np.zeros((len(_NULLABLE), total), dtype=bool)
+    heads = np.empty((_FIELDS, len(parsed)), dtype=np.int64)
+    for index, (block, start, count) in enumerate(zip(parsed, starts.tolist(), counts.tolist(), strict=True)):
+        # A block's words after its first: planes[:, start] stays zero, its head goes there.
+        if count > 1:
+            planes[block.kept, start + 1 : start + count] = block.planes.reshape(-1, count - 1)
+            twice[block.twice, start + 1 : start + count] = True
+        nones[:, start : start + count] = block.nones
+        heads[:, index] = block.head
+    unsigned = (
+        planes.reshape(_FIELDS, 8, total).transpose(0, 2, 1).copy().view(np.uint64).reshape(_FIELDS, total)
+    )
     differences = (unsigned >> np.uint64(1)).view(np.int64) ^ -(unsigned & np.uint64(1)).view(np.int64)
     if twice.any():
-        differences[twice] = np.cumsum(differences[twice], axis=1)
-    first, end = (0, count) if wanted is None else np.searchsorted(order, wanted).tolist()
-    words = np.empty((_FIELDS, end), dtype=np.int64)
-    words[:, 0] = head
-    np.cumsum(differences[:, : end - 1], axis=1, out=words[:, 1:])
-    words[:, 1:] += head[:, None]
-    return _partials(order[first:end].tolist(), words[:, first:end], nones[:, first:end])
+        summed = np.cumsum(np.where(twice, differences, 0), axis=1)
+        within = summed - np.repeat(summed[:, starts], counts, axis=1)
+        differences = np.where(twice, within, differences)
+    differences[:, starts] = heads
+    summed = np.cumsum(differences, axis=1)
+    words = summed - np.repeat(summed[:, starts] - heads, counts, axis=1)
+    return _partials(parsed, starts, words, nones, wanted)
 
 
-def _partials(order: list[int], words: np.ndarray, nones: np.ndarray) -> Places:
-    """Partials by place from a block's decoded words (13 x places) and None marks."""
-    floats = words.view(np.float64)
-    columns: list[list[Any]] = [(floats[c] if c in _FLOATS else words[c]).tolist() for c in range(_FIELDS)]
-    for row, column in enumerate(_NULLABLE):
-        if nones[row].any():
-            columns[column] = [
-                None if n else v for n, v in zip(nones[row].tolist(), columns[column], strict=True)
-            ]
-    return {place: list(part) for place, part in zip(order, zip(*columns, strict=True), strict=True)}
+def _partials(
+    parsed: list[_Parsed],
+    starts: np.ndarray,
+    words: np.ndarray,
+    nones: np.ndarray,
+    wanted: tuple[int, int] | None,
+) -> list[Places]:
+    """Each block's partials by place (those `wanted`) from the blocks' words (13 x places) and
+    None marks: each partial a list made once, its numbers Python's (an object array's rows)."""
+    spans = []
+    for block, start in zip(parsed, starts.tolist(), strict=True):
+        first, end = (
+            (0, len(block.order)) if wanted is None else np.searchsorted(block.order, wanted).tolist()
+        )
+        spans.append((block.order[first:end].tolist(), start + first, start + end))
+    chosen = np.concatenate([np.arange(a, b) for _, a, b in spans]) if spans else np.zeros(0, np.int64)
+    table = np.empty((len(chosen), _FIELDS), dtype=object)
+    table[:, _INTS] = words[_INTS][:, chosen].T
+    table[:, _FLOATS] = words[_FLOATS][:, chosen].view(np.float64).T
+    missing = nones[:, chosen]
+    if missing.any():
+        for row, column in enumerate(_NULLABLE):
+            table[missing[row], column] = None
+    rows = table.tolist()
+    found: list[Places] = []
+    at = 0
+    for order, _, _ in spans:
+        found.append(dict(zip(order, rows[at : at + len(order)], strict=True)))
+        at += len(order)
+    return found
+
+
+def decoded(rows: Iterable[Sequence[Any]]) -> dict[BlockKey, Places]:
+    """Stored blocks read as rows of BLOCK_COLUMNS (the key, then the data), decoded together."""
+    found = list(rows)
+    keys: list[BlockKey] = [tuple(row[:6]) for row in found]
+    return dict(zip(keys, decode_many([row[6] for row in found]), strict=True))
+
+
+def buckets_in(
+    blocks: Sequence[tuple[Any, Any, Any, int, bytes]], kind: int, width: int, lo: int, hi: int
+) -> Iterator[tuple[Any, Any, Any, int, Partial]]:
+    """The `width` buckets lo..hi of blocks read as (label, epoch, generation, block, data), as
+    (label, epoch, generation, bucket, partial): the blocks decoded together (decode_many)."""
+    decoded = decode_many([row[4] for row in blocks], places_of(width))
+    for (label, epoch, generation, block, _), places in zip(blocks, decoded, strict=True):
+        for at, bucket, part in buckets(kind, block, places):
+            if at == width and lo <= bucket <= hi:
+                yield label, epoch, generation, bucket, part
 
 
 def places_of(width: int) -> tuple[int, int]:

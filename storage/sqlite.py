@@ -540,12 +540,10 @@ def _stored_fine_rows(
             _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), opens), flat
         ):
             found[(row[0], rollups.FINE_WIDTH, *row[1:5])] = rollup_blocks.open_part(row[5:])
-        for row in con.execute(
-            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat
-        ):
-            block: rollup_blocks.BlockKey = tuple(row[:6])
-            held[block] = rollup_blocks.decode(row[6])
-            found.update(rollup_blocks.stored_rows(block, held[block]))
+        read = con.execute(_given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat)
+        held.update(rollup_blocks.decoded(read))
+    for block, places in held.items():
+        found.update(rollup_blocks.stored_rows(block, places))
     return found, held
 
 
@@ -562,8 +560,7 @@ def _stored_blocks(
             "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
             "JOIN label_blocks b USING (key_id, kind, axis, label_id, epoch, block)",
         )
-        for row in con.execute(statement, list(chain.from_iterable(chunk))):
-            found[tuple(row[:6])] = rollup_blocks.decode(row[6])
+        found.update(rollup_blocks.decoded(con.execute(statement, list(chain.from_iterable(chunk)))))
     return found
 
 
@@ -1351,16 +1348,12 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND {where}"
         )
         con = self._db()
-        found = []
         blocks = shape.format(
             columns="r.block, r.data", table="label_blocks", where="r.kind = ? AND r.block BETWEEN ? AND ?"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
-        wanted = rollup_blocks.places_of(width)
-        for label, epoch, generation, block, data in con.execute(blocks, [*args, axis, kind, first, last]):
-            for at, bucket, part in rollup_blocks.buckets(kind, block, rollup_blocks.decode(data, wanted)):
-                if at == width and lo <= bucket <= hi:
-                    found.append(base.LabelBucket(label, epoch, generation, bucket, part))
+        read = con.execute(blocks, [*args, axis, kind, first, last]).fetchall()
+        found = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, kind, width, lo, hi)]
         if width == rollups.FINE_WIDTH:
             opens = shape.format(
                 columns=f"r.bucket, r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}",

@@ -997,6 +997,32 @@ def test_a_block_gives_back_every_bucket_bit_for_bit(places: dict[int, Any]) -> 
         assert [bits_or_same(v) for v in back[place]] == [bits_or_same(v) for v in part]
 
 
+@given(
+    blocks=st.lists(
+        st.dictionaries(
+            st.integers(min_value=0, max_value=rollup_blocks.WIDE_PLACES - 1),
+            st.integers(min_value=-(1 << 62), max_value=1 << 62),
+            min_size=1,
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    width=st.sampled_from(rollups.WIDTHS),
+)
+def test_blocks_decoded_together_are_each_as_decoded_alone(blocks: list[dict[int, int]], width: int) -> None:
+    """decode_many over several blocks (a read of many labels) gives each block's partials, all
+    or one width's, as a block alone gives them."""
+    parts = [
+        {p: [v, 0, 0, v / 3, v / 7, None, float(v), v, v, -v, v * 0.5, 1e9, v] for p, v in b.items()}
+        for b in blocks
+    ]
+    datas = [rollup_blocks.encode(p) for p in parts]
+    assert rollup_blocks.decode_many(datas) == parts
+    first, end = rollup_blocks.places_of(width)
+    wanted = [{p: v for p, v in part.items() if first <= p < end} for part in parts]
+    assert rollup_blocks.decode_many(datas, (first, end)) == wanted
+
+
 def test_every_bucket_has_one_place_in_one_block() -> None:
     """Each width's buckets map to distinct (block, place) pairs, and back."""
     seen = set()
