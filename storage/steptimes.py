@@ -124,9 +124,7 @@ def cells(
     count = len(first)
     if time_key:
         finite = np.isfinite(value)
-        # bincount adds each cell's values in row order, as a running sum would.
-        seconds = np.bincount(ids, np.where(finite, value, 0.0), count)
-        steps = np.bincount(ids, finite, count).astype(np.float64)
+        seconds, steps = _sums(ids, np.where(finite, value, 0.0), count), _sums(ids, finite, count)
     else:
         seconds, steps = _derived(label, epoch, step, ts, ids, count)
     return Cells(label[first], bucket[first], seconds, steps)
@@ -146,9 +144,15 @@ def _derived(
     logged = np.fmax.reduceat(ts, starts)
     label, epoch, step, ids = label[starts], epoch[starts], step[starts], ids[starts]
     follows = np.flatnonzero((label[1:] == label[:-1]) & (epoch[1:] == epoch[:-1])) + 1
-    seconds = np.bincount(ids[follows], np.fmax(0.0, logged[follows] - logged[follows - 1]), count)
-    steps = np.bincount(ids[follows], (step[follows] - step[follows - 1]).astype(np.float64), count)
-    return seconds, steps
+    seconds = _sums(ids[follows], np.fmax(0.0, logged[follows] - logged[follows - 1]), count)
+    return seconds, _sums(ids[follows], step[follows] - step[follows - 1], count)
+
+
+def _sums(ids: Ints, amounts: Any, count: int) -> Floats:
+    """The sum of `amounts` of each of `count` cells (`ids`), added in row order as a running sum
+    would (bincount: not pairwise, so the same float as adding them one by one)."""
+    found: Floats = np.bincount(ids, amounts, count).astype(np.float64, copy=False)
+    return found
 
 
 def times_of(labels: Sequence[str], found: Cells) -> Times:

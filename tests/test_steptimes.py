@@ -95,24 +95,25 @@ def stored(draw: st.DrawFn) -> list[Value]:
     return [(label, epoch, seq, step, ts, value) for seq, (label, epoch, step, ts, value) in enumerate(rows)]
 
 
-def arrays(values: list[Value]) -> tuple[list[str], tuple[np.ndarray, ...]]:
+def array_cells(values: list[Value], time_key: bool, shift: int) -> tuple[list[str], steptimes.Cells]:
+    """The labels of `values` and their cells by the array path."""
     labels = sorted({v[0] for v in values}, key=LABELS.index)
     code = {name: i for i, name in enumerate(labels)}
-    columns = (
+    return labels, steptimes.cells(
         np.array([code[v[0]] for v in values], np.int32),
         np.array([v[1] for v in values], np.int64),
         np.array([v[3] for v in values], np.int64),
         np.array([v[4] for v in values], np.float64),
         np.array([v[5] for v in values], np.float64),
+        time_key,
+        shift,
     )
-    return labels, columns
 
 
 @settings(max_examples=300, deadline=None)
 @given(stored(), st.booleans(), st.integers(0, 3))
 def test_the_cells_and_times_are_the_definitions(values: list[Value], time_key: bool, shift: int) -> None:
-    labels, columns = arrays(values)
-    cells = steptimes.cells(*columns, time_key, shift)
+    labels, cells = array_cells(values, time_key, shift)
     found = {
         (labels[c], b): [s, n]
         for c, b, s, n in zip(
@@ -164,3 +165,13 @@ def test_the_tally_counts_a_long_read_in_blocks_as_in_one() -> None:
     reference = ReferenceTally()
     reference.count(times)
     assert whole.lost == reference.lost
+
+
+@settings(max_examples=200, deadline=None)
+@given(TABLE, st.integers(1, 25))
+def test_each_labels_latest_steps_are_its_last_ones(times: dict[str, dict[int, float]], count: int) -> None:
+    expected = {
+        label: {s: steps[s] for s in sorted(steps)[-count:]} for label, steps in times.items() if steps
+    }
+    found = Times.of(times).latest(count).by_label()
+    assert repr(found) == repr(expected)  # NaN times compare by their text
