@@ -101,8 +101,10 @@ class HealthKeeper:
             log.debug("heartbeats not kept: %s", exc)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Judge every live run each interval until `stop`; while the store fails (locked, away),
-        less and less often: the batches' writes, in the store's one thread too, come first."""
+        """Judge every live run each interval until `stop`, and sooner (SOONEST after the last
+        check at the soonest) once a stored batch brought steps of a run's stragglers' key; while
+        the store fails (locked, away), less and less often: the batches' writes, in the store's
+        one thread too, come first."""
         wait = self.interval
         while not stop.is_set():
             self._steps_arrived.clear()

@@ -1,15 +1,19 @@
 """The detector's straggler read (ingester/findings.py over storage/steptimes.py) on each backend:
 re-read as a stored batch brings steps of its key, counted from the tally's last step on, to the
-same seconds lost as one read of the whole run; not re-read before it is due otherwise."""
+same seconds lost as one read of the whole run; not re-read before it is due otherwise; and the
+detector checks the run soon after such a batch instead of at its interval."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from runbus.ingester.findings import FindingsReader
+from runbus.ingester.health import HealthKeeper
 from runbus.storage import steptimes
 from runbus.storage.stragglers import Tally
 from runbus.wire import Event
+from tests.helpers import wait_for_async
 
 NOW = 1_800_000_000.0
 KEY = "perf/compute_s"
@@ -49,3 +53,30 @@ async def test_the_stragglers_are_re_read_as_their_steps_arrive_and_counted_from
     whole.count(await steptimes.read(store, run_id, KEY, True, 20, since=0))
     assert found.tally.lost == whole.lost and found.tally.last == whole.last
     assert found.stragglers[0]["lost_s"] == round(whole.lost["rank1"], 3) > 0.025 * 60 * 0.9
+
+
+async def test_the_detector_checks_a_run_soon_after_a_batch_brings_steps_not_at_its_interval(store):
+    run_id, rng = "soon", random.Random(6)
+    await store.write(
+        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
+    )
+    await store.write(steps_of(run_id, 0, 4, rng))  # too few steps to name anyone
+    keeper = HealthKeeper(store, interval=600.0)  # without the steps, no check for 10 minutes
+    stop = asyncio.Event()
+    task = asyncio.create_task(keeper.run(stop))
+    try:
+        await wait_for_async("the first check", lambda: run_id in keeper.live)
+        assert await named(store, run_id) == []
+        later = steps_of(run_id, 5, 29, rng)
+        await store.write(later)
+        await keeper.note(later)
+        found = await wait_for_async("rank1 named", lambda: named(store, run_id), timeout=10.0)
+        assert found == [("rank1", "chronic", 29)]
+    finally:
+        stop.set()
+        await task
+
+
+async def named(store, run_id: str) -> list[tuple[str, str, int]]:
+    health = await store.health(run_id) or {}
+    return [(s["label"], s["kind"], s["step"]) for s in health.get("stragglers") or []]
