@@ -3,7 +3,9 @@
 its anomalies (first NaN/inf values, labels that left the cross-rank band).
 
 The stragglers are re-read whenever this worker stored new steps of their key since the last
-read, and at least every `steps_every` seconds (another worker may store them): a read takes only
+read (or of any key while the run has no better key than a derived one: `perf/compute_s` comes
+from a run's second step on), and at least every `steps_every` seconds (another worker may store
+them): a read takes only
 the steps since the tally's last counted one and each label's last WINDOW, as arrays, so a slow
 rank is named a few of its steps after the rules could. The NaN/inf search at most every `every`
 seconds per run; the band leavers at most every `band_every` seconds (they read every label's
@@ -69,6 +71,13 @@ def _source(keys: list[str]) -> tuple[str, bool] | None:
     return (plain[0], False) if plain else None
 
 
+def _choose_source(found: Findings, keys: list[str]) -> None:
+    """Read the run's step times from the best of `keys` (counted afresh from a better key)."""
+    source = _source(keys)
+    if source is not None and source[0] != found.source:
+        found.source, found.time_key, found.tally = source[0], source[1], Tally()
+
+
 class FindingsReader:
     """Reads each live run's stragglers (as their steps arrive, at least every `steps_every`
     seconds) and anomalies (at most every `every` seconds) for the detector; forgets the runs no
@@ -84,18 +93,20 @@ class FindingsReader:
         self._runs: dict[str, Findings] = {}
 
     def note(self, events: Sequence[Event]) -> bool:
-        """Note the runs whose stragglers' key `events` (a stored batch) brought steps of: their
-        stragglers are due. Whether there were any."""
-        sources = {run_id: found.source for run_id, found in self._runs.items() if found.source}
+        """Note the runs whose stragglers `events` (a stored batch) may change: steps of their
+        key, or of any key while they have none or a key worse than the best (it may have come
+        now); their stragglers are due. Whether there were any."""
+        sources = {run_id: found.source for run_id, found in self._runs.items()}
         if not sources:
             return False
+        best = TIME_KEYS[0]
         runs = {
             event.run
             for event in events
             if event.kind == "metric"
             and event.step is not None
-            and (key := sources.get(event.run)) is not None
-            and key in event.data
+            and event.run in sources
+            and ((key := sources[event.run]) != best or key in event.data)
         }
         for run_id in runs:
             self._runs[run_id].arrived = True
@@ -136,11 +147,11 @@ class FindingsReader:
             found.band_leavers = await outliers(self.store, run_id, keys)
         nans = await non_finite(self.store, run_id, keys)
         found.anomalies = [a.document() for a in in_order([*nans, *found.band_leavers])]
-        source = _source(keys)
-        if source is not None and source[0] != found.source:  # a better key logged: count afresh
-            found.source, found.time_key, found.tally = source[0], source[1], Tally()
+        _choose_source(found, keys)
 
     async def _read_stragglers(self, run_id: str, found: Findings) -> None:
+        if found.source != TIME_KEYS[0]:  # a better key may have come since the keys were read
+            _choose_source(found, await self.store.metric_keys(run_id))
         if found.source is None:
             return
         key, time_key = found.source, found.time_key

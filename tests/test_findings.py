@@ -80,3 +80,20 @@ async def test_the_detector_checks_a_run_soon_after_a_batch_brings_steps_not_at_
 async def named(store, run_id: str) -> list[tuple[str, str, int]]:
     health = await store.health(run_id) or {}
     return [(s["label"], s["kind"], s["step"]) for s in health.get("stragglers") or []]
+
+
+async def test_a_better_key_logged_later_is_read_from_the_batch_that_brings_it(store):
+    # watch() logs perf/compute_s from a run's second step on: a first read may find the loss only.
+    run_id, rng = "better", random.Random(7)
+    await store.write(
+        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
+    )
+    await store.write([Event(run_id, label, "metric", 1, 2, NOW, {"loss": 1.0}, 0) for label in LABELS])
+    reader = FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+    assert (await reader.read(run_id, {})).source == "loss"
+    later = steps_of(run_id, 1, 30, rng)
+    await store.write(later)
+    assert reader.note(later)
+    found = await reader.read(run_id, {})
+    assert found.source == KEY and found.time_key
+    assert [(s["label"], s["kind"], s["step"]) for s in found.stragglers] == [("rank1", "chronic", 30)]
