@@ -10,8 +10,9 @@ reads its health from the store every POLL_S seconds (as bench/faults.py does), 
 the final verdict: for each label the step (0-based, of the run, from its first logged step) of
 the first verdict that names it a chronic straggler (the entry's `step`: the last step judged).
 
-The detector re-reads a run's values at most every 2 s (ingester/findings.py), so a live verdict
-comes some steps after the rules could have named the rank. To tell the two apart the bench also
+The detector re-reads a run's step times as their steps are stored, at most every 0.25 s
+(ingester/health.py SOONEST), so a live verdict comes a few steps after the rules could have
+named the rank (ingest's own delay among them). To tell the two apart the bench also
 replays the stored perf/compute_s through the same rules (storage/stragglers.py), step by step:
 the first step at which the rules, given only the values up to it, name each label.
 
@@ -42,7 +43,8 @@ from typing import Any
 import orjson
 from common import emit, live_store, median, percentile
 
-from runbus.storage import charts
+from runbus.storage import steptimes
+from runbus.storage.steptimes import Times
 from runbus.storage.stragglers import MAD_SCALE, StepTimes, Tally, find, latest, ratios
 from tests.integration_runs import clean_env
 from tests.rank_processes import watch_job
@@ -50,8 +52,8 @@ from tests.rank_processes import watch_job
 KEY = "perf/compute_s"
 WAIT_KEY = "perf/comm_wait_s"
 WITHIN = 20  # the issue's target: named within 20 steps
-# Steps allowed on top for the live verdict: the detector re-reads a run's values at most every
-# 2 s, plus ingest and the bench's poll; at this bench's ~0.1-0.2 s steps that is up to 20 steps.
+# Steps allowed on top for the live verdict: ingest, the detector's next check (at most every
+# 0.25 s once steps arrive) and the bench's poll; `named_within_20` holds the live verdict to 20.
 WARMUP = 20
 TARGET = 0.99  # precision and recall
 LOST_TOLERANCE = 0.10  # lost_s within 10% of the injected truth
@@ -101,7 +103,7 @@ def replayed(times: Mapping[str, Mapping[int, float]]) -> dict[str, dict[str, An
     named: dict[str, dict[str, Any]] = {}
     for step in sorted({s for steps in times.values() for s in steps}):
         upto = {label: {s: t for s, t in steps.items() if s <= step} for label, steps in times.items()}
-        for entry in find(StepTimes(KEY, False, latest(upto), {}), {}):
+        for entry in find(StepTimes(KEY, False, latest(Times.of(upto)), {}), {}):
             if entry["kind"] == "chronic":
                 seen = named.setdefault(entry["label"], {"first": step, "steps_named": 0, "behind_max": 0.0})
                 seen["steps_named"] += 1
@@ -143,8 +145,8 @@ async def trial(
         if job.poll() is None:
             job.kill()
         job.wait(60)
-    times = await charts.step_times(store, run_id, KEY, True, 10**6, since=0)
-    waits = await charts.step_times(store, run_id, WAIT_KEY, True, 10**6, since=0)
+    times = (await steptimes.read(store, run_id, KEY, True, 10**6, since=0)).by_label()
+    waits = (await steptimes.read(store, run_id, WAIT_KEY, True, 10**6, since=0)).by_label()
     if args.times:
         keep(args.times, {"index": index, "slow": label, "times": times, "waits": waits})
     return {
@@ -184,7 +186,7 @@ def outcome(
 ) -> dict[str, Any]:
     """What a trial found: live and replayed naming, noise, and lost_s against the truth."""
     measured = Tally()
-    measured.count(times)
+    measured.count(Times.of(times))
     rules = replayed(times)
     for name, found in rules.items():
         found["measured_excess_s"] = round(measured.lost.get(name, 0.0), 3)

@@ -1,8 +1,14 @@
 """What the health detector reads of a live run's metrics besides its heartbeats: its stragglers
 (from each label's compute or step times, the time lost to each counted as the steps come in) and
-its anomalies (first NaN/inf values, labels that left the cross-rank band), re-read at most
-every `every` seconds per run (they change only as steps are stored, and a read costs more than
-the heartbeats' one); the band leavers at most every `band_every` seconds (they read every label's
+its anomalies (first NaN/inf values, labels that left the cross-rank band).
+
+The stragglers are re-read whenever this worker stored new steps of their key since the last
+read (or of any key while the run has no better key than a derived one: `perf/compute_s` comes
+from a run's second step on), and at least every `steps_every` seconds (another worker may store
+them): a read takes only
+the steps since the tally's last counted one and each label's last WINDOW, as arrays, so a slow
+rank is named a few of its steps after the rules could. The NaN/inf search at most every `every`
+seconds per run; the band leavers at most every `band_every` seconds (they read every label's
 128-step rollups, and a departure shows only once two of its 128-step buckets are closed)."""
 
 from __future__ import annotations
@@ -10,17 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from runbus.errors import StoreError
-from runbus.storage import charts
+from runbus.storage import steptimes
 from runbus.storage.anomalies import Anomaly, in_order, non_finite
 from runbus.storage.base import Store
 from runbus.storage.outliers import outliers
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
+from runbus.wire import Event
 
 log = logging.getLogger("runbus.ingester")
 
@@ -38,13 +45,17 @@ FIGURED = 5  # stragglers given figures at most, the first
 class Findings:
     """One run's stragglers and anomalies as last read, and the running tally of lost time."""
 
-    read_at: float = 0.0
+    read_at: float = -math.inf
+    steps_read_at: float = -math.inf
+    # Whether this worker stored steps of the stragglers' key since they were read.
+    arrived: bool = False
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     band_read_at: float = -math.inf
     band_leavers: list[Anomaly] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
-    source: str | None = None
+    source: str | None = None  # the key the step times come from
+    time_key: bool = False  # whether its values are the times
     # Each label's latest heartbeat seen (an ended run's last verdict still says where it ran).
     beats: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -60,15 +71,46 @@ def _source(keys: list[str]) -> tuple[str, bool] | None:
     return (plain[0], False) if plain else None
 
 
-class FindingsReader:
-    """Reads each live run's stragglers and anomalies for the detector, at most every `every`
-    seconds per run; forgets the runs no longer live."""
+def _choose_source(found: Findings, keys: list[str]) -> None:
+    """Read the run's step times from the best of `keys` (counted afresh from a better key)."""
+    source = _source(keys)
+    if source is not None and source[0] != found.source:
+        found.source, found.time_key, found.tally = source[0], source[1], Tally()
 
-    def __init__(self, store: Store, every: float = 2.0, band_every: float = 10.0) -> None:
+
+class FindingsReader:
+    """Reads each live run's stragglers (as their steps arrive, at least every `steps_every`
+    seconds) and anomalies (at most every `every` seconds) for the detector; forgets the runs no
+    longer live."""
+
+    def __init__(
+        self, store: Store, every: float = 2.0, band_every: float = 10.0, steps_every: float = 1.0
+    ) -> None:
         self.store = store
         self.every = every
         self.band_every = band_every
+        self.steps_every = steps_every
         self._runs: dict[str, Findings] = {}
+
+    def note(self, events: Sequence[Event]) -> bool:
+        """Note the runs whose stragglers `events` (a stored batch) may change: steps of their
+        key, or of any key while they have none or a key worse than the best (it may have come
+        now); their stragglers are due. Whether there were any."""
+        sources = {run_id: found.source for run_id, found in self._runs.items()}
+        if not sources:
+            return False
+        best = TIME_KEYS[0]
+        runs = {
+            event.run
+            for event in events
+            if event.kind == "metric"
+            and event.step is not None
+            and event.run in sources
+            and ((key := sources[event.run]) != best or key in event.data)
+        }
+        for run_id in runs:
+            self._runs[run_id].arrived = True
+        return bool(runs)
 
     def forget_others(self, live: set[str]) -> None:
         """Drop what is kept of runs not in `live`."""
@@ -78,35 +120,42 @@ class FindingsReader:
     async def read(
         self, run_id: str, beats: Mapping[str, Mapping[str, Any] | None], fresh: bool = False
     ) -> Findings:
-        """The run's findings, re-read if older than `every` seconds (or `fresh`: an ended run's)."""
+        """The run's findings, each part re-read when due (all of them if `fresh`: an ended run's)."""
         found = self._runs.setdefault(run_id, Findings())
         found.beats.update((label, beat) for label, beat in beats.items() if beat)
         now = time.monotonic()
-        if now - found.read_at < self.every and not fresh:
+        anomalies = fresh or now - found.read_at >= self.every
+        steps = anomalies or found.arrived or now - found.steps_read_at >= self.steps_every
+        if not steps:
             return found
-        found.read_at = now
         try:
-            await self._read(run_id, found, fresh)
+            if anomalies:
+                found.read_at = now
+                await self._read_anomalies(run_id, found, fresh)
+            found.steps_read_at, found.arrived = now, False
+            await self._read_stragglers(run_id, found)
         except StoreError:
             raise  # the detector's tick is skipped, as for its other reads
         except Exception:  # a bug here must neither stop ingest nor the stall detector: kept as read
             log.exception("run %s: stragglers and anomalies not read", run_id)
         return found
 
-    async def _read(self, run_id: str, found: Findings, fresh: bool) -> None:
+    async def _read_anomalies(self, run_id: str, found: Findings, fresh: bool) -> None:
         keys = await self.store.metric_keys(run_id)
         if fresh or found.read_at - found.band_read_at >= self.band_every:
             found.band_read_at = found.read_at
             found.band_leavers = await outliers(self.store, run_id, keys)
         nans = await non_finite(self.store, run_id, keys)
         found.anomalies = [a.document() for a in in_order([*nans, *found.band_leavers])]
-        source = _source(keys)
-        if source is None:
+        _choose_source(found, keys)
+
+    async def _read_stragglers(self, run_id: str, found: Findings) -> None:
+        if found.source != TIME_KEYS[0]:  # a better key may have come since the keys were read
+            _choose_source(found, await self.store.metric_keys(run_id))
+        if found.source is None:
             return
-        key, time_key = source
-        if key != found.source:  # the run began logging a better key: count afresh
-            found.source, found.tally = key, Tally()
-        times = await charts.step_times(self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1)
+        key, time_key = found.source, found.time_key
+        times = await steptimes.read(self.store, run_id, key, time_key, WINDOW, since=found.tally.done + 1)
         found.tally.count(times)
         step_times = StepTimes(key, not time_key, latest(times), found.tally.lost)
         found.stragglers = find(step_times, found.beats)

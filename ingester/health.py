@@ -33,6 +33,10 @@ LAST_LINES = 10
 ALERT_TIMEOUT = 60.0  # an --on-alert command running longer is killed
 # Seconds between health checks while the store fails, doubled from the first to the last.
 STORE_FAILING_WAIT, STORE_FAILING_WAIT_MAX = 5.0, 60.0
+# Seconds from one health check to the next at least, when a stored batch brought steps of a run's
+# stragglers' key before the interval is up: at 0.13 s steps a 1 s interval is up to 8 steps
+# late, and a slow rank is named within 20 steps of the run's start (bench/stragglers.py).
+SOONEST = 0.25
 
 
 def process_state(pid: object) -> str | None:
@@ -79,11 +83,15 @@ class HealthKeeper:
         self._host = socket.gethostname()
         self._commands: set[asyncio.Task[None]] = set()
         self.findings = FindingsReader(store)
+        self._steps_arrived = asyncio.Event()
         # Each live run's latest health object, for the ops endpoint's gauges.
         self.live: dict[str, dict[str, Any]] = {}
 
     async def note(self, events: Sequence[Event]) -> None:
-        """Keep the latest heartbeat of each label among `events` (a stored batch)."""
+        """Keep the latest heartbeat of each label among `events` (a stored batch); where it
+        brought steps of a run's stragglers' key, check that run's health soon."""
+        if self.findings.note(events):
+            self._steps_arrived.set()
         beats = [event for event in events if event.kind == "heartbeat"]
         if not beats:
             return
@@ -93,20 +101,35 @@ class HealthKeeper:
             log.debug("heartbeats not kept: %s", exc)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Judge every live run each interval until `stop`; while the store fails (locked, away),
-        less and less often: the batches' writes, in the store's one thread too, come first."""
+        """Judge every live run each interval until `stop`, and sooner (SOONEST after the last
+        check at the soonest) once a stored batch brought steps of a run's stragglers' key; while
+        the store fails (locked, away), less and less often: the batches' writes, in the store's
+        one thread too, come first."""
         wait = self.interval
         while not stop.is_set():
+            self._steps_arrived.clear()
             try:
                 await self.tick()
                 wait = self.interval
             except StoreError as exc:
                 wait = min(STORE_FAILING_WAIT_MAX, max(STORE_FAILING_WAIT, wait * 2))
                 log.debug("health check skipped (next in %.0fs): %s", wait, exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            await self._rest(stop, wait, soon=wait == self.interval)
         if self._commands:
             await asyncio.wait(self._commands, timeout=ALERT_TIMEOUT)
+
+    async def _rest(self, stop: asyncio.Event, wait: float, soon: bool) -> None:
+        """Until `stop` or `wait` seconds; with `soon`, until steps arrive too (SOONEST at least)."""
+        deadline = time.monotonic() + wait
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), min(wait, SOONEST) if soon else wait)
+        left = deadline - time.monotonic()
+        if stop.is_set() or left <= 0 or self._steps_arrived.is_set():
+            return
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._steps_arrived.wait())]
+        await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in waits:
+            waiting.cancel()
 
     async def tick(self) -> int:
         """Judge every run the store lists as live once; how many changes this worker recorded."""

@@ -17,7 +17,9 @@ from itertools import pairwise
 from operator import itemgetter
 from typing import Literal
 
-from runbus.storage import rollups
+import numpy as np
+
+from runbus.storage import rollups, steptimes
 from runbus.storage.base import (
     ALL_LINES_UP_TO,
     DEFAULT_HEAT_BUCKETS,
@@ -683,8 +685,7 @@ async def _straggler_cells(
         values = await _stored_values(reader, run_id, key, STEP_AXIS, lo, hi, total)
         # Whatever steps were logged, a bucket is a run of consecutive steps (as in the rollups).
         width = exact_width(buckets + 1, hi - lo + 1, buckets)
-        cells = _value_cells(values, _shift(width)) if time_key else _derived_cells(values, _shift(width))
-        return width, cells
+        return width, _value_cells(values, time_key, _shift(width))
     width = choose_width(hi - lo + 1, buckets)
     first, last = lo >> _shift(width), hi >> _shift(width)
     rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
@@ -705,30 +706,30 @@ def _step_times(
     return times
 
 
-async def step_times(
-    reader: RollupReader, run_id: str, key: str, time_key: bool, recent: int, since: int | None = None
-) -> dict[str, dict[int, float]]:
-    """Each label's time per step at each step it logged `key` (as `stragglers` reads them, a
-    step per bucket), from step `since` on, and at least its last `recent` logged steps (as far
-    as the key's spacing tells): the health detector's read (runbus.storage.stragglers)."""
-    extent = await reader.key_extent(run_id, key)
-    spans = extent.axis_spans(STEP_AXIS) if extent is not None else []
-    if extent is None or not spans:
-        return {}
-    lo, hi = min(s.x_lo for s in spans), max(s.x_hi for s in spans)
-    total = sum(s.n for s in spans)
-    per_label = max(1, total // max(1, extent.labels.get(STEP_AXIS, 1)))
-    gap = max(1, (hi - lo + 1) // per_label)
-    start = max(lo, hi - (recent + 1) * gap)
-    if since is not None:
-        start = max(lo, min(start, since))
-    values = await _stored_values(reader, run_id, key, STEP_AXIS, start, hi, total)
-    cells = _value_cells(values, 0) if time_key else _derived_cells(values, 0)
-    times: dict[str, dict[int, float]] = {}
-    for (label, step), (amount, steps) in cells.items():
-        if steps > 0:
-            times.setdefault(label, {})[step] = amount / steps
-    return times
+def _value_cells(values: Sequence[Value], time_key: bool, shift: int) -> dict[tuple[str, int], list[float]]:
+    """Stragglers' cells from stored values (runbus.storage.steptimes.cells)."""
+    labels = sorted({value[0] for value in values})
+    code = {label: i for i, label in enumerate(labels)}
+    columns = list(zip(*values, strict=True)) or [()] * 6
+    found = steptimes.cells(
+        np.fromiter((code[label] for label in columns[0]), np.int32, len(values)),
+        np.array(columns[1], np.int64),
+        np.array(columns[3], np.int64),
+        np.array(columns[4], np.float64),
+        np.array(columns[5], np.float64),
+        time_key,
+        shift,
+    )
+    return {
+        (labels[c], bucket): [seconds, steps]
+        for c, bucket, seconds, steps in zip(
+            found.label.tolist(),
+            found.bucket.tolist(),
+            found.seconds.tolist(),
+            found.steps.tolist(),
+            strict=True,
+        )
+    }
 
 
 def _rollup_cells(rows: Iterable[LabelBucket], time_key: bool) -> dict[tuple[str, int], list[float]]:
@@ -746,35 +747,6 @@ def _rollup_cells(rows: Iterable[LabelBucket], time_key: bool) -> dict[tuple[str
         elif part[X_HI] > part[X_LO]:
             cell[0] += part[TS_HI] - part[TS_LO]
             cell[1] += part[X_HI] - part[X_LO]
-    return cells
-
-
-def _value_cells(values: Iterable[Value], shift: int) -> dict[tuple[str, int], list[float]]:
-    """Stragglers' cells from stored step times: each bucket's finite values' sum and count."""
-    cells: dict[tuple[str, int], list[float]] = {}
-    for label, _, _, x, _, value in values:
-        cell = cells.setdefault((label, x >> shift), [0.0, 0.0])
-        if value - value == 0:
-            cell[0] += value
-            cell[1] += 1
-    return cells
-
-
-def _derived_cells(values: Iterable[Value], shift: int) -> dict[tuple[str, int], list[float]]:
-    """Stragglers' cells from when a key was logged: between each two steps a label epoch logged
-    one after the other, the seconds and the steps, in the bucket of the later step (so a bucket
-    of one step has a time too; a label epoch's first step has none)."""
-    logged: dict[tuple[str, int], dict[int, float]] = {}
-    cells: dict[tuple[str, int], list[float]] = {}
-    for label, epoch, _, x, ts, _ in values:
-        steps = logged.setdefault((label, epoch), {})
-        steps[x] = max(ts, steps.get(x, ts))
-        cells.setdefault((label, x >> shift), [0.0, 0.0])
-    for (label, _), steps in logged.items():
-        for (before, then), (step, now) in pairwise(sorted(steps.items())):
-            cell = cells.setdefault((label, step >> shift), [0.0, 0.0])
-            cell[0] += max(0.0, now - then)
-            cell[1] += step - before
     return cells
 
 

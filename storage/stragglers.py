@@ -19,6 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from runbus.storage.columns_numpy import Floats, Ints, Mask
+from runbus.storage.steptimes import Times
+
 WINDOW = 20  # values per label the chronic rule looks at
 # Fewer values than this name no chronic straggler: half the window, so a median is never decided
 # by a handful of values. A run's first steps are uneven (DDP's first iteration, ranks still
@@ -46,9 +51,9 @@ class StepTimes:
     lost: Mapping[str, float] = field(default_factory=dict)
 
 
-def latest(times: Mapping[str, Mapping[int, float]], count: int = WINDOW) -> dict[str, dict[int, float]]:
+def latest(times: Times, count: int = WINDOW) -> dict[str, dict[int, float]]:
     """Each label's last `count` steps of `times`."""
-    return {label: {s: steps[s] for s in sorted(steps)[-count:]} for label, steps in times.items()}
+    return times.latest(count).by_label()
 
 
 def _at(times: Mapping[str, Mapping[int, float]], step: int) -> dict[str, float]:
@@ -128,21 +133,92 @@ class Tally:
     last: dict[str, int] = field(default_factory=dict)
     lost: dict[str, float] = field(default_factory=dict)
 
-    def count(self, times: Mapping[str, Mapping[int, float]]) -> None:
-        """Count the steps of `times` (label -> step -> seconds per step) after `done` up to the
-        last step every label of `times` has reached (a later one may still lack values)."""
-        upto = min((max(steps) for steps in times.values() if steps), default=self.done)
-        for step in sorted({s for steps in times.values() for s in steps if self.done < s <= upto}):
-            have = _at(times, step)
-            medians = medians_of_others(have) if len(have) >= 2 else {}
-            for label, mine in have.items():
-                covered = step - self.last.get(label, -1)
-                self.last[label] = step
-                if len(have) < 2:
-                    continue
-                others = medians[label]
-                self.lost[label] = self.lost.get(label, 0.0) + max(0.0, mine - others) * covered
+    def count(self, times: Times, block: int = 0) -> None:
+        """Count the steps of `times` after `done` up to the last step every label of `times` has
+        reached (a later one may still lack values): at each, each label with a finite time loses
+        the others' waiting, its time above the median of the others' (at least two labels),
+        times the steps since its previous one. `block`: steps x labels counted at once, at most
+        (BLOCK_CELLS if 0)."""
+        if not len(times):
+            return
+        upto = int(times.last_steps().min())
+        fresh = times.take((times.step > self.done) & (times.step <= upto))
+        if len(fresh):
+            steps, row = np.unique(fresh.step, return_inverse=True)
+            by_row = np.argsort(row, kind="stable")
+            width = len(fresh.labels)
+            per_block = max(1, (block or BLOCK_CELLS) // width)
+            carried = _Carried.of(self, fresh.labels)
+            for first in range(0, len(steps), per_block):
+                end = min(first + per_block, len(steps))
+                mine = by_row[np.searchsorted(row[by_row], first) : np.searchsorted(row[by_row], end)]
+                table = np.full((end - first, width), np.nan)
+                table[row[mine] - first, fresh.label[mine]] = fresh.time[mine]
+                carried.count(steps[first:end], table)
+            carried.keep(self, fresh.labels)
         self.done = max(self.done, upto)
+
+
+BLOCK_CELLS = 1 << 20  # steps x labels counted at once, at most: a long first read in slices
+
+
+@dataclass(slots=True)
+class _Carried:
+    """A tally's figures as columns, one per label, while a count runs block by block."""
+
+    last: Ints
+    lost: Floats
+    seen: Mask  # the labels a step counted (with at least two labels): lost holds them
+    logged: Mask  # the labels with a time at a step counted: last holds them
+
+    @classmethod
+    def of(cls, tally: Tally, labels: list[str]) -> _Carried:
+        return cls(
+            np.array([tally.last.get(label, -1) for label in labels], np.int64),
+            np.array([tally.lost.get(label, 0.0) for label in labels], np.float64),
+            np.array([label in tally.lost for label in labels], np.bool_),
+            np.array([label in tally.last for label in labels], np.bool_),
+        )
+
+    def count(self, steps: Ints, table: Floats) -> None:
+        """Count `steps` (rising), `table` their times (a row a step, a column a label, NaN where none)."""
+        have = np.isfinite(table)
+        judged = have & (have.sum(axis=1) >= 2)[:, None]
+        # Each label's previous step with a time, for each step: what its value covers.
+        logged = np.maximum.accumulate(np.where(have, steps[:, None], np.iinfo(np.int64).min), axis=0)
+        before = np.vstack((self.last[None, :], logged[:-1]))
+        np.maximum(before, self.last[None, :], out=before)
+        excess = np.fmax(0.0, table - others_median(table, have)) * (steps[:, None] - before)
+        # A running sum down each column, from the lost carried in: each label's additions in step order.
+        running = np.cumsum(np.vstack((self.lost[None, :], np.where(judged, excess, 0.0))), axis=0)
+        self.lost = running[-1]
+        self.last = np.maximum(self.last, logged[-1])
+        self.seen |= judged.any(axis=0)
+        self.logged |= have.any(axis=0)
+
+    def keep(self, tally: Tally, labels: list[str]) -> None:
+        columns = (self.last.tolist(), self.lost.tolist(), self.seen.tolist(), self.logged.tolist())
+        for label, last, lost, seen, logged in zip(labels, *columns, strict=True):
+            if logged:
+                tally.last[label] = last
+            if seen:
+                tally.lost[label] = lost
+
+
+def others_median(table: Floats, have: Mask) -> Floats:
+    """At each row of `table` (NaN where `have` is False), each finite value's median of the
+    row's *other* finite values (NaN where fewer than two): medians_of_others, a row at a time."""
+    order = np.argsort(np.where(have, table, np.inf), axis=1, kind="stable")
+    ordered = np.take_along_axis(table, order, axis=1)
+    place = np.empty_like(order)
+    np.put_along_axis(place, order, np.arange(table.shape[1])[None, :], axis=1)
+    others = have.sum(axis=1, keepdims=True) - 1
+    middle = others // 2
+    last = table.shape[1] - 1
+    low = np.take_along_axis(ordered, np.clip(middle - 1 + (middle - 1 >= place), 0, last), axis=1)
+    high = np.take_along_axis(ordered, np.clip(middle + (middle >= place), 0, last), axis=1)
+    found: Floats = np.where(others % 2 == 1, high, (low + high) / 2)
+    return np.where(have & (others >= 1), found, np.nan)
 
 
 def find(times: StepTimes, beats: Mapping[str, Mapping[str, Any] | None]) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from runbus.storage.health import STRAGGLING, HealthSettings, LabelVitals, judge
+from runbus.storage.steptimes import Times
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
 
 RANKS = 8
@@ -29,8 +30,8 @@ def noisy_run(seed: int, slow: int | None, steps: int = 20, slowdown: float = 1.
 
 def stragglers_of(times: dict[str, dict[int, float]]) -> list[dict]:
     tally = Tally()
-    tally.count(times)
-    return find(StepTimes("perf/compute_s", False, latest(times), tally.lost), {})
+    tally.count(Times.of(times))
+    return find(StepTimes("perf/compute_s", False, latest(Times.of(times)), tally.lost), {})
 
 
 def test_a_rank_20_percent_slower_is_named_chronic_within_20_steps_with_99_percent_precision_and_recall():
@@ -70,9 +71,9 @@ def test_values_covering_several_steps_count_them_and_steps_arrive_in_pieces():
     # not every label has reached yet is counted when they have.
     times = {"a": {4: 0.1, 9: 0.1, 14: 0.1}, "b": {4: 0.15, 9: 0.15}}
     tally = Tally()
-    tally.count(times)
+    tally.count(Times.of(times))
     assert tally.done == 9 and abs(tally.lost["b"] - 2 * 5 * 0.05) < 1e-9
-    tally.count({"a": {14: 0.1, 19: 0.1}, "b": {14: 0.2, 19: 0.1}})
+    tally.count(Times.of({"a": {14: 0.1, 19: 0.1}, "b": {14: 0.2, 19: 0.1}}))
     assert tally.done == 19 and abs(tally.lost["b"] - (0.5 + 5 * 0.1)) < 1e-9
     assert tally.lost.get("a", 0.0) == 0.0
 
@@ -89,12 +90,14 @@ def test_the_window_forgets_a_rank_that_recovered():
         times["rank2"][step] *= 1.5
     early = {label: {s: t for s, t in steps.items() if s < 30} for label, steps in times.items()}
     tally = Tally()
-    tally.count(early)
-    assert [s["kind"] for s in find(StepTimes("k", False, latest(early), tally.lost), {})] == ["chronic"]
-    tally.count(times)
-    assert find(StepTimes("k", False, latest(times), tally.lost), {}) == []
+    tally.count(Times.of(early))
+    assert [s["kind"] for s in find(StepTimes("k", False, latest(Times.of(early)), tally.lost), {})] == [
+        "chronic"
+    ]
+    tally.count(Times.of(times))
+    assert find(StepTimes("k", False, latest(Times.of(times)), tally.lost), {}) == []
     assert tally.lost["rank2"] > 0.1 * 0.5 * 30 * 0.9  # the time it cost is still counted
-    assert len(latest(times)["rank2"]) == WINDOW
+    assert len(latest(Times.of(times))["rank2"]) == WINDOW
 
 
 def test_a_chronic_straggler_makes_a_running_run_straggling_below_a_stall():
