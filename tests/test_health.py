@@ -229,7 +229,9 @@ def test_a_sigkilled_rank_is_dead_while_the_others_go_on(redis_url, store_url, i
         )
         assert [c["label"] for c in found["culprits"]] == ["rank3"]
         assert "gone" in found["culprits"][0]["reason"]
-        assert alerts_of(ingester)[0]["state"] == "dead"
+        # The alert command runs after the verdict is stored: its line comes a moment later.
+        alerts = wait_for("the dead rank's alert", lambda: alerts_of(ingester), timeout=30)
+        assert alerts[0]["state"] == "dead"
 
 
 def test_a_checkpoint_on_every_rank_and_the_finish_raise_no_alarm(redis_url, store_url, ingester):
@@ -288,9 +290,14 @@ def test_the_culprit_is_named_again_once_redis_is_back_after_an_outage_during_th
         )
         assert sorted(w["label"] for w in found["waiting"]) == ["rank0", "rank1", "rank3"]
         assert all(rank.poll() is None for rank in ranks)  # the outage killed no rank
-        states = [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
-        assert states[0] == ("stalled", ["rank2"]) and states[-1] == ("stalled", ["rank2"])
-        assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states
+
+        def states() -> list[tuple[str, list[str]]]:
+            return [(a["state"], sorted(c["label"] for c in a["culprits"])) for a in alerts_of(alerts)]
+
+        # Each alert's command runs after its verdict is stored: the last line comes a moment later.
+        wait_for("the last alert", lambda: states() and states()[-1] == ("stalled", ["rank2"]), timeout=30)
+        assert states()[0] == ("stalled", ["rank2"])
+        assert ("silent", ["rank0", "rank1", "rank2", "rank3"]) in states()
 
 
 @pytest.mark.parametrize(
@@ -319,6 +326,9 @@ def test_the_rank_that_went_first_is_named_once_the_others_failed_after_it(
         assert {(f["state"], f["exit_code"]) for f in followers} == {("failed", 1)}
         assert all(f["after_s"] > 0 for f in followers) and found["ended"]
         # Recorded once: one alert, and the run is no longer judged.
+        wait_for(
+            "the crash alert", lambda: [a for a in alerts_of(ingester) if a["state"] == "crashed"], timeout=30
+        )
         [alert] = [a for a in alerts_of(ingester) if a["state"] == "crashed"]
         assert alert["run"] == run_id and alert["culprits"][0]["label"] == "rank2"
         shown = run_cli("--store", store_url, "show", run_id).stdout.splitlines()[0]
