@@ -154,6 +154,7 @@ class HealthKeeper:
         found = await self.findings.read(run.run_id, beats, fresh=ended)
         rule = judge_ended if ended else judge
         verdict = rule(run.state, labels, now, self.settings, found.stragglers, found.anomalies)
+        verdict = replace(verdict, band_to=found.band_to)
         key = verdict.key
         since = run.health_since if key == run.health_key else now
         for culprit in verdict.culprits:

@@ -145,6 +145,8 @@ class Verdict:
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     followers: list[dict[str, Any]] = field(default_factory=list)
     settling: bool = False
+    # Band leavers are known up to this step: a first anomaly past it may yet be preceded by one.
+    band_to: int | None = None
 
     @property
     def key(self) -> str:
@@ -172,6 +174,7 @@ class Verdict:
             "threshold": self.threshold,
             "stragglers": self.stragglers,
             "anomalies": self.anomalies,
+            "band_to": self.band_to,
             "followers": self.followers,
             "ended": self.ended,
         }

@@ -44,6 +44,21 @@ async def outliers(reader: KeyedReader, run_id: str, keys: Sequence[str] | None 
     return in_order(found)
 
 
+async def band_reach(reader: KeyedReader, run_id: str, keys: Sequence[str] | None = None) -> int | None:
+    """The last step up to which every band leaver of the run is known: a departure is named
+    once the label's bucket after it has closed too, so a first anomaly found past this step
+    (a NaN, say) may yet be preceded by one. None where no key has a band (fewer than
+    MIN_LABELS labels)."""
+    reach: int | None = None
+    for key in await reader.metric_keys(run_id) if keys is None else keys:
+        opens = await reader.open_buckets(run_id, key, STEP_AXIS, None)
+        if len({row.label for row in opens}) < MIN_LABELS:
+            continue
+        judged = (min(row.bucket for row in opens) - 1) * FINE_WIDTH - 1
+        reach = judged if reach is None else min(reach, judged)
+    return reach
+
+
 async def first_outliers(
     reader: RollupReader, run_id: str, key: str, fine_rows: int = FINE_ROWS
 ) -> list[Anomaly]:

@@ -138,6 +138,18 @@ async def test_a_rank_that_jumps_is_named_at_its_exact_step_before_a_later_nan(s
     ]
 
 
+async def test_how_far_band_leavers_are_known_is_the_slowest_label_s_bucket_before_its_open_one(store):
+    """A departure is named once the label's next bucket has closed: up to the step before the
+    slowest label's last closed bucket, every band leaver is known; past it, a NaN found first
+    may yet be preceded by one."""
+    losses = noisy(5, steps=1000)
+    losses["rank3"] = losses["rank3"][:700]  # behind: its open bucket is 5 (steps 640-767)
+    await write(store, "reach", {"loss": losses})
+    assert await outliers.band_reach(store, "reach") == 4 * 128 - 1
+    await write(store, "few", {"loss": noisy(3, steps=1000)})
+    assert await outliers.band_reach(store, "few") is None  # no band below four labels
+
+
 async def test_a_jump_in_a_bucket_s_last_steps_is_named_at_its_step(store):
     losses = noisy(8, seed=4)
     losses["rank1"][765:] *= 5  # 3 steps of its bucket (640-767): that bucket's mean is inside
