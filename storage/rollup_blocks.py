@@ -45,7 +45,7 @@ _WIDE_SHIFT = SHIFTS[-1]  # a wide block spans one bucket of the widest width
 # Where each wider width's buckets start in a wide block, and how many it holds.
 _WIDE_START: dict[int, int] = {}
 _start = 0
-for _shift in SHIFTS[1:]:
+for _shift in reversed(SHIFTS[1:]):  # widest first: a coarse read decodes only a block's first places
     _WIDE_START[_shift] = _start
     _start += 1 << (_WIDE_SHIFT - _shift)
 WIDE_PLACES = _start
@@ -196,20 +196,28 @@ def decode_many(datas: Sequence[bytes], wanted: tuple[int, int] | None = None) -
     if not datas:
         return []
     parsed = [_parsed(data) for data in datas]
-    counts = np.array([len(p.order) for p in parsed], dtype=np.int64)
+    # Only the places up to the last one wanted: each place's words are sums from the block's first.
+    ends = [len(p.order) if wanted is None else int(np.searchsorted(p.order, wanted[1])) for p in parsed]
+    stacked = [index for index, end in enumerate(ends) if end > 0]
+    found: list[Places] = [{} for _ in parsed]
+    if not stacked:
+        return found
+    counts = np.array([ends[index] for index in stacked], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     total = int(counts.sum())
     planes = np.zeros((_PLANES, total), dtype=np.uint8)
     twice = np.zeros((_FIELDS, total), dtype=bool)
     nones = np.zeros((len(_NULLABLE), total), dtype=bool)
-    heads = np.empty((_FIELDS, len(parsed)), dtype=np.int64)
-    for index, (block, start, count) in enumerate(zip(parsed, starts.tolist(), counts.tolist(), strict=True)):
+    heads = np.empty((_FIELDS, len(stacked)), dtype=np.int64)
+    for at, (index, start, count) in enumerate(zip(stacked, starts.tolist(), counts.tolist(), strict=True)):
+        block = parsed[index]
         # A block's words after its first: planes[:, start] stays zero, its head goes there.
         if count > 1:
-            planes[block.kept, start + 1 : start + count] = block.planes.reshape(-1, count - 1)
+            stored = block.planes.reshape(-1, len(block.order) - 1)
+            planes[block.kept, start + 1 : start + count] = stored[:, : count - 1]
             twice[block.twice, start + 1 : start + count] = True
-        nones[:, start : start + count] = block.nones
-        heads[:, index] = block.head
+        nones[:, start : start + count] = block.nones[:, :count]
+        heads[:, at] = block.head
     unsigned = (
         planes.reshape(_FIELDS, 8, total).transpose(0, 2, 1).copy().view(np.uint64).reshape(_FIELDS, total)
     )
@@ -221,7 +229,11 @@ def decode_many(datas: Sequence[bytes], wanted: tuple[int, int] | None = None) -
     differences[:, starts] = heads
     summed = np.cumsum(differences, axis=1)
     words = summed - np.repeat(summed[:, starts] - heads, counts, axis=1)
-    return _partials(parsed, starts, words, nones, wanted)
+    for index, places in zip(
+        stacked, _partials([parsed[i] for i in stacked], starts, words, nones, wanted), strict=True
+    ):
+        found[index] = places
+    return found
 
 
 def _partials(
