@@ -162,7 +162,7 @@ def times_of(labels: Sequence[str], found: Cells) -> Times:
     codes = np.zeros(len(labels), np.int32)
     codes[present] = np.arange(len(present), dtype=np.int32)
     return Times(
-        [labels[c] for c in present.tolist()],
+        [labels[int(c)] for c in present.tolist()],
         codes[found.label[counted]],
         found.bucket[counted],
         found.seconds[counted] / found.steps[counted],
