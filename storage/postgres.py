@@ -333,12 +333,7 @@ async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
     """The rows of a cursor over label_rollups, a label series at a time (rollup_blocks.converted)."""
     series: list[Any] = []
     async for row in found:
-        if series and (row[0], row[2], row[3], row[4]) != (
-            series[-1][0],
-            series[-1][2],
-            series[-1][3],
-            series[-1][4],
-        ):
+        if series and rollup_blocks.converted_series(row) != rollup_blocks.converted_series(series[-1]):
             yield series
             series = []
         series.append(row)

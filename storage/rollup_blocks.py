@@ -151,11 +151,6 @@ def _width(differences: np.ndarray) -> np.ndarray:
     return counts
 
 
-def decode(data: bytes, wanted: tuple[int, int] | None = None) -> Places:
-    """A block's buckets by place, from its data (decode_many of one)."""
-    return decode_many([data], wanted)[0]
-
-
 class _Parsed(NamedTuple):
     """One block's maps and bytes, as decode_many lays them side by side."""
 
@@ -196,13 +191,17 @@ def decode_many(datas: Sequence[bytes], wanted: tuple[int, int] | None = None) -
     if not datas:
         return []
     parsed = [_parsed(data) for data in datas]
-    # Only the places up to the last one wanted: each place's words are sums from the block's first.
-    ends = [len(p.order) if wanted is None else int(np.searchsorted(p.order, wanted[1])) for p in parsed]
-    stacked = [index for index, end in enumerate(ends) if end > 0]
+    # Each block's places [first, end) wanted; its places up to `end` are stacked, as each place's
+    # words are sums from the block's first.
+    bounds = [
+        (0, len(p.order)) if wanted is None else tuple(np.searchsorted(p.order, wanted).tolist())
+        for p in parsed
+    ]
+    stacked = [index for index, (_, end) in enumerate(bounds) if end > 0]
     found: list[Places] = [{} for _ in parsed]
     if not stacked:
         return found
-    counts = np.array([ends[index] for index in stacked], dtype=np.int64)
+    counts = np.array([bounds[index][1] for index in stacked], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     total = int(counts.sum())
     planes = np.zeros((_PLANES, total), dtype=np.uint8)
@@ -229,28 +228,24 @@ def decode_many(datas: Sequence[bytes], wanted: tuple[int, int] | None = None) -
     differences[:, starts] = heads
     summed = np.cumsum(differences, axis=1)
     words = summed - np.repeat(summed[:, starts] - heads, counts, axis=1)
+    firsts = [bounds[index][0] for index in stacked]
     for index, places in zip(
-        stacked, _partials([parsed[i] for i in stacked], starts, words, nones, wanted), strict=True
+        stacked, _partials([parsed[i] for i in stacked], starts, firsts, words, nones), strict=True
     ):
         found[index] = places
     return found
 
 
 def _partials(
-    parsed: list[_Parsed],
-    starts: np.ndarray,
-    words: np.ndarray,
-    nones: np.ndarray,
-    wanted: tuple[int, int] | None,
+    parsed: list[_Parsed], starts: np.ndarray, firsts: list[int], words: np.ndarray, nones: np.ndarray
 ) -> list[Places]:
-    """Each block's partials by place (those `wanted`) from the blocks' words (13 x places) and
-    None marks: each partial a list made once, its numbers Python's (an object array's rows)."""
+    """Each block's partials by place, from its `firsts` stacked place to its last, from the
+    blocks' words (13 x places) and None marks: each partial a list made once, its numbers
+    Python's (an object array's rows)."""
+    counts = np.diff(np.append(starts, words.shape[1])).tolist()
     spans = []
-    for block, start in zip(parsed, starts.tolist(), strict=True):
-        first, end = (
-            (0, len(block.order)) if wanted is None else np.searchsorted(block.order, wanted).tolist()
-        )
-        spans.append((block.order[first:end].tolist(), start + first, start + end))
+    for block, start, first, count in zip(parsed, starts.tolist(), firsts, counts, strict=True):
+        spans.append((block.order[first:count].tolist(), start + first, start + count))
     chosen = np.concatenate([np.arange(a, b) for _, a, b in spans]) if spans else np.zeros(0, np.int64)
     table = np.empty((len(chosen), _FIELDS), dtype=object)
     table[:, _INTS] = words[_INTS][:, chosen].T
@@ -362,11 +357,17 @@ def stored_rows(block: BlockKey, places: Mapping[int, Partial]) -> Iterator[tupl
         yield (kid, width, axis, label_id, epoch, bucket), part
 
 
+def converted_series(row: Sequence[Any]) -> tuple[Any, ...]:
+    """The label series (key, axis, label, epoch) of a schema-9 label_rollups row as converted()
+    reads it: the rows of one series come together."""
+    return row[0], row[2], row[3], row[4]
+
+
 def converted(rows: Iterable[Any]) -> Iterator[tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
     """Rows of the label_rollups table of schema 9 (its key columns, then its value columns; in
     CONVERTED_ORDER) as label_open and label_blocks rows, a label series (key, axis, label,
     epoch) at a time: how a store migrates to blocks in bounded memory."""
-    for series, group in groupby(rows, key=lambda row: (row[0], row[2], row[3], row[4])):
+    for series, group in groupby(rows, key=converted_series):
         parts = {(row[1], row[5]): open_part(row[6:]) for row in group}
         kid, axis, label_id, epoch = series
         open_rows = []

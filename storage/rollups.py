@@ -657,10 +657,6 @@ RUN_VALUE_COLUMNS = "n, nan, inf, total, lo, hi, x_lo, x_hi, ts_lo, ts_hi, sampl
 RUN_KEY_COLUMNS = "key_id, width, axis, generation, bucket"
 
 
-def label_row(key: LabelRowKey, part: Partial) -> Params:
-    return (*key, *part)
-
-
 def run_row(key: RunRowKey, slot: int, part: Partial, bins: bytes, samples: int) -> Params:
     return (
         *key,

@@ -991,7 +991,7 @@ def test_a_block_gives_back_every_bucket_bit_for_bit(places: dict[int, Any]) -> 
         for at, value in zip((3, 4, 5, 6, 10, 11), floats, strict=True):
             part[at] = value if at in (4, 5, 6) or value is not None else 0.0
         parts[place] = part
-    back = rollup_blocks.decode(rollup_blocks.encode(parts))
+    [back] = rollup_blocks.decode_many([rollup_blocks.encode(parts)])
     assert back.keys() == parts.keys()
     for place, part in parts.items():
         assert [bits_or_same(v) for v in back[place]] == [bits_or_same(v) for v in part]
