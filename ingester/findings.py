@@ -24,7 +24,7 @@ from runbus.errors import StoreError
 from runbus.storage import steptimes
 from runbus.storage.anomalies import Anomaly, in_order, non_finite
 from runbus.storage.base import Store
-from runbus.storage.outliers import band_reach, outliers
+from runbus.storage.outliers import band_leavers
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
 from runbus.wire import Event
@@ -51,7 +51,7 @@ class Findings:
     arrived: bool = False
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
-    band_to: int | None = None  # band leavers are known up to this step (outliers.band_reach)
+    band_to: int | None = None  # band leavers are known up to this step (outliers.band_leavers)
     band_read_at: float = -math.inf
     band_leavers: list[Anomaly] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
@@ -145,8 +145,7 @@ class FindingsReader:
         keys = await self.store.metric_keys(run_id)
         if fresh or found.read_at - found.band_read_at >= self.band_every:
             found.band_read_at = found.read_at
-            found.band_leavers = await outliers(self.store, run_id, keys)
-            found.band_to = await band_reach(self.store, run_id, keys)
+            found.band_leavers, found.band_to = await band_leavers(self.store, run_id, keys)
         nans = await non_finite(self.store, run_id, keys)
         found.anomalies = [a.document() for a in in_order([*nans, *found.band_leavers])]
         _choose_source(found, keys)

@@ -38,25 +38,25 @@ async def every_anomaly(reader: KeyedReader, run_id: str, keys: Sequence[str] | 
 
 async def outliers(reader: KeyedReader, run_id: str, keys: Sequence[str] | None = None) -> list[Anomaly]:
     """Each label's first departure from the band of each key (of `keys`, all if None), in_order."""
+    return (await band_leavers(reader, run_id, keys))[0]
+
+
+async def band_leavers(
+    reader: KeyedReader, run_id: str, keys: Sequence[str] | None = None
+) -> tuple[list[Anomaly], int | None]:
+    """outliers(), and the last step up to which every band leaver is known (`band_to`): a
+    departure is named once the label's bucket after it has closed too, so up to the step before
+    the slowest label's last closed bucket; a first anomaly found past it (a NaN, say) may yet be
+    preceded by one. None where no key has a band (fewer than MIN_LABELS labels)."""
     found: list[Anomaly] = []
-    for key in await reader.metric_keys(run_id) if keys is None else keys:
-        found.extend(await first_outliers(reader, run_id, key))
-    return in_order(found)
-
-
-async def band_reach(reader: KeyedReader, run_id: str, keys: Sequence[str] | None = None) -> int | None:
-    """The last step up to which every band leaver of the run is known: a departure is named
-    once the label's bucket after it has closed too, so a first anomaly found past this step
-    (a NaN, say) may yet be preceded by one. None where no key has a band (fewer than
-    MIN_LABELS labels)."""
     reach: int | None = None
     for key in await reader.metric_keys(run_id) if keys is None else keys:
-        opens = await reader.open_buckets(run_id, key, STEP_AXIS, None)
-        if len({row.label for row in opens}) < MIN_LABELS:
-            continue
-        judged = (min(row.bucket for row in opens) - 1) * FINE_WIDTH - 1
-        reach = judged if reach is None else min(reach, judged)
-    return reach
+        leavers, open_rows = await _key_outliers(reader, run_id, key, FINE_ROWS)
+        found.extend(leavers)
+        if len({row.label for row in open_rows}) >= MIN_LABELS:
+            judged = (min(row.bucket for row in open_rows) - 1) * FINE_WIDTH - 1
+            reach = judged if reach is None else min(reach, judged)
+    return in_order(found), reach
 
 
 async def first_outliers(
@@ -64,11 +64,18 @@ async def first_outliers(
 ) -> list[Anomaly]:
     """Each label's first departure from the band of `key`, in_order; the coarse pass first if
     the key has more than `fine_rows` 128-step rows."""
+    return (await _key_outliers(reader, run_id, key, fine_rows))[0]
+
+
+async def _key_outliers(
+    reader: RollupReader, run_id: str, key: str, fine_rows: int
+) -> tuple[list[Anomaly], list[LabelBucket]]:
+    """first_outliers(), and the key's open 128-step buckets it read (none without a band)."""
     extent = await reader.key_extent(run_id, key)
     labels = 0 if extent is None else extent.labels.get(STEP_AXIS, 0)
     spans = [] if extent is None else extent.axis_spans(STEP_AXIS)
     if labels < MIN_LABELS or not spans:
-        return []
+        return [], []
     lo, hi = min(s.x_lo for s in spans) >> FINE_SHIFT, max(s.x_hi for s in spans) >> FINE_SHIFT
     if labels * (hi - lo + 1) <= fine_rows:
         windows = [(lo, hi)]
@@ -82,7 +89,7 @@ async def first_outliers(
         closed = [r for r in rows if (r.label, r.epoch, r.bucket) not in open_keys]
         for anomaly in await _in_window(reader, run_id, key, closed, set(found)):
             found[anomaly.label] = anomaly
-    return in_order(found.values())
+    return in_order(found.values()), open_rows
 
 
 async def _coarse_windows(

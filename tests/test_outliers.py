@@ -145,9 +145,9 @@ async def test_how_far_band_leavers_are_known_is_the_slowest_label_s_bucket_befo
     losses = noisy(5, steps=1000)
     losses["rank3"] = losses["rank3"][:700]  # behind: its open bucket is 5 (steps 640-767)
     await write(store, "reach", {"loss": losses})
-    assert await outliers.band_reach(store, "reach") == 4 * 128 - 1
+    assert (await outliers.band_leavers(store, "reach"))[1] == 4 * 128 - 1
     await write(store, "few", {"loss": noisy(3, steps=1000)})
-    assert await outliers.band_reach(store, "few") is None  # no band below four labels
+    assert (await outliers.band_leavers(store, "few"))[1] is None  # no band below four labels
 
 
 async def test_a_jump_in_a_bucket_s_last_steps_is_named_at_its_step(store):
