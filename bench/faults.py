@@ -9,6 +9,9 @@ FAULT_STEP one rank (a hang) or every rank (a pause) does what its kind says and
 it did so; the bench reads the run's health from the store every POLL_S seconds until a verdict
 names a culprit or the wait is over.
 
+DEVICE=cuda in the environment puts each rank's model and all_reduces on the GPU (gloo over CUDA
+tensors: NCCL takes one GPU per rank), for bench/gpu.py.
+
 Hang kinds: `loader` (blocked in Python: a data loader's sleep), `cblock` (blocked in a C call
 that lets go of the GIL: `select` on a pipe nobody writes), `gil` (stuck in a C call holding the
 GIL: a regular expression backtracking, so even the rank's heartbeat thread stops), `sigstop`,
@@ -61,11 +64,12 @@ RANK = textwrap.dedent(
 
     kind, culprit, fault_step = os.environ["KIND"], int(os.environ["CULPRIT"]), int(os.environ["FAULT_STEP"])
     step_s, pause, steps = float(os.environ["STEP_S"]), float(os.environ["PAUSE_S"]), int(os.environ["STEPS"])
+    device = torch.device(os.environ.get("DEVICE", "cpu"))
     dist.init_process_group("gloo")
     run = runbus.init(system_interval=None, hardware=False, git=False, console="all")
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(device)
 
     def injected():
         with open(os.environ["FAULT_FILE"], "w") as out:
@@ -76,7 +80,7 @@ RANK = textwrap.dedent(
             print(f"rank {rank} reading shard {step}", flush=True)
             injected()
             time.sleep(3600)
-        return torch.randn(8, 16)
+        return torch.randn(8, 16, device=device)
 
     def wait_for_peer(step):
         # A C call that lets go of the GIL and never returns: nobody writes this pipe.
@@ -98,10 +102,10 @@ RANK = textwrap.dedent(
 
     def evaluate(step):
         print(f"rank {rank} evaluating at step {step}", flush=True)
-        total, deadline = torch.zeros(1), time.monotonic() + pause
+        total, deadline = torch.zeros(1, device=device), time.monotonic() + pause
         with torch.no_grad():
             while time.monotonic() < deadline:
-                total += model(torch.randn(8, 16)).sum()
+                total += model(torch.randn(8, 16, device=device)).sum()
                 time.sleep(0.05)
         dist.all_reduce(total)
 
