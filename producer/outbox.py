@@ -8,6 +8,12 @@ Events are numbered (seq 1, 2, 3 …) when the shipper takes them, in the order 
 appended, so a number is never taken by an event that is not in the box: a put interrupted
 half-way (by a signal handler that finishes the run) leaves no hole, and nothing appended after
 the finish can be numbered after it.
+
+A metric event whose values a GPU has not computed yet (runbus.producer.devicevalues) is not
+taken: it and what follows wait in the box, in order, and `blocked_at` says since when. A
+heartbeat put meanwhile goes first (`put_first`): a rank whose GPU hangs keeps telling what it is
+doing. At a finish that gives up, `take(force=True)` takes them anyway: their values cannot be
+read, so they become explained drops (runbus.producer.shipper).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 from runbus.producer import exits
 from runbus.producer.backlog import DropLog
+from runbus.producer.devicevalues import DeviceMetrics
 
 # (kind, seq, ts, step, data): data is the caller's values, serialised later off the hot path.
 Pending = tuple[str, int, float, "int | None", Any]
@@ -58,6 +65,7 @@ class Outbox:
         "_lock",
         "_seq",
         "_unnumbered_drops",
+        "blocked_at",
         "demand",
         "drops",
         "max_events",
@@ -88,6 +96,8 @@ class Outbox:
         # When a put now waiting for room began to wait (None: none waits): past a bound, the
         # shipper moves events into its backlog rather than leave log() waiting for Redis.
         self.waiting_since: float | None = None
+        # Since when (time.monotonic()) the box's first event waits for its GPU; None: it does not.
+        self.blocked_at: float | None = None
 
     def put(self, kind: str, step: int | None, data: Any) -> None:
         """Keep one event; when full, wait for room or drop it (counted)."""
@@ -149,15 +159,23 @@ class Outbox:
         self.demand.set()
         exits.safe_point()
 
-    def take(self, limit: int) -> list[Pending]:
+    def put_first(self, kind: str, step: int | None, data: Any) -> None:
+        """Keep one event ahead of every other (a heartbeat while the box waits for a GPU)."""
+        if not self._closed:
+            self._events.appendleft((kind, time.time(), step, data))
+
+    def take(self, limit: int, force: bool = False) -> list[Pending]:
         """Up to `limit` events, oldest first, removed from the box and numbered (the events
         dropped since the last take are numbered first, and noted in `drops`). Nothing after
-        the finish."""
+        the finish, nor from a metric event whose GPU values are not computed yet on (unless
+        `force`)."""
         events = self._events
         if self._finish_taken:
             events.clear()  # appended by a put that raced the finish
             return []
         raw = [events.popleft() for _ in range(min(limit, len(events)))]
+        if not force:
+            raw = self._ready_part(raw)
         with self._lock:  # drops counted before close() are in, so they come before the finish
             dropped, self._unnumbered_drops = self._unnumbered_drops, 0
         seq = self._seq
@@ -176,6 +194,20 @@ class Outbox:
         if raw:
             self.room.set()
         return taken
+
+    def _ready_part(
+        self, raw: list[tuple[str, float, int | None, Any]]
+    ) -> list[tuple[str, float, int | None, Any]]:
+        """`raw` up to its first event that waits for a GPU, that one and the rest put back."""
+        for index, event in enumerate(raw):
+            data = event[3]
+            if type(data) is DeviceMetrics and not data.ready():
+                self._events.extendleft(reversed(raw[index:]))
+                if self.blocked_at is None:
+                    self.blocked_at = time.monotonic()
+                return raw[:index]
+        self.blocked_at = None
+        return raw
 
     @property
     def unnumbered_drops(self) -> int:

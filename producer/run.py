@@ -26,6 +26,7 @@ from runbus import wire
 from runbus.errors import RunFinished
 from runbus.producer import exits
 from runbus.producer.backlog import DropLog
+from runbus.producer.devicevalues import DeviceMetrics, PendingValue
 from runbus.producer.environment import Identity
 from runbus.producer.metadata import RunValues, checked_name, checked_tags
 from runbus.producer.outbox import Outbox
@@ -118,7 +119,9 @@ def _tensor_value(key: str, value: Any) -> Any:
         raise TypeError(f"metric {key!r}: a tensor on the {device!r} device has no value to log")
     if device == "cpu":
         return _metric_value(key, _read(key, value.item))
-    # On an accelerator `.item()` would wait for the device: the shipper reads it. The copy
+    if device == "cuda":  # read once the GPU computed it, never waiting (runbus.producer.devicevalues)
+        return PendingValue(value)
+    # On another accelerator `.item()` would wait for the device: the shipper reads it. The copy
     # (queued on the device, no wait) keeps the value an in-place update would change.
     return value.detach().clone()
 
@@ -152,14 +155,16 @@ def checked_metrics(metrics: Mapping[str, Any], known_names: set[str] | None = N
         raise ValueError("log() needs at least one metric")
     known = set() if known_names is None else known_names
     checked = {}
+    pending = False
     for key, value in metrics.items():
         name = key if type(key) is str and key in known else _metric_name(key)
-        checked[name] = _metric_value(name, value)
+        checked[name] = number = _metric_value(name, value)
+        pending = pending or type(number) is PendingValue
         if len(known) < MAX_KNOWN_NAMES:
             known.add(name)
     if len(checked) > MAX_UNMEASURED_METRICS:
         check_encoded_size(checked)
-    return checked
+    return DeviceMetrics(checked) if pending else checked
 
 
 def check_encoded_size(metrics: dict[str, Any]) -> None:

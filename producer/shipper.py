@@ -549,7 +549,7 @@ class Shipper(threading.Thread):
     def _give_up(self) -> None:
         """Out of time at finish, or offline: keep what is left in the spool (if any) for
         `runbus sync` or the next init() of this run and label."""
-        while self._encode_batch(taking=False):
+        while self._encode_batch(taking=False, force=True):
             pass
         self._encode_held_start(force=True)
         spool = self.backlog.spool
@@ -679,21 +679,26 @@ class Shipper(threading.Thread):
             data.update(beat_fields(self.progress, self.watched_thread, self.options.heartbeat_interval))
         except Exception as exc:  # the beat itself matters more than what it tells of the stack
             log.debug("runbus: heartbeat without vitals: %s", exc)
-        self.outbox.put("heartbeat", None, data)
+        blocked_at = self.outbox.blocked_at
+        if blocked_at is None:
+            self.outbox.put("heartbeat", None, data)
+        else:  # ahead of the events that wait for the GPU, saying how long they have waited
+            data["gpu_wait_s"] = round(now - blocked_at, 3)
+            self.outbox.put_first("heartbeat", None, data)
         if not scheduled:
             return
         self._next_heartbeat = now + self.options.heartbeat_interval
         if self._client is not None and self._outage_since is None:
             self._renew_due = True
 
-    def _encode_batch(self, taking: bool | None = None) -> bool:
+    def _encode_batch(self, taking: bool | None = None, force: bool = False) -> bool:
         """Queued events → encoded records in the backlog, one batch (no network); whether any.
 
         While Redis takes events (`taking`, else asked) a batch is taken only when the backlog
         has room, and when it is less than AHEAD batches ahead of shipping or a put has waited
         for room longer than REDIS_WAIT; each of its events is kept whatever the bound: nothing
         is dropped, log() waits instead. Otherwise every queued event is taken, and what finds
-        the backlog full is dropped.
+        the backlog full is dropped. `force`: events that wait for their GPU too (giving up).
         """
         if not len(self.outbox) and not self.outbox.unnumbered_drops:
             return False
@@ -702,7 +707,7 @@ class Shipper(threading.Thread):
             taking = self._redis_taking(now)
         if taking and not self._room_ahead(now):
             return False
-        taken = self.outbox.take(self.options.batch_size)
+        taken = self.outbox.take(self.options.batch_size, force)
         for pending in taken:
             if pending[0] == "start" and not self._start_ready():
                 self._held_start = pending  # encoded first once ready (_encode_held_start)
@@ -758,8 +763,9 @@ class Shipper(threading.Thread):
         try:
             blob = encode_data(kind, data)
         except Exception as exc:  # whatever a value's read raises: counted as a drop, never fatal
-            # Values were checked by log(); a device tensor whose read fails (its device died)
-            # lands here. It counts as dropped, so its gap is explained and finish() says so.
+            # Values were checked by log(); a device tensor whose read fails (its device died, or
+            # still computes it when finish() gives up) lands here. It counts as dropped, so its
+            # gap is explained and finish() says so.
             self.failed_encodes += 1
             self.outbox.drops.note(seq)
             log.error("runbus: event seq %d (%s) could not be encoded: %s", seq, kind, exc)

@@ -9,7 +9,8 @@ stack. `judge` turns the latest beat of every label into a verdict:
   multiple of the run's median step time); the culprits are the labels that stand apart (silent,
   not inside a collective while others wait in one, in another collective than the others, a
   step behind); labels merely waiting in a collective (by their beat's `collective`, timed by
-  the producer, else by their stack) are named as waiting, with how long they have been in it;
+  the producer, else by their stack, else in GPU work where their beat says their logged values
+  have waited `gpu_wait_s` for their GPU) are named as waiting, with how long they have been in it;
 - **dead**: a label stopped heartbeating while the others go on;
 - **anomaly**: a label logged NaN or inf, or left the cross-rank band of a key (the first ones,
   by step: storage/anomalies.py, storage/outliers.py);
@@ -52,6 +53,9 @@ COLLECTIVE_FUNCTIONS = frozenset(
         "isend", "irecv", "wait", "synchronize", "_engine_run_backward", "run_backward",
     }
 )  # fmt: skip
+# Where a label waits whose beat says its logged values wait for its GPU (`gpu_wait_s`): under
+# NCCL a collective runs on the GPU, and the process only waits once it reads a value (.item()).
+GPU_WORK = "GPU work"
 # What a frame's function or file says a non-collective rank is doing, most telling first.
 _DOINGS = (
     (
@@ -210,18 +214,29 @@ def in_collective(stack: Sequence[Sequence[Any]]) -> str | None:
 
 def waits_in(vitals: LabelVitals) -> str | None:
     """The collective a label waits in: the one its beat says the process is inside (the
-    producer times torch.distributed's calls: runbus.producer.collectives), else its stack's."""
-    named = (vitals.beat or {}).get("collective")
-    return named if isinstance(named, str) and named else in_collective(vitals.stack)
+    producer times torch.distributed's calls: runbus.producer.collectives), else its stack's,
+    else GPU_WORK where its beat says the values it logged wait for its GPU (an NCCL collective
+    runs on the GPU: the process goes on until it reads a value, runbus.producer.devicevalues)."""
+    beat = vitals.beat or {}
+    named = beat.get("collective")
+    if isinstance(named, str) and named:
+        return named
+    return in_collective(vitals.stack) or (GPU_WORK if _number(beat.get("gpu_wait_s"), 0.0) > 0 else None)
 
 
 def inside_for(vitals: LabelVitals, now: float) -> float | None:
-    """How long a label has been inside its beat's collective, as of `now`: None where its beat
-    names none."""
+    """How long a label has been inside its beat's collective (or waited for its GPU), as of
+    `now`: None where its beat names neither."""
     beat = vitals.beat or {}
-    if not isinstance(beat.get("collective"), str) or vitals.beat_seen_at is None:
+    if vitals.beat_seen_at is None:
         return None
-    return round(_number(beat.get("collective_s"), 0.0) + max(0.0, now - vitals.beat_seen_at), 3)
+    if isinstance(beat.get("collective"), str):
+        inside = _number(beat.get("collective_s"), 0.0)
+    elif "gpu_wait_s" in beat and in_collective(vitals.stack) is None:
+        inside = _number(beat.get("gpu_wait_s"), 0.0)
+    else:
+        return None
+    return round(inside + max(0.0, now - vitals.beat_seen_at), 3)
 
 
 def doing(stack: Sequence[Sequence[Any]]) -> str:

@@ -10,7 +10,16 @@ import pytest
 
 from runbus.producer.vitals import Progress, thread_stack
 from runbus.storage.beats import RunVitals
-from runbus.storage.health import DEAD, OK, SILENT, STALLED, HealthSettings, LabelVitals, judge
+from runbus.storage.health import (
+    DEAD,
+    GPU_WORK,
+    OK,
+    SILENT,
+    STALLED,
+    HealthSettings,
+    LabelVitals,
+    judge,
+)
 from runbus.wire import Event
 
 NOW = 1_800_000_000.0
@@ -92,6 +101,37 @@ def test_a_beat_that_says_it_is_inside_a_collective_waits_whatever_its_stack():
     inside.beat["collective"] = "barrier"  # type: ignore[index]
     verdict = judge("running", [inside, rank("rank1"), rank("rank2")], NOW, SETTINGS)
     assert verdict.culprits[0]["reason"] == "in barrier while the others are in all_reduce"
+
+
+def test_ranks_whose_logged_values_wait_for_their_gpu_wait_in_gpu_work():
+    # Under NCCL a collective runs on the GPU: the waiting ranks' Python went on to a `.item()`
+    # (no collective in their stacks), but their beats say the values they logged have waited
+    # 12 s for their GPU (runbus.producer.devicevalues). rank1 sits in its data loader.
+    item = [["train.py", 33, "main", "print(loss.item())"]]
+
+    def on_gpu(label: str, waited: float) -> LabelVitals:
+        vitals = rank(label, stack=item)
+        vitals.beat["gpu_wait_s"] = waited  # type: ignore[index]
+        return vitals
+
+    verdict = judge(
+        "running", [on_gpu("rank0", 12.0), rank("rank1", stack=LOADER), on_gpu("rank2", 11.0)], NOW, SETTINGS
+    )
+    assert verdict.state == STALLED
+    assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
+        ("rank1", "in a data loader (load_batch)")
+    ]
+    assert [(w["label"], w["in"], w["for_s"]) for w in verdict.waiting] == [
+        ("rank0", GPU_WORK, 13.0),
+        ("rank2", GPU_WORK, 12.0),
+    ]
+    # Every rank waiting for its GPU (one rank's kernel never ends): a stall, never a pause.
+    verdict = judge("running", [on_gpu(f"rank{i}", 12.0) for i in range(3)], NOW, SETTINGS)
+    assert (verdict.state, verdict.culprits) == (STALLED, [])
+    assert verdict.note and verdict.note.startswith("no label stands apart")
+    # The same stacks with the GPU done: every rank at one place, a pause (an evaluation, say).
+    verdict = judge("running", [rank(f"rank{i}", stack=item) for i in range(3)], NOW, SETTINGS)
+    assert verdict.state == OK and verdict.note and verdict.note.startswith("paused")
 
 
 def test_ranks_leaving_a_pause_one_by_one_are_no_stall_until_the_first_waited_a_stall_long():

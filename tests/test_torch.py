@@ -7,14 +7,19 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import orjson
 import pytest
+import redis
 
 import runbus
+from runbus import wire
 from runbus.ingester.localredis import free_port
+from runbus.producer import devicevalues
 from tests.conftest import missing_package
-from tests.helpers import ingest, read_store, run_cli
+from tests.helpers import ingest, read_store, run_cli, wait_for
 
 try:
     import numpy as np
@@ -98,7 +103,42 @@ class OnDevice(torch.Tensor):
         return super().item()
 
 
-def test_accelerator_tensors_are_read_off_the_training_thread(redis_url, store_url):
+class GpuEvent:
+    """Stands in for a CUDA event (the hardware boundary: no GPU here): `query()` says whether
+    the GPU got past it, which the test decides."""
+
+    def __init__(self, passed: threading.Event) -> None:
+        self.passed = passed
+
+    def query(self) -> bool:
+        return self.passed.is_set()
+
+
+@pytest.fixture
+def gpu(monkeypatch) -> threading.Event:
+    """The GPU's progress for OnDevice values: set, it computed every value logged; clear, none."""
+    passed = threading.Event()
+    passed.set()
+    monkeypatch.setattr(devicevalues, "recorded_event", lambda device: GpuEvent(passed))
+    return passed
+
+
+def stream(redis_url: str, run_id: str) -> list[tuple[str, int, int | None, dict]]:
+    """(kind, seq, step, data) of every entry of rank0's stream, in stream order."""
+    with redis.Redis.from_url(redis_url) as client:
+        entries = client.xrange(wire.stream_key(run_id, "rank0"))
+    return [
+        (
+            f[b"kind"].decode(),
+            int(f[b"seq"]),
+            int(f[b"step"]) if f.get(b"step") else None,
+            orjson.loads(f[b"data"]) if f.get(b"data") else {},
+        )
+        for _, f in entries
+    ]
+
+
+def test_accelerator_tensors_are_read_off_the_training_thread(redis_url, store_url, gpu):
     OnDevice.readers.clear()
     with init(redis_url, "deferred") as run:
         run.log({"on_device": torch.tensor(1.5).as_subclass(OnDevice)}, step=0)
@@ -108,7 +148,7 @@ def test_accelerator_tensors_are_read_off_the_training_thread(redis_url, store_u
     assert [(p.key, p.value) for p in read_store(store_url, "metrics", "deferred")] == [("on_device", 1.5)]
 
 
-def test_a_device_tensor_that_cannot_be_read_is_a_counted_drop(redis_url, store_url, monkeypatch):
+def test_a_device_tensor_that_cannot_be_read_is_a_counted_drop(redis_url, store_url, monkeypatch, gpu):
     # Its device failed after log() accepted it: the shipper's read fails, the event is counted
     # as dropped (an explained gap), and finish() says the label is incomplete.
     monkeypatch.setattr(OnDevice, "broken", True)
@@ -121,6 +161,57 @@ def test_a_device_tensor_that_cannot_be_read_is_a_counted_drop(redis_url, store_
     assert [(p.key, p.value) for p in read_store(store_url, "metrics", "deferred")] == [("plain", 2.0)]
     label = read_store(store_url, "run", "deferred").labels[0]
     assert (label.state, label.missing, sum(gap.dropped for gap in label.gaps)) == ("finished", 1, 1)
+
+
+def test_values_their_gpu_has_not_computed_wait_and_heartbeats_go_ahead(redis_url, store_url, gpu):
+    # A rank whose GPU hangs (a kernel that never ends, an NCCL collective whose peer never
+    # comes): its shipper must not wait for the GPU, or its heartbeats (its stack, its step)
+    # stop with it and the detector cannot name it.
+    OnDevice.readers.clear()
+    with init(redis_url, "gpu-hangs", heartbeat_interval=0.2) as run:
+        run.log({"loss": 1.0}, step=0)
+        gpu.clear()
+        run.log({"loss": torch.tensor(2.0).as_subclass(OnDevice)}, step=1)
+        run.log({"loss": 3.0}, step=2)
+        run.log_text("after the hang")
+        beat = wait_for(
+            "a heartbeat saying the values wait for the GPU",
+            lambda: [e for e in stream(redis_url, "gpu-hangs") if e[3].get("gpu_wait_s", 0) > 0.3],
+        )[-1]
+        entries = stream(redis_url, "gpu-hangs")
+        assert [e[2] for e in entries if e[0] == "metric"] == [0]  # steps 1 and 2 wait, in order
+        assert not [e for e in entries if e[0] == "log"] and OnDevice.readers == []
+        assert beat[3]["step"] == 0
+        gpu.set()
+    assert run.dropped == 0
+    entries = stream(redis_url, "gpu-hangs")
+    metrics = [(e[1], e[2]) for e in entries if e[0] == "metric"]
+    assert [step for _, step in metrics] == [0, 1, 2]
+    assert metrics[0][0] < beat[1] < metrics[1][0] < metrics[2][0]  # the beat went ahead of them
+    assert [e[1] for e in entries] == sorted(e[1] for e in entries)  # the stream is in seq order
+    ingest(redis_url, store_url)
+    assert [(p.step, p.value) for p in read_store(store_url, "metrics", "gpu-hangs")] == [
+        (0, 1.0),
+        (1, 2.0),
+        (2, 3.0),
+    ]
+    label = read_store(store_url, "run", "gpu-hangs").labels[0]
+    assert (label.state, label.missing) == ("finished", 0)
+
+
+def test_a_finish_that_gives_up_on_a_value_its_gpu_never_computes_drops_it_counted(redis_url, gpu):
+    run = init(redis_url, "gpu-never", finish_timeout=1.0)
+    run.log({"loss": 1.0}, step=0)
+    gpu.clear()
+    run.log({"loss": torch.tensor(2.0).as_subclass(OnDevice)}, step=1)
+    run.log({"loss": 3.0}, step=2)
+    began = time.monotonic()
+    assert run.finish() is False
+    assert time.monotonic() - began < 10  # it gave up at its timeout, never waiting for the GPU
+    # The value is an explained gap (seq 3); what followed it waits in the spool for `runbus sync`,
+    # as at any finish that runs out of time.
+    assert (run._shipper.failed_encodes, run.dropped, run._shipper.left_in_spool) == (1, 1, 2)
+    assert [(e[0], e[2]) for e in stream(redis_url, "gpu-never") if e[0] == "metric"] == [("metric", 0)]
 
 
 def test_tensors_without_a_value_are_refused_at_log(redis_url):
