@@ -7,7 +7,7 @@ object; a part that fails reports its error and the others still run. NCCL takes
 rank, so on a one-GPU machine its jobs have one rank; the multi-rank hangs run over gloo with
 CUDA tensors (bench/faults.py with DEVICE=cuda).
 
-    python bench/gpu.py [--parts nvml,example,watch,hang,faults] [--out DIR]
+    python bench/gpu.py [--parts nvml,logcost,example,watch,hang,faults] [--out DIR]
 """
 
 from __future__ import annotations
@@ -190,6 +190,51 @@ def nvml_part() -> dict[str, Any]:
     }
 
 
+def log_cost_part(redis_url: str) -> dict[str, Any]:
+    """log() of a CUDA loss: its median time on the training thread (a copy to pinned memory and
+    an event queued), beside a float's, while the GPU computes."""
+    import torch
+
+    import runbus
+
+    loss = torch.randn(1024, 1024, device="cuda").pow(2).mean()
+    results: dict[str, Any] = {}
+    with runbus.init(
+        run_id="gpu-logcost",
+        label="rank0",
+        redis_url=redis_url,
+        system_interval=None,
+        hardware=False,
+        console="off",
+    ) as run:
+        for name, value in (("float", 0.5), ("cuda_tensor", loss)):
+            times = []
+            for step in range(3000):
+                began = time.perf_counter()
+                run.log({"loss": value}, step=step)
+                times.append(time.perf_counter() - began)
+            results[f"{name}_median_us"] = round(statistics.median(times[500:]) * 1e6, 2)
+    results["dropped"] = run.dropped
+    # Its parts: what log() did before (a device copy, read later by the shipper with .item(),
+    # which waits for the GPU) beside what it does now (a copy to pinned memory and an event).
+    from runbus.producer.devicevalues import PendingValue, recorded_event
+
+    parts = {
+        "clone": lambda: loss.detach().clone(),
+        "pending_value": lambda: PendingValue(loss),
+        "to_pinned": lambda: loss.detach().to("cpu", non_blocking=True),
+        "event": lambda: recorded_event(loss.device),
+    }
+    for name, call in parts.items():
+        times = []
+        for _ in range(3000):
+            began = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - began)
+        results[f"{name}_median_us"] = round(statistics.median(times[500:]) * 1e6, 2)
+    return results
+
+
 async def wait_ended(store: Any, run_id: str, within: float) -> str | None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -305,6 +350,9 @@ def faults_part(out: str) -> dict[str, Any]:
 async def live_parts(parts: list[str], wait_s: float) -> dict[str, Any]:
     results: dict[str, Any] = {}
     async with live_store("runbus-gpu-") as (tmp, redis_url, store):
+        if "logcost" in parts:
+            results["logcost"] = await asyncio.to_thread(log_cost_part, redis_url)
+            print("logcost", results["logcost"], file=sys.stderr, flush=True)
         for name, part in (("example", example_part), ("watch", watch_part), ("hang", hang_part)):
             if name not in parts:
                 continue
@@ -321,7 +369,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", default="nvml,example,watch,hang,faults")
+    parser.add_argument("--parts", default="nvml,logcost,example,watch,hang,faults")
     parser.add_argument("--hang-wait", type=float, default=40.0, help="seconds the hung rank is watched")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
