@@ -370,7 +370,7 @@ class Shipper(threading.Thread):
         self.backlog = Backlog(
             self.options.max_buffer_bytes, None, 0, self.outbox.drops, self.options.batch_size
         )
-        self.outbox.take(len(self.outbox))
+        self.outbox.take(len(self.outbox), force=True)  # values waiting for a GPU too
 
     def _discard_until_stopped(self) -> None:
         """After a refusal: keep the queue that log() feeds empty until finish()."""
