@@ -27,6 +27,7 @@ from typing import Any
 from common import emit, live_store
 
 from runbus.ingester.localredis import free_port
+from tests.helpers import QUIET
 
 EXAMPLE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ddp_train.py"
@@ -199,14 +200,7 @@ def log_cost_part(redis_url: str) -> dict[str, Any]:
 
     loss = torch.randn(1024, 1024, device="cuda").pow(2).mean()
     results: dict[str, Any] = {}
-    with runbus.init(
-        run_id="gpu-logcost",
-        label="rank0",
-        redis_url=redis_url,
-        system_interval=None,
-        hardware=False,
-        console="off",
-    ) as run:
+    with runbus.init(run_id="gpu-logcost", label="rank0", redis_url=redis_url, **QUIET) as run:
         for name, value in (("float", 0.5), ("cuda_tensor", loss)):
             times = []
             for step in range(3000):
