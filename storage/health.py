@@ -387,7 +387,7 @@ def _apart(heard: Sequence[LabelVitals], waits: Mapping[str, str | None], now: f
     if outside and len(outside) < len(heard):
         return [culprit_of(v, doing(v.stack), now) for v in outside]
     if not outside:
-        return _odd_collectives(heard, waits, now)
+        return _odd_collectives(heard, waits, now) or _odd_groups(heard, now)
     return _odd_places(heard, now)
 
 
@@ -418,6 +418,62 @@ def _odd_collectives(
         for v in heard
         if waits[v.label] != usual
     ]
+
+
+def _groups(vitals: LabelVitals) -> Mapping[str, Sequence[int]]:
+    """A label's process groups' progress by its beat: {group: [queued, started, completed]}."""
+    groups = (vitals.beat or {}).get("groups")
+    return groups if isinstance(groups, Mapping) else {}
+
+
+def _odd_groups(heard: Sequence[LabelVitals], now: float) -> list[dict[str, Any]]:
+    """Every heard label waits in the same collective (or GPU work): those whose process group's
+    collectives stand apart by the flight recorder's counts (producer/collectives.py), in the
+    first group where some do. Under NCCL a rank whose GPU runs a kernel that never ends waits
+    like the others do, by its stack and its values, but its GPU never started the collective
+    theirs did."""
+    counts = [_groups(v) for v in heard]
+    shared = set.intersection(*(set(c) for c in counts)) if counts else set()
+    for group in sorted(shared):
+        pairs = [_queued_started(c[group]) for c in counts]
+        if any(pair is None for pair in pairs):  # a beat not as the producer writes it
+            continue
+        progress = [(v, pair) for v, pair in zip(heard, pairs, strict=True) if pair is not None]
+        if found := _lagging(progress, group, now):
+            return found
+    return []
+
+
+def _queued_started(counts: Any) -> tuple[int, int] | None:
+    """A group's [queued, started, completed] from a beat, as (queued, started), or None."""
+    if isinstance(counts, list | tuple) and len(counts) >= 2 and all(type(n) is int for n in counts[:2]):
+        return counts[0], counts[1]
+    return None
+
+
+def _lagging(
+    progress: Sequence[tuple[LabelVitals, list[int]]], group: str, now: float
+) -> list[dict[str, Any]]:
+    """Of (label, [queued, started]) in one group: the labels that queued fewer collectives than
+    the others, else (all queued as many) those whose GPU has not started the last one while the
+    others' has; [] when none, or all, stand apart."""
+    top = max(queued for _, (queued, _) in progress)
+    behind = [(v, queued) for v, (queued, _) in progress if queued < top]
+    if 0 < len(behind) < len(progress):
+        return [
+            culprit_of(v, f"queued collective {queued} of group {group}, the others {top}", now)
+            for v, queued in behind
+        ]
+    if behind:
+        return []
+    unstarted = [v for v, (_, started) in progress if started < top]
+    if 0 < len(unstarted) < len(progress):
+        reason = (
+            f"its GPU has not started collective {top} of group {group}, the others' have "
+            "(a kernel before it that does not end?)"
+        )
+        return [culprit_of(v, reason, now) for v in unstarted]
+    return []
 
 
 def _odd_places(heard: Sequence[LabelVitals], now: float) -> list[dict[str, Any]]:

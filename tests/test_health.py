@@ -193,6 +193,10 @@ def test_a_rank_blocked_in_its_data_loader_is_the_culprit(redis_url, store_url, 
         assert beats["rank2"]["collective"] is None and beats["rank2"]["collective_s"] is None
         assert {beats[r]["collective"] for r in ("rank0", "rank1", "rank3")} == {"all_reduce"}
         assert all(beats[r]["collective_s"] > 1.0 for r in ("rank0", "rank1", "rank3"))
+        # torch's flight recorder counts each rank's collectives: the waiting ranks queued the
+        # all_reduce the culprit never reached.
+        queued = {label: beat["groups"]["0"][0] for label, beat in beats.items()}
+        assert queued["rank0"] == queued["rank1"] == queued["rank3"] == queued["rank2"] + 1
         # Named within the floor and a few seconds of the hang's start (its last step).
         assert STALL_AFTER < culprit["step_age"] < STALL_AFTER + 5
         alert = wait_for("the alert", lambda: alerts_of(ingester))[0]

@@ -134,6 +134,45 @@ def test_ranks_whose_logged_values_wait_for_their_gpu_wait_in_gpu_work():
     assert verdict.state == OK and verdict.note and verdict.note.startswith("paused")
 
 
+def test_when_every_rank_waits_in_gpu_work_the_flight_recorder_names_the_odd_one():
+    # NCCL with TORCH_NCCL_ENABLE_TIMING=1: every rank's values wait for its GPU, every stack at
+    # the same `.item()`. Ranks 0, 1 and 3 started all_reduce 41 of group 0 on their GPU; rank2
+    # queued it behind a kernel that never ends, so its GPU never started it.
+    item = [["train.py", 33, "main", "print(loss.item())"]]
+
+    def waiting(label: str, groups: dict) -> LabelVitals:
+        vitals = rank(label, stack=item)
+        vitals.beat.update(gpu_wait_s=12.0, groups=groups)  # type: ignore[union-attr]
+        return vitals
+
+    started = {"0": [41, 41, 40], "1": [7, -1, 7]}
+    labels = [waiting("rank0", started), waiting("rank1", started), waiting("rank3", started)]
+    verdict = judge(
+        "running", [*labels, waiting("rank2", {"0": [41, 40, 40], "1": [7, -1, 7]})], NOW, SETTINGS
+    )
+    assert verdict.state == STALLED
+    assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
+        (
+            "rank2",
+            "its GPU has not started collective 41 of group 0, the others' have "
+            "(a kernel before it that does not end?)",
+        )
+    ]
+    assert [w["label"] for w in verdict.waiting] == ["rank0", "rank1", "rank3"]
+    # A rank that never queued the collective the others wait in (it waits in an earlier one).
+    verdict = judge("running", [*labels, waiting("rank2", {"0": [40, 40, 39]})], NOW, SETTINGS)
+    assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
+        ("rank2", "queued collective 40 of group 0, the others 41")
+    ]
+    # Without NCCL's timing (started -1 everywhere) and all alike: no label stands apart.
+    alike = {"0": [41, -1, 40]}
+    verdict = judge("running", [waiting(f"rank{i}", alike) for i in range(4)], NOW, SETTINGS)
+    assert (verdict.state, verdict.culprits) == (STALLED, [])
+    # A beat whose groups are not as the producer writes them is left out of it.
+    verdict = judge("running", [*labels, waiting("rank2", {"0": "41"})], NOW, SETTINGS)
+    assert (verdict.state, verdict.culprits) == (STALLED, [])
+
+
 def test_ranks_leaving_a_pause_one_by_one_are_no_stall_until_the_first_waited_a_stall_long():
     # Every rank evaluated for 15 s (past the 10 s threshold); three have just finished and wait
     # in the all_reduce after it, timed by their beats, while rank3 still evaluates.
