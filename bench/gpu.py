@@ -129,7 +129,7 @@ def nccl_job(redis_url: str, run_id: str, mode: str, **env: str) -> subprocess.P
         "WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_ENABLE_TIMING": "1",
         **env,
     }
