@@ -44,6 +44,9 @@ NAMES = (
     "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
     "reduce", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv",
 )  # fmt: skip
+# torch's flight recorders, each asked for its groups' status: NCCL's groups are in its own (a
+# CUDA build has both), gloo's in the other (recent torch); the first to name a group wins.
+RECORDERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
 MAX_GROUPS = 16  # process groups a beat reports the progress of (FSDP and TP jobs make many)
 WRAPPED = "__runbus_collective__"  # the attribute that marks a wrapper (holding what it wraps)
 
@@ -126,19 +129,27 @@ def group_progress() -> dict[str, list[int]] | None:
     GPU waits in, and which rank never queued, or never started, the one the others wait in.
     None where this torch has no recorder or it answers nothing; at most MAX_GROUPS groups."""
     c10d = getattr(getattr(sys.modules.get("torch"), "_C", None), "_distributed_c10d", None)
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
-    if dump is None:
-        return None
+    status: dict[str, Any] = {}
+    for name in RECORDERS:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            found = orjson.loads(dump(includeCollectives=False, onlyActive=True)).get("pg_status") or {}
+        except Exception as exc:  # another torch's format: the beat goes without it
+            log.debug("runbus: %s could not be read: %s", name, exc)
+            continue
+        for group, counts in found.items():
+            status.setdefault(str(group), counts)
     try:
-        status = orjson.loads(dump(includeCollectives=False, onlyActive=True)).get("pg_status") or {}
         return {
-            str(group): [
+            group: [
                 int(counts["last_enqueued_collective"]),
                 int(counts["last_started_collective"]),
                 int(counts["last_completed_collective"]),
             ]
             for group, counts in sorted(status.items())[:MAX_GROUPS]
-        }
-    except Exception as exc:  # another torch's format: the beat goes without it
-        log.debug("runbus: the flight recorder's group status could not be read: %s", exc)
+        } or None
+    except (KeyError, TypeError, ValueError) as exc:
+        log.debug("runbus: the flight recorder's group status is not as expected: %s", exc)
         return None

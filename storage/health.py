@@ -452,27 +452,24 @@ def _queued_started(counts: Any) -> tuple[int, int] | None:
 
 
 def _lagging(
-    progress: Sequence[tuple[LabelVitals, list[int]]], group: str, now: float
+    progress: Sequence[tuple[LabelVitals, tuple[int, int]]], group: str, now: float
 ) -> list[dict[str, Any]]:
-    """Of (label, [queued, started]) in one group: the labels that queued fewer collectives than
-    the others, else (all queued as many) those whose GPU has not started the last one while the
-    others' has; [] when none, or all, stand apart."""
-    top = max(queued for _, (queued, _) in progress)
-    behind = [(v, queued) for v, (queued, _) in progress if queued < top]
-    if 0 < len(behind) < len(progress):
-        return [
-            culprit_of(v, f"queued collective {queued} of group {group}, the others {top}", now)
-            for v, queued in behind
-        ]
-    if behind:
-        return []
-    unstarted = [v for v, (_, started) in progress if started < top]
-    if 0 < len(unstarted) < len(progress):
-        reason = (
-            f"its GPU has not started collective {top} of group {group}, the others' have "
-            "(a kernel before it that does not end?)"
-        )
-        return [culprit_of(v, reason, now) for v in unstarted]
+    """Of (label, (queued, started)) in one group: the labels that queued fewer collectives than
+    the others, else (all queued as many) those whose GPU started fewer: under NCCL each rank
+    queues ahead of its GPU, and the collective the others' GPUs started waits for the rank whose
+    GPU is still in a kernel before it. [] when none, or all, stand apart."""
+    reasons = (
+        "queued collective {} of group {}, the others {}",
+        "its GPU started collective {} of group {}, the others' {} "
+        "(a kernel before the next that does not end?)",
+    )
+    for index, reason in enumerate(reasons):
+        top = max(counts[index] for _, counts in progress)
+        behind = [(v, counts[index]) for v, counts in progress if counts[index] < top]
+        if top >= 0 and 0 < len(behind) < len(progress):
+            return [culprit_of(v, reason.format(count, group, top), now) for v, count in behind]
+        if behind:
+            return []
     return []
 
 

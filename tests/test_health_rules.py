@@ -136,8 +136,10 @@ def test_ranks_whose_logged_values_wait_for_their_gpu_wait_in_gpu_work():
 
 def test_when_every_rank_waits_in_gpu_work_the_flight_recorder_names_the_odd_one():
     # NCCL with TORCH_NCCL_ENABLE_TIMING=1: every rank's values wait for its GPU, every stack at
-    # the same `.item()`. Ranks 0, 1 and 3 started all_reduce 41 of group 0 on their GPU; rank2
-    # queued it behind a kernel that never ends, so its GPU never started it.
+    # the same `.item()`, every rank queued collectives up to 144 (they run ahead of their GPUs).
+    # Ranks 0, 1 and 3 started collective 127 of group 0 on their GPU, where they wait for rank2,
+    # whose GPU is in a kernel that never ends (as measured on an H200: queued 144, started and
+    # completed 126).
     item = [["train.py", 33, "main", "print(loss.item())"]]
 
     def waiting(label: str, groups: dict) -> LabelVitals:
@@ -145,27 +147,26 @@ def test_when_every_rank_waits_in_gpu_work_the_flight_recorder_names_the_odd_one
         vitals.beat.update(gpu_wait_s=12.0, groups=groups)  # type: ignore[union-attr]
         return vitals
 
-    started = {"0": [41, 41, 40], "1": [7, -1, 7]}
+    started = {"0": [144, 127, 126], "1": [7, -1, 7]}
     labels = [waiting("rank0", started), waiting("rank1", started), waiting("rank3", started)]
-    verdict = judge(
-        "running", [*labels, waiting("rank2", {"0": [41, 40, 40], "1": [7, -1, 7]})], NOW, SETTINGS
-    )
+    hung = waiting("rank2", {"0": [144, 126, 126], "1": [7, -1, 7]})
+    verdict = judge("running", [*labels, hung], NOW, SETTINGS)
     assert verdict.state == STALLED
     assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
         (
             "rank2",
-            "its GPU has not started collective 41 of group 0, the others' have "
-            "(a kernel before it that does not end?)",
+            "its GPU started collective 126 of group 0, the others' 127 "
+            "(a kernel before the next that does not end?)",
         )
     ]
     assert [w["label"] for w in verdict.waiting] == ["rank0", "rank1", "rank3"]
     # A rank that never queued the collective the others wait in (it waits in an earlier one).
-    verdict = judge("running", [*labels, waiting("rank2", {"0": [40, 40, 39]})], NOW, SETTINGS)
+    verdict = judge("running", [*labels, waiting("rank2", {"0": [143, 126, 126]})], NOW, SETTINGS)
     assert [(c["label"], c["reason"]) for c in verdict.culprits] == [
-        ("rank2", "queued collective 40 of group 0, the others 41")
+        ("rank2", "queued collective 143 of group 0, the others 144")
     ]
     # Without NCCL's timing (started -1 everywhere) and all alike: no label stands apart.
-    alike = {"0": [41, -1, 40]}
+    alike = {"0": [144, -1, 126]}
     verdict = judge("running", [waiting(f"rank{i}", alike) for i in range(4)], NOW, SETTINGS)
     assert (verdict.state, verdict.culprits) == (STALLED, [])
     # A beat whose groups are not as the producer writes them is left out of it.
