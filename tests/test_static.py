@@ -47,7 +47,10 @@ def run(tool: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The type checkers take minutes on a loaded 2-core machine: their subprocess limit (300 s), not
+# the suite's 120 s per test, decides.
 @pytest.mark.typecheck
+@pytest.mark.timeout(320)
 def test_types_check_with_zero_errors() -> None:
     result = run(["-m", "mypy", "--config-file", CONFIG, "-p", "runbus"], ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -58,6 +61,7 @@ def test_types_check_with_zero_errors() -> None:
 
 
 @pytest.mark.typecheck
+@pytest.mark.timeout(320)
 def test_pyright_finds_every_module_with_zero_errors() -> None:
     # The environment this test runs in (its PATH here names no virtual environment).
     result = run(["-m", "pyright", "--pythonpath", sys.executable, "--outputjson"], ROOT)
