@@ -388,9 +388,9 @@ def values_queries(
     `labels` (None: all) that hold a step of `steps` (None: every chunk); the clock chunks of
     those chunks' label epochs that hold their seqs, not the others (a read of a few steps of a
     long run reads its own clock chunks, not the run's); the head rows chosen alike."""
-    with_label, label_args = _one_of("l.label", labels)
+    with_label, label_args = dialect.one_of("l.label", labels)
     stored = None if keys is None else [rows.storable_text(k) for k in keys]
-    with_key, key_args = _one_of("s.key", stored)
+    with_key, key_args = dialect.one_of("s.key", stored)
     in_steps = "" if steps is None else " AND c.max_step >= ? AND c.min_step <= ?"
     # SQLite keeps the joins in this order (CROSS JOIN): a run's labels, its series, their chunks.
     chosen = (
@@ -422,15 +422,6 @@ def values_queries(
         Query(dialect.sql(clocks), clock_args),
         Query(dialect.sql(head), [run_id, *label_args, *key_args, *(steps or ())]),
     ]
-
-
-def _one_of(column: str, names: Sequence[str] | None) -> tuple[str, list[str]]:
-    """A condition that `column` is one of `names` (none where `names` is None), and its arguments."""
-    if names is None:
-        return "", []
-    if not names:
-        return " AND 1 = 0", []
-    return f" AND {column} IN ({', '.join('?' * len(names))})", list(names)
 
 
 async def stored_values(
