@@ -35,8 +35,8 @@ async def read_health(store: Store, run: RunSummary) -> dict[str, Any]:
 
 
 def health_lines(health: dict[str, Any]) -> list[str]:
-    """`runbus show`'s first lines: the state, since when, who is at fault and who waits; then
-    each culprit's innermost frames and last lines."""
+    """`runbus show`'s first lines: the state, since when, who is at fault and who waits, how far
+    the cross-rank band is checked; then each culprit's innermost frames and last lines."""
     head = f"health   {health['state']}"
     if health.get("since") and health["state"] != "ok":
         head += f" since {time.strftime('%H:%M:%S', time.localtime(health['since']))}"
@@ -47,6 +47,7 @@ def health_lines(health: dict[str, Any]) -> list[str]:
         parts.append(f"{len(waiting)} waiting in {', '.join(places)}")
     parts += _followers_text(health.get("followers") or [])
     parts += _stragglers_text(health.get("stragglers") or []) + _anomalies_text(health.get("anomalies") or [])
+    parts += _band_text(health)
     if parts:
         head += ": " + "; ".join(parts)
     if health.get("note"):
@@ -98,6 +99,18 @@ def _anomalies_text(anomalies: list[dict[str, Any]]) -> list[str]:
     more = f" (+{len(anomalies) - 1} more)" if len(anomalies) > 1 else ""
     went = "left the cross-rank band" if first.get("kind") == "outlier" else f"went {first['kind']}"
     return [f"{first['label']} {went} in {first['key']}{at} first{more}"]
+
+
+def _band_text(health: dict[str, Any]) -> list[str]:
+    """How far the cross-rank band is checked (the health object's `band_to`): every label that
+    left it up to that step is named. Nothing where the run has no band (`null`: fewer than four
+    labels), nor while no step is checked (negative: the slowest label's second 128-step bucket
+    is open) unless an anomaly was found, which a band leaver may then yet precede."""
+    band_to = health.get("band_to")
+    if type(band_to) is not int or (band_to < 0 and not health.get("anomalies")):
+        return []
+    checked = f"checked to step {band_to}" if band_to >= 0 else "not checked yet"
+    return [f"cross-rank band {checked}"]
 
 
 def change_key(health: dict[str, Any]) -> tuple[Any, ...]:

@@ -17,8 +17,6 @@ from itertools import pairwise
 from operator import itemgetter
 from typing import Literal
 
-import numpy as np
-
 from runbus.storage import rollups, steptimes
 from runbus.storage.base import (
     ALL_LINES_UP_TO,
@@ -35,6 +33,7 @@ from runbus.storage.base import (
     RollupReader,
     RunBucket,
     Span,
+    Store,
     StragglerLabel,
     Stragglers,
     XUnit,
@@ -58,6 +57,7 @@ from runbus.storage.rollups import (
     Partial,
 )
 from runbus.storage.rules import natural_key
+from runbus.storage.values import Values
 
 # Values in view up to this many are read as stored: exact band and lines.
 RAW_POINTS = 50_000
@@ -634,7 +634,7 @@ def _chosen_lines(
 
 
 async def stragglers(
-    reader: RollupReader,
+    reader: Store,
     run_id: str,
     key: str,
     time_key: bool = False,
@@ -677,15 +677,16 @@ async def stragglers(
 
 
 async def _straggler_cells(
-    reader: RollupReader, run_id: str, key: str, lo: int, hi: int, total: int, buckets: int, time_key: bool
+    reader: Store, run_id: str, key: str, lo: int, hi: int, total: int, buckets: int, time_key: bool
 ) -> tuple[int, dict[tuple[str, int], list[float]]]:
     """The bucket width and stragglers' cells of steps lo..hi: (label, bucket) -> [seconds,
     steps] summed over the label's epochs, or [sum, count] of values where `time_key`."""
     if total <= RAW_POINTS:
-        values = await _stored_values(reader, run_id, key, STEP_AXIS, lo, hi, total)
+        # As arrays, and of the chunks only those holding steps lo..hi.
+        found = await reader.values(run_id, "metrics", [key], None, (lo, hi))
         # Whatever steps were logged, a bucket is a run of consecutive steps (as in the rollups).
         width = exact_width(buckets + 1, hi - lo + 1, buckets)
-        return width, _value_cells(values, time_key, _shift(width))
+        return width, _value_cells(found, time_key, _shift(width))
     width = choose_width(hi - lo + 1, buckets)
     first, last = lo >> _shift(width), hi >> _shift(width)
     rows = await label_rows(reader, run_id, key, STEP_AXIS, width, first, last, None)
@@ -706,27 +707,18 @@ def _step_times(
     return times
 
 
-def _value_cells(values: Sequence[Value], time_key: bool, shift: int) -> dict[tuple[str, int], list[float]]:
-    """Stragglers' cells from stored values (runbus.storage.steptimes.cells)."""
-    labels = sorted({value[0] for value in values})
-    code = {label: i for i, label in enumerate(labels)}
-    columns = list(zip(*values, strict=True)) or [()] * 6
-    found = steptimes.cells(
-        np.fromiter((code[label] for label in columns[0]), np.int32, len(values)),
-        np.array(columns[1], np.int64),
-        np.array(columns[3], np.int64),
-        np.array(columns[4], np.float64),
-        np.array(columns[5], np.float64),
-        time_key,
-        shift,
-    )
+def _value_cells(found: Values, time_key: bool, shift: int) -> dict[tuple[str, int], list[float]]:
+    """Stragglers' cells from stored values of one key, each with a step
+    (runbus.storage.steptimes.cells)."""
+    cells = steptimes.cells(found.label, found.epoch, found.step, found.ts, found.value, time_key, shift)
+    labels = found.labels
     return {
         (labels[c], bucket): [seconds, steps]
         for c, bucket, seconds, steps in zip(
-            found.label.tolist(),
-            found.bucket.tolist(),
-            found.seconds.tolist(),
-            found.steps.tolist(),
+            cells.label.tolist(),
+            cells.bucket.tolist(),
+            cells.seconds.tolist(),
+            cells.steps.tolist(),
             strict=True,
         )
     }

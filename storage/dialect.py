@@ -10,7 +10,9 @@ import functools
 import itertools
 import re
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _PLACEHOLDER = re.compile(r"\?")
 
@@ -44,6 +46,9 @@ class Dialect:
     member: str
     # The member's name as SQLite's JSON path (`$."key"`) rather than the key itself.
     json_path: bool
+    # A list of texts bound as one array argument (`= ANY(...)`: one statement whatever its
+    # length, and no cap on it) rather than one argument each.
+    text_arrays: bool = False
 
     def sql(self, query: str) -> str:
         """`query`, written with `?` placeholders, in this backend's style."""
@@ -52,6 +57,17 @@ class Dialect:
     def contains(self, text: str, part: str = "?") -> str:
         """A condition that `text` contains `part` (by default the next argument)."""
         return f"{self.find}({text}, {part}) > 0"
+
+    def one_of(self, column: str, names: Sequence[str] | None) -> tuple[str, list[Any]]:
+        """A condition (` AND ...`) that `column` is one of `names`, none where `names` is None,
+        and its arguments."""
+        if names is None:
+            return "", []
+        if not names:
+            return " AND 1 = 0", []
+        if self.text_arrays:
+            return f" AND {column} = ANY(CAST(? AS TEXT[]))", [list(names)]
+        return f" AND {column} IN ({', '.join('?' * len(names))})", list(names)
 
     def limit(self, limit: int | None) -> int | None:
         """A LIMIT argument: None or a negative limit means none, as SQLite reads a negative one."""
@@ -92,4 +108,5 @@ POSTGRES = Dialect(
     ),
     member="CAST({doc} -> CAST(? AS TEXT) AS TEXT)",
     json_path=False,
+    text_arrays=True,
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import operator
 import ssl
 import time
@@ -1104,55 +1103,6 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             return int(await con.fetchval(f"SELECT count(*) {chunking.DUE_SQL}"))
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def values(
-        self,
-        run_id: str,
-        table: PointTable = "metrics",
-        keys: Sequence[str] | None = None,
-        labels: Sequence[str] | None = None,
-        steps: tuple[int, int] | None = None,
-    ) -> values.Values:
-        table = point_table(table)
-        in_range = values.step_range(steps, table)
-        stored = None if keys is None else [rows.storable_text(k) for k in keys]
-        chunk_args: list[Any] = [run_id, rollups.series_run(run_id, table)]
-        chunk_where = _any_of(chunk_args, ("l.label", labels), ("s.key", stored))
-        clock_args: list[Any] = [run_id]
-        clock_where = _any_of(clock_args, ("l.label", labels))
-        head_args: list[Any] = [run_id]
-        head_where = _any_of(head_args, ("l.label", labels), ("m.key", stored))
-        if in_range is not None:  # chunks that hold a step of the range, head rows at one
-            chunk_args += in_range
-            chunk_where += f" AND c.max_step >= ${len(chunk_args) - 1} AND c.min_step <= ${len(chunk_args)}"
-            head_args += in_range
-            head_where += f" AND m.step BETWEEN ${len(head_args) - 1} AND ${len(head_args)}"
-        step = "m.step" if table == "metrics" else "NULL::int8"
-
-        async def read(con: asyncpg.Connection) -> values.Values:
-            # One snapshot: a compaction that commits meanwhile moves no point past the read.
-            async with con.transaction(isolation="repeatable_read", readonly=True):
-                chunks = await con.fetch(
-                    "SELECT l.label, s.key, c.epoch, c.first_seq, c.data FROM labels l "
-                    "JOIN chunks c ON c.label_id = l.id JOIN series s ON s.id = c.series_id "
-                    f"WHERE l.run_id = $1 AND s.run_id = $2{chunk_where}",
-                    *chunk_args,
-                )
-                clocks = await con.fetch(
-                    "SELECT l.label, c.epoch, c.data FROM labels l JOIN chunks c ON c.label_id = l.id "
-                    f"WHERE l.run_id = $1 AND c.series_id = {chunking.CLOCK}{clock_where}",
-                    *clock_args,
-                )
-                head = await con.fetch(
-                    f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l "
-                    f"JOIN {table} m ON m.label_id = l.id WHERE l.run_id = $1{head_where}",
-                    *head_args,
-                )
-            # Decoded off the event loop: a dashboard serving others goes on meanwhile.
-            found = await asyncio.to_thread(values.assemble, chunks, clocks, head)
-            return values.in_steps(found, in_range)
-
-        return await self._call(read)
 
     async def point_page(
         self,

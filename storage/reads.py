@@ -4,13 +4,14 @@ no more of a backend than its rows for a statement (Fetcher), each a method of b
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import orjson
 
 from runbus.errors import BadQuery
-from runbus.storage import charts, rollups, rows, values
+from runbus.storage import charts, chunking, rollups, rows, values
 from runbus.storage.base import (
     KeyPage,
     LabelBrief,
@@ -21,6 +22,7 @@ from runbus.storage.base import (
     RunPage,
     RunSummary,
     Store,
+    point_table,
 )
 from runbus.storage.dialect import SQLITE_MEMBER_MISSING, Dialect
 from runbus.storage.rules import lives_of
@@ -291,7 +293,7 @@ def key_page_queries(
 
 
 class Fetcher(Store, Protocol):
-    """What the shared reads below need of a store, besides its own `values`."""
+    """What the shared reads below need of a store."""
 
     dialect: Dialect
 
@@ -300,8 +302,8 @@ class Fetcher(Store, Protocol):
         ...
 
     async def _fetch_together(self, queries: Sequence[Query]) -> list[list[Any]]:
-        """The rows of each of `queries`, read in one snapshot where the backend keeps one across
-        statements."""
+        """The rows of each of `queries`, read in one snapshot: a compaction that commits between
+        them moves no value from the head rows one reads into the chunks another read before."""
         ...
 
 
@@ -374,6 +376,73 @@ async def system(
     return values.by_time(await _values_of(reader, "system", run_id, key, label)).points()
 
 
+def values_queries(
+    dialect: Dialect,
+    run_id: str,
+    table: PointTable,
+    keys: Sequence[str] | None,
+    labels: Sequence[str] | None,
+    steps: tuple[int, int] | None,
+) -> list[Query]:
+    """Store.values' statements (values.assemble takes their rows): the chunk rows of `keys` of
+    `labels` (None: all) that hold a step of `steps` (None: every chunk); the clock chunks of
+    those chunks' label epochs that hold their seqs, not the others (a read of a few steps of a
+    long run reads its own clock chunks, not the run's); the head rows chosen alike."""
+    with_label, label_args = dialect.one_of("l.label", labels)
+    stored = None if keys is None else [rows.storable_text(k) for k in keys]
+    with_key, key_args = dialect.one_of("s.key", stored)
+    in_steps = "" if steps is None else " AND c.max_step >= ? AND c.min_step <= ?"
+    # SQLite keeps the joins in this order (CROSS JOIN): a run's labels, its series, their chunks.
+    chosen = (
+        f"FROM labels l CROSS JOIN series s CROSS JOIN chunks c WHERE l.run_id = ?{with_label} "
+        f"AND s.run_id = ?{with_key} AND c.label_id = l.id AND c.series_id = s.id{in_steps}"
+    )
+    chunk_args = [run_id, *label_args, rollups.series_run(run_id, table), *key_args, *(steps or ())]
+    clocks = (
+        f"WITH wanted AS (SELECT c.label_id, c.epoch, min(c.first_seq) AS lo, max(c.last_seq) AS hi {chosen} "
+        "GROUP BY c.label_id, c.epoch) SELECT l.label, k.epoch, k.data FROM wanted w CROSS JOIN chunks k "
+        f"CROSS JOIN labels l WHERE k.label_id = w.label_id AND k.series_id = {chunking.CLOCK} "
+        "AND k.epoch = w.epoch AND k.first_seq <= w.hi AND k.last_seq >= w.lo AND l.id = w.label_id"
+    )
+    clock_args = chunk_args
+    if keys is None and steps is None:  # every chunk of the labels: their every clock chunk, found directly
+        clocks = (
+            "SELECT l.label, k.epoch, k.data FROM labels l CROSS JOIN chunks k WHERE l.run_id = ?"
+            f"{with_label} AND k.label_id = l.id AND k.series_id = {chunking.CLOCK}"
+        )
+        clock_args = [run_id, *label_args]
+    step = "m.step" if table == "metrics" else "CAST(NULL AS BIGINT)"
+    head = (
+        f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value FROM labels l CROSS JOIN {table} m "
+        f"WHERE l.run_id = ?{with_label}{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id"
+        + ("" if steps is None else " AND m.step BETWEEN ? AND ?")
+    )
+    return [
+        Query(dialect.sql(f"SELECT l.label, s.key, c.epoch, c.first_seq, c.data {chosen}"), chunk_args),
+        Query(dialect.sql(clocks), clock_args),
+        Query(dialect.sql(head), [run_id, *label_args, *key_args, *(steps or ())]),
+    ]
+
+
+async def stored_values(
+    reader: Fetcher,
+    run_id: str,
+    table: PointTable = "metrics",
+    keys: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    steps: tuple[int, int] | None = None,
+) -> values.Values:
+    """Store.values: its rows read in one snapshot (a compaction that commits meanwhile moves no
+    point past the read), decoded off the event loop (a dashboard serving others goes on)."""
+    table = point_table(table)
+    in_range = values.step_range(steps, table)
+    chunks, clocks, head = await reader._fetch_together(
+        values_queries(reader.dialect, run_id, table, keys, labels, in_range)
+    )
+    found = await asyncio.to_thread(values.assemble, chunks, clocks, head)
+    return values.in_steps(found, in_range)
+
+
 async def _values_of(
     reader: Fetcher, table: PointTable, run_id: str, key: str | None, label: str | None
 ) -> values.Values:
@@ -437,8 +506,8 @@ async def label_starts(reader: Fetcher, run_id: str) -> dict[str, dict[str, Any]
 
 class SharedReads:
     """The reads above and the chart reads (storage/charts.py), as methods of each store: a store
-    that inherits them gives `dialect`, `_fetch`, `_fetch_together` and its own `values` (Fetcher),
-    and the rollup reads (base.RollupReader) the chart reads compose."""
+    that inherits them gives `dialect`, `_fetch` and `_fetch_together` (Fetcher), and the rollup
+    reads (base.RollupReader) the chart reads compose."""
 
     run = run
     runs = runs
@@ -449,6 +518,7 @@ class SharedReads:
     system_keys = system_keys
     metrics = metrics
     system = system
+    values = stored_values
     key_values = key_values
     logs = logs
     log_page = log_page

@@ -38,7 +38,6 @@ from runbus.storage.base import (
 )
 from runbus.storage.dialect import SQLITE
 from runbus.storage.rules import RUNNING, LabelState, Setting, apply_events, crash, out_of_reach, run_state
-from runbus.storage.values import Values
 from runbus.wire import Event
 
 T = TypeVar("T")
@@ -956,7 +955,7 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         return await self._call(self._rows, query)
 
     async def _fetch_together(self, queries: Sequence[reads.Query]) -> list[list[sqlite3.Row]]:
-        return await self._call(lambda: [self._rows(query) for query in queries])
+        return await self._call(self._in_snapshot, lambda: [self._rows(query) for query in queries])
 
     async def _execute(self, queries: Sequence[reads.Query]) -> list[int]:
         return await self._call(
@@ -1107,53 +1106,6 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         return left
 
     # -- reads ---------------------------------------------------------------------------------
-
-    async def values(
-        self,
-        run_id: str,
-        table: PointTable = "metrics",
-        keys: Sequence[str] | None = None,
-        labels: Sequence[str] | None = None,
-        steps: tuple[int, int] | None = None,
-    ) -> Values:
-        table = point_table(table)
-        chosen = values.step_range(steps, table)
-        return await self._call(self._in_snapshot, self._values, run_id, table, keys, labels, chosen)
-
-    def _values(
-        self,
-        run_id: str,
-        table: PointTable,
-        keys: Sequence[str] | None,
-        labels: Sequence[str] | None,
-        steps: tuple[int, int] | None = None,
-    ) -> Values:
-        con = self._db()
-        chosen, chosen_args = _chosen("l.label", labels)
-        with_key, key_args = _chosen("s.key", None if keys is None else [rows.storable_text(k) for k in keys])
-        in_steps, step_args = (
-            ("", []) if steps is None else (" AND c.max_step >= ? AND c.min_step <= ?", list(steps))
-        )
-        chunks = con.execute(
-            "SELECT l.label, s.key, c.epoch, c.first_seq, c.data FROM labels l CROSS JOIN series s "
-            f"CROSS JOIN chunks c WHERE l.run_id = ?{chosen} AND s.run_id = ?{with_key} "
-            f"AND c.label_id = l.id AND c.series_id = s.id{in_steps}",
-            [run_id, *chosen_args, rollups.series_run(run_id, table), *key_args, *step_args],
-        ).fetchall()
-        clocks = con.execute(
-            f"SELECT l.label, c.epoch, c.data FROM labels l CROSS JOIN chunks c WHERE l.run_id = ?{chosen} "
-            f"AND c.label_id = l.id AND c.series_id = {chunking.CLOCK}",
-            [run_id, *chosen_args],
-        ).fetchall()
-        step = "m.step" if table == "metrics" else "NULL"
-        head = con.execute(
-            f"SELECT l.label, m.key, m.epoch, m.seq, {step}, m.ts, m.value "
-            f"FROM labels l CROSS JOIN {table} m WHERE l.run_id = ?{chosen}"
-            f"{with_key.replace('s.key', 'm.key')} AND m.label_id = l.id"
-            + ("" if steps is None else " AND m.step BETWEEN ? AND ?"),
-            [run_id, *chosen_args, *key_args, *step_args],
-        ).fetchall()
-        return values.in_steps(values.assemble(chunks, clocks, head), steps)
 
     async def point_page(
         self,

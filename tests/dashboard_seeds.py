@@ -267,6 +267,8 @@ async def write_nan_run(store_url: str) -> None:
 
 
 STALLED_RUN = "hang-6"  # 6 ranks, stalled: HUNG_RANK in a data loader, the others in all_reduce
+STALLED_STEPS = 300  # the band is checked to step 127 (each rank's bucket 2, from step 256, is open)
+NAN_AT = ("rank3", 250)  # STALLED_RUN's rank3 goes NaN there: after the band's reach, not settled
 HEALTHY_RUN = "fine-2"  # 2 ranks, judged ok
 HUNG_RANK = "rank5"
 HUNG_CODE = "load_batch()  # <img src=x onerror=\"window.__pwned='health'\">"
@@ -279,11 +281,11 @@ def stalled_health(now: float) -> dict[str, Any]:
         {"file": "/work/train.py", "line": 48, "function": "main", "code": HUNG_CODE},
         {"file": "/work/train.py", "line": 21, "function": "load_batch", "code": "time.sleep(3600)"},
     ]
-    waiting = [{"label": f"rank{r}", "in": "all_reduce", "step": 40} for r in range(5)]
+    waiting = [{"label": f"rank{r}", "in": "all_reduce", "step": STALLED_STEPS - 1} for r in range(5)]
     culprit = {
         "label": HUNG_RANK,
         "reason": "in a data loader (load_batch)",
-        "step": 40,
+        "step": STALLED_STEPS - 1,
         "step_age": 14.0,
         "silent_s": 0.5,
         "host": "node3",
@@ -305,29 +307,35 @@ async def write_health_runs(store_url: str) -> None:
     """STALLED_RUN and HEALTHY_RUN, running, each with its recorded health verdict."""
     import time
 
-    from runbus.storage import open_store
+    from runbus.storage import open_store, outliers
     from runbus.storage.beats import RunVitals
     from runbus.wire import Event
+
+    def loss(label: str, step: int) -> float:
+        return math.nan if label == NAN_AT[0] and step >= NAN_AT[1] else 1.0 / (step + 1)
 
     now = time.time()
     store = open_store(store_url)
     await store.connect()
     try:
-        for run, ranks in ((STALLED_RUN, 6), (HEALTHY_RUN, 2)):
+        for run, ranks, steps in ((STALLED_RUN, 6, STALLED_STEPS), (HEALTHY_RUN, 2, 41)):
             events = []
             for rank in range(ranks):
                 label = f"rank{rank}"
                 events.append(
-                    Event(run, label, "start", 1, 1, now - 60, {"primary": rank == 0, "rank": rank}, None)
+                    Event(run, label, "start", 1, 1, now - 600, {"primary": rank == 0, "rank": rank}, None)
                 )
                 events.extend(
                     Event(
-                        run, label, "metric", 1, step + 2, now - 60 + step, {"loss": 1.0 / (step + 1)}, step
+                        run, label, "metric", 1, step + 2, now - 600 + step, {"loss": loss(label, step)}, step
                     )
-                    for step in range(41)
+                    for step in range(steps)
                 )
             await store.write(events)
-        stalled = stalled_health(now)
+        # The anomalies and the band's reach as the detector reads them (ingester/findings.py).
+        anomalies = await outliers.every_anomaly(store, STALLED_RUN)
+        band_to = (await outliers.band_leavers(store, STALLED_RUN))[1]
+        stalled = {**stalled_health(now), "anomalies": [a.document() for a in anomalies], "band_to": band_to}
         await store.record_health(
             RunVitals(STALLED_RUN, "running", None, None), "stalled", f"stalled|{HUNG_RANK}", stalled, now
         )

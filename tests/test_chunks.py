@@ -15,14 +15,16 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import asyncpg
 import numpy as np
 import pytest
 import redis
 
-from runbus.storage import Store, open_store, values
+from runbus.storage import Store, open_store, reads, values
 from runbus.storage.chunking import COMPACT_EVENTS
+from runbus.storage.columns import bounds
 from tests import old_stores
 from tests.helpers import (
     T0,
@@ -559,6 +561,63 @@ async def test_a_compaction_between_a_reads_statements_changes_nothing_it_sees(s
     finally:
         await writer.close()
         await reader.close()
+
+
+async def test_a_small_read_fetches_only_the_clock_chunks_that_time_its_values(store: Store) -> None:
+    """Three labels of 10,000 events each (a clock chunk per 4,096), rank0 alone logging `rare`:
+    a read of a few steps, of a label, of a key reads the clock chunks holding its values' seqs,
+    not the run's, and its values and timestamps are the whole read's, bit for bit."""
+    ts = {s: T0 + s * 0.37 + random.Random(s).random() * 1e-3 for s in range(2, 10_002)}
+    for label in ("rank0", "rank1", "rank2"):
+        await store.write([start(1, primary=label == "rank0", label=label)])
+        await store.write(
+            [
+                metric(
+                    s,
+                    {"loss": float(s), **({"rare": 1.0} if label == "rank0" and s < 50 else {})},
+                    step=s,
+                    ts=ts[s],
+                    label=label,
+                )
+                for s in range(2, 10_002)
+            ]
+        )
+    everything = await store.values(RUN)
+    fetcher = cast(reads.Fetcher, store)  # the store's statements, run as Store.values runs them
+    every_clock = await fetcher._fetch(
+        reads.values_queries(fetcher.dialect, RUN, "metrics", None, None, None)[1]
+    )
+    assert len(every_clock) == 9
+    for keys, labels, steps in (
+        (["loss"], None, (4000, 4200)),  # across a chunk's end
+        (["loss"], ["rank1"], (9000, 9100)),
+        (["rare"], None, None),
+        (["loss", "rare"], ["rank2", "rank0"], (30, 60)),
+    ):
+        found = await store.values(RUN, keys=keys, labels=labels, steps=steps)
+        step = everything.step
+        wanted = np.isin(np.array(everything.keys)[everything.key], keys)
+        wanted &= np.isin(np.array(everything.labels)[everything.label], labels or everything.labels)
+        wanted &= (step >= steps[0]) & (step <= steps[1]) if steps else True
+        whole = everything.take(wanted)
+        assert len(found) == len(whole) > 0
+        assert [list(map(bits, c.tolist())) for c in (found.ts, found.value)] == [
+            list(map(bits, c.tolist())) for c in (whole.ts, whole.value)
+        ]
+        assert found.seq.tolist() == whole.seq.tolist() and found.step.tolist() == whole.step.tolist()
+        spans: dict[str, tuple[int, int]] = {}
+        for code, seq in zip(found.label.tolist(), found.seq.tolist(), strict=True):
+            low, high = spans.get(found.labels[code], (seq, seq))
+            spans[found.labels[code]] = (min(low, seq), max(high, seq))
+        query = reads.values_queries(fetcher.dialect, RUN, "metrics", keys, labels, steps)[1]
+        read = sorted((row[0], bounds(row[2]).first_seq) for row in await fetcher._fetch(query))
+        needed = sorted(
+            (label, head.first_seq)
+            for label, _, data in every_clock
+            for head in (bounds(data),)
+            if label in spans and head.first_seq <= spans[label][1] and head.last_seq >= spans[label][0]
+        )
+        assert read == needed and len(read) < len(every_clock), (keys, labels, steps)
 
 
 async def test_a_step_range_reads_the_values_at_those_steps_and_only_their_chunks(store: Store) -> None:

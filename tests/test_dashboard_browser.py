@@ -985,6 +985,13 @@ def test_a_stalled_run_shows_a_banner_naming_the_culprit_with_its_stack_a_click_
     head = banner.locator(".health-head").inner_text()
     assert "stalled" in head and f"{seeds.HUNG_RANK} in a data loader (load_batch)" in head
     assert "5 waiting in all_reduce" in head
+    # How far the band is checked, and that its NaN, after that, may yet be preceded by a band leaver.
+    rank, step = seeds.NAN_AT
+    assert f"{rank} nan in loss at step {step}" in head
+    assert banner.locator(".health-band").inner_text() == (
+        "Cross-rank band checked to step 127, before the first anomaly: a rank leaving it before the first"
+        " anomaly may yet be named."
+    )
     culprit = banner.locator(f'.health-culprit[data-label="{seeds.HUNG_RANK}"]')
     stack = culprit.locator(".health-stack")
     assert not stack.is_visible()  # one click away, not in the way

@@ -172,6 +172,14 @@ def test_a_rank_leaving_the_band_alerts_as_an_anomaly_naming_it_and_its_step(
         ]
         low, high = first["anomalies"][0]["band"]
         assert low < first["anomalies"][0]["median"] < high < first["anomalies"][0]["value"]
+        # Once every rank's 600 steps are in, the band is checked up to the bucket before their
+        # open ones (512-639): to step 383, past the departure.
+        wait_for(
+            "the band checked to step 383", lambda: (health(store_url, run_id) or {}).get("band_to") == 383
+        )
         text = run_cli("show", run_id, "--store", store_url).stdout
-        assert "rank2 left the cross-rank band in loss at step 300 first" in text
+        assert (
+            "rank2 left the cross-rank band in loss at step 300 first; cross-rank band checked to step 383"
+            in text
+        )
         assert "outlier  rank2 loss left the cross-rank band first, at step 300" in text

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from runbus.producer.vitals import Progress, thread_stack
+from runbus.query.health import health_lines
 from runbus.storage.beats import RunVitals
 from runbus.storage.health import (
     DEAD,
@@ -255,6 +256,19 @@ def test_a_stall_beat_is_due_once_and_again_when_the_step_moves_on():
     assert report == {"step": 4, "step_age": 2.6, "step_s": pytest.approx(0.1), "stalled": True}
     progress.saw(5, 103.5)
     assert progress.beat_due(103.5) and not progress.beat_due(103.6)
+
+
+def test_the_health_line_says_how_far_the_band_is_checked_where_the_run_has_one():
+    line = {"state": "anomaly", "anomalies": [{"label": "rank3", "key": "loss", "step": 250, "kind": "nan"}]}
+    assert health_lines({**line, "band_to": 127})[0] == (
+        "health   anomaly: rank3 went nan in loss at step 250 first; cross-rank band checked to step 127"
+    )
+    # The slowest rank's second bucket still open: no step checked yet, said beside an anomaly.
+    assert health_lines({**line, "band_to": -129})[0].endswith("first; cross-rank band not checked yet")
+    assert health_lines({"state": "ok", "band_to": -129}) == ["health   ok"]
+    # No band (fewer than four labels), or a value no detector writes: nothing said.
+    for band_to in (None, True, 3.5, "7\x1b[2J"):
+        assert health_lines({"state": "ok", "band_to": band_to}) == ["health   ok"]
 
 
 def test_a_stack_is_read_from_another_thread_cut_and_redacted():

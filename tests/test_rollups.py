@@ -20,6 +20,7 @@ from dataclasses import astuple
 from typing import Any
 
 import asyncpg
+import numpy as np
 import orjson
 import pytest
 import redis
@@ -28,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runbus.dashboard.api import create_app
-from runbus.storage import Store, charts, open_store, rollup_blocks, rollups
+from runbus.storage import Store, charts, open_store, rollup_blocks, rollups, steptimes
 from runbus.storage import postgres as postgres_backend
 from runbus.storage import sqlite as sqlite_backend
 from runbus.storage.base import Line, Point
@@ -676,6 +677,53 @@ async def test_stragglers_chronic_and_one_off(charted: Store) -> None:
     assert logged is not None and not logged.derived
     assert logged.labels[0].label == CHRONIC and logged.labels[0].kind == "chronic"
     assert logged.labels[0].mean_ratio == pytest.approx(1.5)
+
+
+def former_value_cells(
+    stored: list[tuple[str, int, int, int | None, float, float]], lo: int, hi: int, time_key: bool, shift: int
+) -> dict[tuple[str, int], list[float]]:
+    """The stragglers' exact path as it was: Store.key_values' tuples, those with a step in
+    lo..hi, made into arrays again (labels coded in code point order) for steptimes.cells."""
+    values = [v for v in stored if v[3] is not None and lo <= v[3] <= hi]
+    labels = sorted({v[0] for v in values})
+    code = {label: i for i, label in enumerate(labels)}
+    columns = list(zip(*values, strict=True)) or [()] * 6
+    found = steptimes.cells(
+        np.fromiter((code[label] for label in columns[0]), np.int32, len(values)),
+        np.array(columns[1], np.int64),
+        np.array(columns[3], np.int64),
+        np.array(columns[4], np.float64),
+        np.array(columns[5], np.float64),
+        time_key,
+        shift,
+    )
+    return {
+        (labels[c], bucket): [seconds, steps]
+        for c, bucket, seconds, steps in zip(
+            found.label.tolist(),
+            found.bucket.tolist(),
+            found.seconds.tolist(),
+            found.steps.tolist(),
+            strict=True,
+        )
+    }
+
+
+async def test_the_stragglers_exact_path_reads_the_cells_it_read_from_tuples(
+    charted: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BIG's 32,000 losses (20 labels, a restart whose epoch repeats steps 900-999, chunks and
+    head rows) and SHORT's, read as stored, over every step and zoomed: the cells from
+    Store.values' arrays are the former path's, float for float."""
+    monkeypatch.setattr(charts, "RAW_POINTS", 50_000)
+    for run, key, time_key in ((BIG, "loss", False), (BIG, "step_time", True), (SHORT, "loss", False)):
+        stored = await charted.key_values(run, key)
+        for lo, hi, buckets in ((0, STEPS - 1, 32), (300, 1200, 128), (950, 1000, 16), (1490, 1499, 4)):
+            width, cells = await charts._straggler_cells(charted, run, key, lo, hi, 1, buckets, time_key)
+            former = former_value_cells(stored, lo, hi, time_key, width.bit_length() - 1)
+            assert cells == former and bool(cells) == (run == BIG or lo < SHORT_STEPS)
+    found = await charted.stragglers(BIG, "loss", buckets=16)  # 32,000 values: read as stored
+    assert found is not None and found.width == 128 and found.labels[0].label == CHRONIC
 
 
 async def test_keys_page_prefix_and_search(open_stores: OpenStore) -> None:

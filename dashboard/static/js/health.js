@@ -1,8 +1,8 @@
 // @ts-check
 // The health banner of a run's page: shown while `GET /api/runs/RUN/health` says the run needs
 // attention (stalled, dead, silent, straggling, anomaly, crashed), naming the culprits and the state, each
-// culprit's stack and last console lines one click away (a <details>). Every string from the bus
-// goes through el() as text, never as markup.
+// culprit's stack and last console lines one click away (a <details>), and how far the cross-rank
+// band is checked. Every string from the bus goes through el() as text, never as markup.
 
 import { api, runPath } from './api.js';
 import { clock, el } from './dom.js';
@@ -16,7 +16,8 @@ import { clock, el } from './dom.js';
  * @typedef {{label: string, key?: string, step?: number | null, kind?: string}} Anomaly
  * @typedef {{label: string, state?: string, exit_code?: number | null, after_s?: number | null}} Follower
  * @typedef {{state: string, since?: number | null, culprits?: Culprit[], waiting?: Waiting[],
- *   stragglers?: Straggler[], anomalies?: Anomaly[], followers?: Follower[], note?: string | null}} Health
+ *   stragglers?: Straggler[], anomalies?: Anomaly[], band_to?: number | null, followers?: Follower[],
+ *   note?: string | null}} Health
  */
 
 // The states that raise no banner: all is well, or nothing has been judged yet.
@@ -76,6 +77,22 @@ function headline(health) {
   return parts.join(': ');
 }
 
+/** How far the cross-rank band is checked (docs/health.md, "Anomalies"): every rank that left it
+ * up to that step is named, and a first anomaly after it may yet be preceded by one. Null where
+ * the run has no band (band_to null: fewer than four labels), and while no step is checked
+ * (negative: the slowest rank's second 128-step bucket is open) unless an anomaly was found.
+ * @param {Health} health
+ * @returns {string | null} */
+export function bandText(health) {
+  const to = health.band_to;
+  const first = (health.anomalies || [])[0];
+  if (typeof to !== 'number' || !Number.isInteger(to) || (to < 0 && !first)) return null;
+  const unsettled = ': a rank leaving it before the first anomaly may yet be named.';
+  if (to < 0) return 'Cross-rank band not checked yet (every rank must pass step 255 first)' + unsettled;
+  const after = first && typeof first.step === 'number' && first.step > to;
+  return 'Cross-rank band checked to step ' + to + (after ? ', before the first anomaly' + unsettled : '.');
+}
+
 /** The banner's content for `health`, or null when the run needs no attention.
  * @param {Health} health
  * @returns {Node[] | null} */
@@ -85,6 +102,8 @@ export function bannerContent(health) {
   /** @type {Node[]} */
   const nodes = [el('p', { class: 'health-head' }, el('strong', null, 'Health: '), headline(health))];
   if (health.note) nodes.push(el('p', { class: 'muted health-note' }, health.note));
+  const band = bandText(health);
+  if (band) nodes.push(el('p', { class: 'muted health-band' }, band));
   if (culprits.length) nodes.push(el('ul', { class: 'health-culprits' }, culprits.map(culpritItem)));
   return nodes;
 }
