@@ -8,6 +8,7 @@ runbus.storage.columns and the tests that compare the two paths bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -94,32 +95,6 @@ def _unshuffle(payload: bytes, count: int) -> Words:
 
 # A zlib part that inflates to nothing, as pack_planes writes it: known, so never inflated.
 _NOTHING_DEFLATED = deflate(b"", ZLIB_LEVEL)
-
-
-def _planes_of(
-    payload: bytes | memoryview, count: int
-) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]]:
-    """A payload's kept planes (as unpack_planes reads them) as (plane indexes, a block of one
-    row a plane): the stored planes, then the inflated ones; no block for none."""
-    if len(payload) < 2:
-        raise FormatError("a shuffled column without its plane masks")
-    kept, stored = payload[0], payload[1]
-    if stored & ~kept:
-        raise FormatError("a shuffled column stores a plane it does not keep")
-    stored_size = _PLANES_IN[stored] * count
-    if len(payload) < 2 + stored_size:
-        raise FormatError("a shuffled column ends inside its stored planes")
-    packed = kept & ~stored
-    rest = payload[2 + stored_size :]
-    raw = b"" if not packed and rest == _NOTHING_DEFLATED else inflate(rest, _PLANES_IN[packed] * count)
-    found = []
-    if stored_size:
-        found.append(
-            (_PLANES_OF[stored], np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count))
-        )
-    if raw:
-        found.append((_PLANES_OF[packed], np.frombuffer(raw, np.uint8).reshape(-1, count)))
-    return found
 
 
 def _dod_words(values: Ints) -> Words:
@@ -275,62 +250,46 @@ def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
     two running sums over all of them at once, each chunk's start set so that the sums start
     again there (from the segment sums of the chunk before, np.add.reduceat). The values are
-    made in `words`' memory."""
+    made in `words`' memory, with no column-sized workings: a fresh page costs more on many
+    machines than the arithmetic on it."""
     if np.count_nonzero(words) * SPARSE_SHARE < len(words):
-        return _undod_sparse(words, starts)
-    low = words & np.uint64(1)
-    np.negative(low, out=low)
-    steps = words
-    steps >>= np.uint64(1)
-    steps ^= low  # the zigzag undone
+        # Few words not zero (seqs, steps, counters: their deltas rarely change): the zigzag
+        # undone on those alone.
+        at = np.flatnonzero(words)
+        word = words[at]
+        words[at] = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))
+    else:
+        _unzigzag(words)
     # Each chunk's first word is its first value: kept aside, the chunk's deltas start at 0.
-    firsts = steps[starts]
-    steps[starts] = 0
+    firsts = words[starts]
+    words[starts] = 0
     # deltas: a chunk's start cancels what the chunk before added up.
-    _restart_at(steps, starts, np.zeros(len(starts), np.uint64))
-    np.cumsum(steps, out=steps)
+    _restart_at(words, starts, np.zeros(len(starts), np.uint64))
+    np.cumsum(words, out=words)
     # values: each chunk's start is its first value, less where the chunk before ended.
-    _restart_at(steps, starts, firsts)
-    np.cumsum(steps, out=steps)
-    return steps.view(np.int64)
-
-
-# A column whose words are mostly zero (seqs, steps, counters: their deltas rarely change) is
-# decoded as runs of equal deltas, where fewer than one word in SPARSE_SHARE is not zero.
-SPARSE_SHARE = 8
-
-
-def _undod_sparse(words: Words, starts: Ints) -> Ints:
-    """_undod_segments where few words are not zero: between two of them (or a chunk's first
-    two points) the delta stays the same, so each run of points is a line, its first value and
-    delta found by running sums over the runs alone, and the points made from them at once."""
-    count = len(words)
-    # Where a run starts: at a word that is not zero, and at each chunk's first two points.
-    marks = words != 0
-    marks[starts] = True
-    marks[starts[starts + 1 < count] + 1] = True
-    edges = np.flatnonzero(marks)
-    word = words[edges]
-    step = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))  # the zigzag undone
-    first = np.searchsorted(edges, starts)  # each chunk's first run
-    # The delta of each run: a chunk's first point has none, the others add their step.
-    firsts = step[first]
-    step[first] = 0
-    _restart_at(step, first, np.zeros(len(first), np.uint64))
-    delta = np.cumsum(step, dtype=np.uint64)
-    # The first value of each run: the one before's first, its length less one times its
-    # delta, plus this run's delta; a chunk's first run starts at its first word.
-    lengths = np.diff(np.append(edges, count)).astype(np.uint64)
-    rise = delta.copy()
-    rise[1:] += (lengths[:-1] - np.uint64(1)) * delta[:-1]
-    rise[first] = 0
-    _restart_at(rise, first, firsts)
-    begin = np.cumsum(rise, dtype=np.uint64)
-    # Each point: its run's first value plus its distance into the run times the run's delta.
-    runs = lengths.astype(np.intp)
-    np.multiply(np.arange(count, dtype=np.uint64), np.repeat(delta, runs), out=words)
-    words += np.repeat(begin - edges.astype(np.uint64) * delta, runs)
+    _restart_at(words, starts, firsts)
+    np.cumsum(words, out=words)
     return words.view(np.int64)
+
+
+# A column whose words are mostly zero has its zigzag undone word by word where fewer than one
+# word in SPARSE_SHARE is not zero.
+SPARSE_SHARE = 8
+# Points whose workings are made at a time: few enough that they are taken from memory freed
+# before (under glibc's 128 kB mmap threshold), not from fresh pages.
+BLOCK_POINTS = 1 << 13
+
+
+def _unzigzag(words: Words) -> None:
+    """The zigzag undone in place, a block at a time."""
+    low = np.empty(min(len(words), BLOCK_POINTS), np.uint64)
+    for at in range(0, len(words), BLOCK_POINTS):
+        block = words[at : at + BLOCK_POINTS]
+        mine = low[: len(block)]
+        np.bitwise_and(block, np.uint64(1), out=mine)
+        np.negative(mine, out=mine)
+        block >>= np.uint64(1)
+        block ^= mine
 
 
 def _restart_at(words: Words, starts: Ints, values: Words) -> None:
@@ -348,36 +307,101 @@ _LOGGED_INTS = -1
 
 
 class _Planes:
-    """One column of many chunks as words: each chunk's planes are written at its offset
-    straight into the bytes of the words, so the words of every chunk are there at the end with
-    no planes array to turn around. Every word is written (plane 0 as whole words, its other
-    bytes zero; zeros where plane 0 is not kept): the memory need not start zeroed."""
+    """One column of many chunks as words, gathered plane by plane: each chunk's payload is
+    taken as it comes (its stored planes viewed, the others inflated), and each plane that any
+    chunk keeps is then laid end to end over the chunks (a chunk that does not keep it: zeros),
+    joined once and written into the words in one strided copy, not a chunk at a time. Every
+    word is written (plane 0 widened into whole words, zeros where no chunk keeps it): the
+    memory need not start zeroed."""
 
     def __init__(self, total: int, out: npt.NDArray[np.generic] | None = None) -> None:
         # The caller's memory (8 bytes a point) where given: the words, and then the values, go there.
-        self.words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
-        self._bytes = self.words.view(np.uint8).reshape(total, 8)
+        self._out = out
+        self.total = total
+        self._chunks: list[_Payload] = []
+        self._kept = 0  # the planes any chunk keeps
+        self._words: Words | None = None
 
     def zeros(self, at: int, count: int) -> None:
         """A chunk without this column: zeros."""
-        self.words[at : at + count] = 0
+        self._chunks.append(_Payload(b"", b"", 0, 0, count))
 
     def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
-        # The block with plane 0 first: widening it writes every byte of the words.
-        blocks = _planes_of(payload, count)
-        if len(blocks) == 2 and blocks[1][0][0] == 0:  # plane 0 inflated, others stored
-            blocks.reverse()
-        words, rows = self.words[at : at + count], self._bytes[at : at + count]
-        if not blocks or blocks[0][0][0] != 0:
+        """A chunk's payload, its `count` points after those put before (`at` is where they start)."""
+        found = _payload(payload, count)
+        self._chunks.append(found)
+        self._kept |= found.kept
+
+    @property
+    def words(self) -> Words:
+        """The words of every chunk put, in order (made once: no chunk is put after)."""
+        if self._words is not None:
+            return self._words
+        words: Words = np.empty(self.total, _WORD) if self._out is None else self._out.view(_WORD)
+        if self._kept & 1:
+            np.copyto(words, self._plane(0))  # widened: the words' other bytes 0
+        else:
             words.fill(0)
-        for planes, block in blocks:
-            if planes[0] == 0:
-                words[:] = block[0]  # plane 0 widened: the word's other bytes zero
-                planes, block = planes[1:], block[1:]
-            if len(planes) == 1:
-                rows[:, planes[0]] = block[0]
-            elif len(planes):
-                rows[:, planes] = block.T
+        rows = words.view(np.uint8).reshape(self.total, 8)
+        for index in _PLANES_OF[self._kept & ~1].tolist():
+            rows[:, index] = self._plane(index)
+        self._chunks, self._words = [], words
+        return words
+
+    def _plane(self, index: int) -> npt.NDArray[np.uint8]:
+        """Plane `index` of every chunk, end to end."""
+        bit, below = 1 << index, (1 << index) - 1
+        pieces = [
+            chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.count :][: chunk.count]
+            if chunk.stored & bit
+            else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.count :][: chunk.count]
+            if chunk.kept & bit
+            else _zeros(chunk.count)
+            for chunk in self._chunks
+        ]
+        return np.frombuffer(b"".join(pieces), np.uint8)
+
+
+class _Payload(NamedTuple):
+    """A chunk's shuffled column, its planes where they lie: stored ones in `view` (after the
+    two mask bytes), the other kept ones in `inflated`, in plane order."""
+
+    view: bytes | memoryview
+    inflated: bytes | memoryview
+    kept: int
+    stored: int
+    count: int
+
+
+def _payload(payload: bytes | memoryview, count: int) -> _Payload:
+    """A payload's planes (as unpack_planes reads them), checked, the packed ones inflated."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = _PLANES_IN[stored] * count
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    packed = kept & ~stored
+    rest = payload[2 + stored_size :]
+    inflated: bytes | memoryview = b""
+    if packed or rest != _NOTHING_DEFLATED:
+        inflated = memoryview(inflate(rest, _PLANES_IN[packed] * count))
+    return _Payload(memoryview(payload) if stored else b"", inflated, kept, stored, count)
+
+
+_ZEROS: dict[int, bytes] = {}
+
+
+def _zeros(count: int) -> bytes:
+    """`count` zero bytes: a plane a chunk does not keep (one object for every such plane)."""
+    zero = _ZEROS.get(count)
+    if zero is None:
+        if len(_ZEROS) >= 64:  # chunks of many sizes: the table kept small
+            _ZEROS.clear()
+        zero = _ZEROS[count] = bytes(count)
+    return zero
 
 
 class _Gathered(NamedTuple):
@@ -454,39 +478,43 @@ def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = No
 
 
 def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
-    """The values of chunks decoded together, whatever each chunk's encoding: each encoding's
-    chunks decoded apart, together (a chunk's points lie together)."""
+    """The values of chunks decoded together, whatever each chunk's encoding, in place: each
+    run of chunks of one kind (XOR, integers, plain bits) decoded together (a chunk's points lie
+    together), with no column-sized workings."""
     counts, encodings, words = gathered.counts, gathered.value_encodings, gathered.values
     if (encodings == _LOGGED_INTS).all():
         return _undod_segments(words, starts, counts)
-    bits = words  # FLOAT_PLAIN: the bits as they are
-    xor = encodings == FLOAT_XOR
-    if xor.all():  # the usual: a running XOR over every chunk, in place
-        np.bitwise_xor.accumulate(words, out=words)
-        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
-        ended = np.zeros(len(counts), np.uint64)
-        ended[1:] = words[starts[1:] - 1]
-        words ^= np.repeat(ended, counts)
-        return words.view(np.float64)
-    if xor.any():
-        mine = np.repeat(xor, counts)
-        part = words[mine]
-        mine_counts = counts[xor]
-        mine_starts = np.cumsum(mine_counts) - mine_counts
-        running = np.bitwise_xor.accumulate(part)
-        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
-        ended = np.zeros(len(mine_counts), np.uint64)
-        ended[1:] = running[mine_starts[1:] - 1]
-        running ^= np.repeat(ended, mine_counts)
-        bits[mine] = running
-    floats = bits.view(np.float64)
-    as_ints = (encodings == _LOGGED_INTS) | (encodings == FLOAT_INTEGRAL)
-    if as_ints.any():
-        mine = np.repeat(as_ints, counts)
-        mine_counts = counts[as_ints]
-        ints = _undod_segments(words[mine], np.cumsum(mine_counts) - mine_counts, mine_counts)
-        floats[mine] = ints.astype(np.float64)
-    return floats
+    # 1: XOR, 2: integers (logged so, or floats kept as integers), 0: the bits as they are.
+    kinds = (encodings == FLOAT_XOR) + 2 * ((encodings == _LOGGED_INTS) | (encodings == FLOAT_INTEGRAL))
+    edges = [0, *(np.flatnonzero(kinds[1:] != kinds[:-1]) + 1).tolist(), len(counts)]
+    for first, end in pairwise(edges):
+        kind = int(kinds[first])
+        if not kind:
+            continue
+        run = words[int(starts[first]) : int(starts[end - 1] + counts[end - 1])]
+        run_starts = starts[first:end] - starts[first]
+        if kind == 1:
+            _unxor(run, run_starts)
+        else:
+            _undod_segments(run, run_starts, counts[first:end])
+            _floats_in_place(run)
+    return words.view(np.float64)
+
+
+def _unxor(words: Words, starts: Ints) -> None:
+    """XOR chunks laid end to end decoded in place: one running XOR, each chunk's first word
+    XORing out where the chunk before ended (that chunk's words XORed together)."""
+    ended = np.bitwise_xor.reduceat(words, starts)
+    words[starts[1:]] ^= ended[:-1]
+    np.bitwise_xor.accumulate(words, out=words)
+
+
+def _floats_in_place(words: Words) -> None:
+    """int64 values in `words` made float64 in the same memory, a block at a time (numpy copies
+    an overlapping source first: the block bounds what that costs)."""
+    ints, floats = words.view(np.int64), words.view(np.float64)
+    for at in range(0, len(words), BLOCK_POINTS):
+        floats[at : at + BLOCK_POINTS] = ints[at : at + BLOCK_POINTS]
 
 
 def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> Arrays:
@@ -515,7 +543,7 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
         steps[relative] = (steps[relative].view(np.uint64) + seqs[relative].view(np.uint64)).view(np.int64)
     values = _values_of(gathered, starts)
     if into is not None and values.dtype != into.values.dtype:  # logged as ints, kept as float64
-        np.copyto(into.values, values)
+        _floats_in_place(gathered.values)  # into.values' memory
         values = into.values
     nulls = gathered.nulls
     if nulls.any():
