@@ -88,9 +88,7 @@ def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
 
 
 def _unshuffle(payload: bytes, count: int) -> Words:
-    words = _Planes(count)
-    words.put(payload, 0, count)
-    return words.words
+    return _words([payload], [count])
 
 
 # A zlib part that inflates to nothing, as pack_planes writes it: known, so never inflated.
@@ -334,60 +332,55 @@ def _restart_at(words: Words, starts: Ints, values: Words) -> None:
 _LOGGED_INTS = -1
 
 
-class _Planes:
-    """One column of many chunks as words, gathered plane by plane: each chunk's payload is
-    taken as it comes (its stored planes viewed, the others inflated), and each plane that any
-    chunk keeps is then laid end to end over the chunks (a chunk that does not keep it: zeros),
-    joined once and written into the words in one strided copy, not a chunk at a time. Every
-    word is written (plane 0 widened into whole words, zeros where no chunk keeps it): the
-    memory need not start zeroed."""
-
-    def __init__(self, total: int, out: npt.NDArray[np.generic] | None = None) -> None:
-        # The caller's memory (8 bytes a point) where given: the words, and then the values, go there.
-        self._out = out
-        self.total = total
-        self._chunks: list[_Payload] = []
-        self._kept = 0  # the planes any chunk keeps
-        self._words: Words | None = None
-
-    def zeros(self, at: int, count: int) -> None:
-        """A chunk without this column: zeros."""
-        self._chunks.append(_Payload(b"", b"", 0, 0, count))
-
-    def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
-        """A chunk's payload, its `count` points after those put before (`at` is where they start)."""
-        found = _payload(payload, count)
-        self._chunks.append(found)
-        self._kept |= found.kept
-
-    @property
-    def words(self) -> Words:
-        """The words of every chunk put, in order (made once: no chunk is put after)."""
-        if self._words is not None:
-            return self._words
-        words: Words = np.empty(self.total, _WORD) if self._out is None else self._out.view(_WORD)
-        if self._kept & 1:
-            np.copyto(words, self._plane(0))  # widened: the words' other bytes 0
+def _words(
+    payloads: Sequence[bytes | memoryview | None],
+    counts: Sequence[int],
+    out: npt.NDArray[np.generic] | None = None,
+) -> Words:
+    """One column of many chunks (a payload of `counts` points each; None: a chunk without the
+    column, zeros) as words, gathered plane by plane: each payload is taken as it comes (its
+    stored planes viewed, the others inflated), then each plane that any chunk keeps is laid end
+    to end over the chunks (zeros for a chunk that does not keep it), joined once and written
+    into the words in one strided copy, not a chunk at a time. Every word is written (plane 0
+    widened into whole words, zeros where no chunk keeps it): `out` (8 bytes a point, the
+    caller's memory where the words and then the values go) need not start zeroed."""
+    chunks = [
+        _Payload(b"", b"", 0, 0, count) if payload is None else _payload(payload, count)
+        for payload, count in zip(payloads, counts, strict=True)
+    ]
+    total, kept = sum(counts), 0
+    for chunk in chunks:
+        kept |= chunk.kept
+    words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
+    if kept & 1:
+        np.copyto(words, _plane(chunks, 0))  # widened: the words' other bytes 0
+    else:
+        words.fill(0)
+    rows = words.view(np.uint8).reshape(total, 8)
+    for index in _PLANES_OF[kept & ~1].tolist():
+        plane = _plane(chunks, index)
+        if np.count_nonzero(plane) * SPARSE_SHARE < len(plane):
+            # Mostly zeros (a clock's high bytes: set at each chunk's first point alone): the
+            # others only, the words' other bytes being zeros already.
+            at = np.flatnonzero(plane)
+            rows[at, index] = plane[at]
         else:
-            words.fill(0)
-        rows = words.view(np.uint8).reshape(self.total, 8)
-        for index in _PLANES_OF[self._kept & ~1].tolist():
-            rows[:, index] = self._plane(index)
-        self._chunks, self._words = [], words
-        return words
+            rows[:, index] = plane
+    return words
 
-    def _plane(self, index: int) -> npt.NDArray[np.uint8]:
-        """Plane `index` of every chunk, end to end."""
-        bit, below = 1 << index, (1 << index) - 1
-        pieces = [
-            chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.count :][: chunk.count]
-            if chunk.stored & bit
-            else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.count :][: chunk.count]
-            if chunk.kept & bit
-            else _zeros(chunk.count)
-            for chunk in self._chunks
-        ]
-        return np.frombuffer(b"".join(pieces), np.uint8)
+
+def _plane(chunks: list[_Payload], index: int) -> npt.NDArray[np.uint8]:
+    """Plane `index` of every chunk, end to end."""
+    bit, below = 1 << index, (1 << index) - 1
+    pieces = [
+        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.count :][: chunk.count]
+        if chunk.stored & bit
+        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.count :][: chunk.count]
+        if chunk.kept & bit
+        else _zeros(chunk.count)
+        for chunk in chunks
+    ]
+    return np.frombuffer(b"".join(pieces), np.uint8)
 
 
 class _Payload(NamedTuple):
@@ -461,47 +454,36 @@ def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, memo
 
 
 def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> _Gathered:
+    """Every column of `blobs` as words, a column at a time (a column's inflated planes are held
+    only while its words are made)."""
     found = _parsed(blobs)
-    counts = np.array([count for count, _, _ in found], np.int64)
+    sizes = [count for count, _, _ in found]
+    counts = np.array(sizes, np.int64)
     total = int(counts.sum())
-    if into is None:
-        seqs, steps, values = _Planes(total), _Planes(total), _Planes(total)
-        ts, nulls = _Planes(total if times else 0), np.zeros(total, np.bool_)
-    else:
-        seqs, steps, values = (
-            _Planes(total, into.seqs),
-            _Planes(total, into.steps),
-            _Planes(total, into.values),
-        )
-        ts = _Planes(total, into.ts) if times else _Planes(0)
-        nulls = into.step_nulls if into.step_nulls is not None else np.zeros(total, np.bool_)
-        nulls.fill(False)
-    from_seqs, encodings, at = [], [], 0
-    for count, flags, encoded in found:
-        seqs.put(encoded[0][1], at, count)
-        if times:
-            ts.put(encoded[-2][1], at, count)
-        values.put(encoded[-1][1], at, count)
-        encodings.append(_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0])
-        from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
-        if flags & FLAG_STEPS:
-            steps.put(encoded[1][1], at, count)
-        else:
-            steps.zeros(at, count)
+    nulls = np.zeros(total, np.bool_) if into is None or into.step_nulls is None else into.step_nulls
+    nulls.fill(False)
+    for at, (count, flags, encoded) in zip((np.cumsum(counts) - counts).tolist(), found, strict=True):
         if flags & FLAG_STEP_NULLS:
             nulls[at : at + count] = _nulls(encoded, count)
         elif not flags & FLAG_STEPS:
             nulls[at : at + count] = True
-        at += count
+    steps = [encoded[1][1] if flags & FLAG_STEPS else None for _, flags, encoded in found]
     return _Gathered(
         counts,
-        seqs.words,
-        steps.words,
-        np.array(from_seqs, np.bool_),
+        _words([encoded[0][1] for _, _, encoded in found], sizes, None if into is None else into.seqs),
+        _words(steps, sizes, None if into is None else into.steps),
+        np.array(
+            [bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS for _, flags, encoded in found],
+            np.bool_,
+        ),
         nulls,
-        ts.words,
-        values.words,
-        np.array(encodings, np.int64),
+        _words([encoded[-2][1] for _, _, encoded in found], sizes, None if into is None else into.ts)
+        if times
+        else np.zeros(0, _WORD),
+        _words([encoded[-1][1] for _, _, encoded in found], sizes, None if into is None else into.values),
+        np.array(
+            [_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0] for _, flags, encoded in found], np.int64
+        ),
     )
 
 
@@ -584,14 +566,12 @@ def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     """The ts column alone of many chunks, one chunk after another (decode_many's `ts`): a
     clock's timestamps, where a read has its seqs already; decoded in `into` where given."""
     found = _parsed(blobs)
-    counts = np.array([count for count, _, _ in found], np.int64)
-    ts, at = _Planes(int(counts.sum()), into), 0
-    for count, _, encoded in found:
-        ts.put(encoded[-2][1], at, count)
-        at += count
-    if not ts.words.any():
-        return ts.words.view(np.int64)
-    return _undod_segments(ts.words, np.cumsum(counts) - counts, counts)
+    sizes = [count for count, _, _ in found]
+    counts = np.array(sizes, np.int64)
+    words = _words([encoded[-2][1] for _, _, encoded in found], sizes, into)
+    if not words.any():
+        return words.view(np.int64)
+    return _undod_segments(words, np.cumsum(counts) - counts, counts)
 
 
 def arrays_of(chunk: Chunk) -> Arrays:
