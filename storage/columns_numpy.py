@@ -250,10 +250,10 @@ def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     again there (from the segment sums of the chunk before, np.add.reduceat). The values are
     made in `words`' memory, with no column-sized workings: a fresh page costs more on many
     machines than the arithmetic on it."""
-    if np.count_nonzero(words) * SPARSE_SHARE < len(words):
-        # Few words not zero (seqs, steps, counters: their deltas rarely change): the zigzag
-        # undone on those alone.
-        at = np.flatnonzero(words)
+    if np.count_nonzero(words) <= 2 * len(starts):
+        # A first value and a delta a chunk at most set (steps, constants, counters): the
+        # zigzag undone on those alone. (np.flatnonzero is several times faster on a mask.)
+        at = np.flatnonzero(words != 0)
         word = words[at]
         words[at] = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))
         if _lines(words, starts, counts, at):
@@ -279,8 +279,8 @@ LINE_POINTS = 64
 def _lines(words: Words, starts: Ints, counts: Ints, at: Ints) -> bool:
     """Where each chunk's delta never changes (a step, a constant, a counter: no word is set
     past a chunk's second), each chunk's points made at once from its first value and delta
-    (`words` hold the zigzag undone at `at`, the words not zero), rather than two running sums
-    over them all; False, with `words` untouched, elsewhere."""
+    (`words` hold them, the zigzag undone, at `at`: the words not zero), rather than two running
+    sums over them all; False, with `words` as they were given, elsewhere."""
     if len(words) < LINE_POINTS * len(starts):
         return False
     chunk = np.searchsorted(starts, at, side="right") - 1
@@ -298,8 +298,7 @@ def _lines(words: Words, starts: Ints, counts: Ints, at: Ints) -> bool:
     return True
 
 
-# A column whose words are mostly zero has its zigzag undone word by word where fewer than one
-# word in SPARSE_SHARE is not zero.
+# A plane of a column is written at its set bytes alone where fewer than one in SPARSE_SHARE is set.
 SPARSE_SHARE = 8
 # Points whose workings are made at a time: few enough that they are taken from memory freed
 # before (under glibc's 128 kB mmap threshold), not from fresh pages.
@@ -362,7 +361,7 @@ def _words(
         if np.count_nonzero(plane) * SPARSE_SHARE < len(plane):
             # Mostly zeros (a clock's high bytes: set at each chunk's first point alone): the
             # others only, the words' other bytes being zeros already.
-            at = np.flatnonzero(plane)
+            at = np.flatnonzero(plane != 0)  # several times faster on a mask
             rows[at, index] = plane[at]
         else:
             rows[:, index] = plane
