@@ -372,11 +372,11 @@ def _plane(chunks: list[_Payload], index: int) -> npt.NDArray[np.uint8]:
     """Plane `index` of every chunk, end to end."""
     bit, below = 1 << index, (1 << index) - 1
     pieces = [
-        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.count :][: chunk.count]
+        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.points :][: chunk.points]
         if chunk.stored & bit
-        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.count :][: chunk.count]
+        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.points :][: chunk.points]
         if chunk.kept & bit
-        else _zeros(chunk.count)
+        else _zeros(chunk.points)
         for chunk in chunks
     ]
     return np.frombuffer(b"".join(pieces), np.uint8)
@@ -390,7 +390,7 @@ class _Payload(NamedTuple):
     inflated: bytes | memoryview
     kept: int
     stored: int
-    count: int
+    points: int
 
 
 def _payload(payload: bytes | memoryview, count: int) -> _Payload:
