@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -357,29 +357,51 @@ def _words(
         words.fill(0)
     rows = words.view(np.uint8).reshape(total, 8)
     for index in _PLANES_OF[kept & ~1].tolist():
-        plane = _plane(chunks, index)
-        if np.count_nonzero(plane) * SPARSE_SHARE < len(plane):
-            # Mostly zeros (a clock's high bytes: set at each chunk's first point alone): the
-            # others only, the words' other bytes being zeros already.
-            at = np.flatnonzero(plane != 0)  # several times faster on a mask
-            rows[at, index] = plane[at]
-        else:
-            rows[:, index] = plane
+        for start, plane in _plane_runs(chunks, index):
+            column = rows[start : start + len(plane), index]
+            if np.count_nonzero(plane) * SPARSE_SHARE < len(plane):
+                # Mostly zeros (a clock's high bytes: set at each chunk's first point alone):
+                # the others only, the words' other bytes being zeros already.
+                at = np.flatnonzero(plane != 0)  # several times faster on a mask
+                column[at] = plane[at]
+            else:
+                column[:] = plane
     return words
 
 
+def _plane_runs(chunks: list[_Payload], index: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
+    """Plane `index` of each run of chunks that keep it, end to end, with the point where the
+    run starts: the chunks between (zeros there already) are not written again."""
+    bit = 1 << index
+    runs: list[tuple[int, npt.NDArray[np.uint8]]] = []
+    pieces: list[bytes | memoryview] = []
+    start = at = 0
+    for chunk in chunks:
+        if chunk.kept & bit:
+            start = start if pieces else at
+            pieces.append(_piece(chunk, index))
+        elif pieces:
+            runs.append((start, np.frombuffer(b"".join(pieces), np.uint8)))
+            pieces = []
+        at += chunk.points
+    if pieces:
+        runs.append((start, np.frombuffer(b"".join(pieces), np.uint8)))
+    return runs
+
+
 def _plane(chunks: list[_Payload], index: int) -> npt.NDArray[np.uint8]:
-    """Plane `index` of every chunk, end to end."""
-    bit, below = 1 << index, (1 << index) - 1
-    pieces = [
-        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.points :][: chunk.points]
-        if chunk.stored & bit
-        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.points :][: chunk.points]
-        if chunk.kept & bit
-        else _zeros(chunk.points)
-        for chunk in chunks
-    ]
+    """Plane `index` of every chunk, end to end (zeros for a chunk that does not keep it)."""
+    bit = 1 << index
+    pieces = [_piece(chunk, index) if chunk.kept & bit else _zeros(chunk.points) for chunk in chunks]
     return np.frombuffer(b"".join(pieces), np.uint8)
+
+
+def _piece(chunk: _Payload, index: int) -> bytes | memoryview:
+    """Plane `index` of a chunk that keeps it: in its stored planes or in those it inflated."""
+    below, count = (1 << index) - 1, chunk.points
+    if chunk.stored >> index & 1:
+        return chunk.view[2 + _PLANES_IN[chunk.stored & below] * count :][:count]
+    return chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * count :][:count]
 
 
 class _Payload(NamedTuple):
@@ -458,32 +480,42 @@ def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = No
     found = _parsed(blobs)
     sizes = [count for count, _, _ in found]
     counts = np.array(sizes, np.int64)
-    total = int(counts.sum())
-    nulls = np.zeros(total, np.bool_) if into is None or into.step_nulls is None else into.step_nulls
+    # Where each column goes: the caller's arrays, or new ones.
+    outs: tuple[Any, ...] = (None,) * 5 if into is None else tuple(into)
+    seqs, steps, nulls, ts, values = outs
+    return _Gathered(
+        counts,
+        _words([encoded[0][1] for _, _, encoded in found], sizes, seqs),
+        _words([encoded[1][1] if flags & FLAG_STEPS else None for _, flags, encoded in found], sizes, steps),
+        np.array([_steps_from_seqs(flags, encoded) for _, flags, encoded in found], np.bool_),
+        _step_nulls(found, counts, nulls),
+        _words([encoded[-2][1] for _, _, encoded in found], sizes, ts) if times else np.zeros(0, _WORD),
+        _words([encoded[-1][1] for _, _, encoded in found], sizes, values),
+        np.array([_value_encoding(flags, encoded) for _, flags, encoded in found], np.int64),
+    )
+
+
+def _steps_from_seqs(flags: int, encoded: list[tuple[int, memoryview]]) -> bool:
+    return bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS
+
+
+def _value_encoding(flags: int, encoded: list[tuple[int, memoryview]]) -> int:
+    return _LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0]
+
+
+def _step_nulls(
+    found: list[tuple[int, int, list[tuple[int, memoryview]]]], counts: Ints, into: Mask | None
+) -> Mask:
+    """Which points have no step (in `into` where given): a chunk's null mask, or all of a
+    chunk without steps."""
+    nulls = np.zeros(int(counts.sum()), np.bool_) if into is None else into
     nulls.fill(False)
     for at, (count, flags, encoded) in zip((np.cumsum(counts) - counts).tolist(), found, strict=True):
         if flags & FLAG_STEP_NULLS:
             nulls[at : at + count] = _nulls(encoded, count)
         elif not flags & FLAG_STEPS:
             nulls[at : at + count] = True
-    steps = [encoded[1][1] if flags & FLAG_STEPS else None for _, flags, encoded in found]
-    return _Gathered(
-        counts,
-        _words([encoded[0][1] for _, _, encoded in found], sizes, None if into is None else into.seqs),
-        _words(steps, sizes, None if into is None else into.steps),
-        np.array(
-            [bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS for _, flags, encoded in found],
-            np.bool_,
-        ),
-        nulls,
-        _words([encoded[-2][1] for _, _, encoded in found], sizes, None if into is None else into.ts)
-        if times
-        else np.zeros(0, _WORD),
-        _words([encoded[-1][1] for _, _, encoded in found], sizes, None if into is None else into.values),
-        np.array(
-            [_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0] for _, flags, encoded in found], np.int64
-        ),
-    )
+    return nulls
 
 
 def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
