@@ -373,6 +373,8 @@ def _plane_runs(chunks: list[_Payload], index: int) -> list[tuple[int, npt.NDArr
     """Plane `index` of each run of chunks that keep it, end to end, with the point where the
     run starts: the chunks between (zeros there already) are not written again."""
     bit = 1 << index
+    if all(chunk.kept & bit for chunk in chunks):  # the usual: one run of every chunk
+        return [(0, _plane(chunks, index))]
     runs: list[tuple[int, npt.NDArray[np.uint8]]] = []
     pieces: list[bytes | memoryview] = []
     start = at = 0
@@ -391,8 +393,16 @@ def _plane_runs(chunks: list[_Payload], index: int) -> list[tuple[int, npt.NDArr
 
 def _plane(chunks: list[_Payload], index: int) -> npt.NDArray[np.uint8]:
     """Plane `index` of every chunk, end to end (zeros for a chunk that does not keep it)."""
-    bit = 1 << index
-    pieces = [_piece(chunk, index) if chunk.kept & bit else _zeros(chunk.points) for chunk in chunks]
+    bit, below = 1 << index, (1 << index) - 1
+    # _piece's, inline: a call per chunk and plane would cost more than the bytes it copies.
+    pieces = [
+        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.points :][: chunk.points]
+        if chunk.stored & bit
+        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.points :][: chunk.points]
+        if chunk.kept & bit
+        else _zeros(chunk.points)
+        for chunk in chunks
+    ]
     return np.frombuffer(b"".join(pieces), np.uint8)
 
 
