@@ -29,6 +29,7 @@ restart of its process), not the training epoch; the column was named `epoch` up
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -263,14 +264,47 @@ async def read_values(
     """A run's values of `table` (of `labels`, of `keys`: unknown ones are a CommandError that
     names those there are; at `steps`, values.step_range's), as arrays (Store.values). `exact`:
     `run_id` is a stored run's whole id (runbus.Api's run has it), not a prefix to look up."""
+    import asyncio
+
     in_range = step_range(steps, table)
-    run_id, lives = await _run_lives(store, run_id, exact)
-    chosen_keys = names(keys, "keys")
-    all_keys = await (store.metric_keys(run_id) if table == "metrics" else store.system_keys(run_id))
-    if chosen_keys is not None:
-        _check_keys(run_id, all_keys, chosen_keys, table)
-    chosen = None if labels is None else _chosen_labels(run_id, list(lives), labels)
+    chosen_keys, chosen_labels = names(keys, "keys"), names(labels, "labels")
+    if exact:
+        # The run's labels, its keys and the values read side by side: a small read's cost is
+        # mostly its round trips. The names chosen are checked once the run's are known.
+        lives, all_keys, found = await asyncio.gather(
+            store.label_lives(run_id),
+            _table_keys(store, run_id, table),
+            store.values(run_id, table, chosen_keys, chosen_labels, in_range),
+        )
+        if lives:
+            _chosen(run_id, lives, all_keys, chosen_keys, chosen_labels, table)
+            return _run_values(found, lives, all_keys)
+    run_id, lives = await _run_lives(store, run_id)
+    all_keys = await _table_keys(store, run_id, table)
+    chosen = _chosen(run_id, lives, all_keys, chosen_keys, chosen_labels, table)
     found = await store.values(run_id, table, chosen_keys, chosen, in_range)
+    return _run_values(found, lives, all_keys)
+
+
+async def _table_keys(store: Store, run_id: str, table: PointTable) -> list[str]:
+    return await (store.metric_keys(run_id) if table == "metrics" else store.system_keys(run_id))
+
+
+def _chosen(
+    run_id: str,
+    lives: dict[str, dict[int, int]],
+    all_keys: list[str],
+    keys: list[str] | None,
+    labels: list[str] | None,
+    table: PointTable,
+) -> list[str] | None:
+    """The labels to read (None: all), once `keys` and `labels` are checked against the run's."""
+    if keys is not None:
+        _check_keys(run_id, all_keys, keys, table)
+    return None if labels is None else _chosen_labels(run_id, list(lives), labels)
+
+
+def _run_values(found: Values, lives: dict[str, dict[int, int]], all_keys: list[str]) -> RunValues:
     return RunValues(
         found,
         sorted(lives, key=natural_key),
@@ -279,14 +313,9 @@ async def read_values(
     )
 
 
-async def _run_lives(store: Store, run_id: str, exact: bool) -> tuple[str, dict[str, dict[int, int]]]:
-    """The run's id and its labels' lives: read alone where `run_id` is `exact` (a few ms less
-    than the run's whole record), else from its record (known_run: by a prefix of its id too,
-    and RunNotFound where no run has it)."""
-    if exact:
-        lives = await store.label_lives(run_id)
-        if lives:
-            return run_id, lives
+async def _run_lives(store: Store, run_id: str) -> tuple[str, dict[str, dict[int, int]]]:
+    """The run's id and its labels' lives from its record (known_run: by a prefix of its id
+    too, and RunNotFound where no run has it)."""
     run = await known_run(store, run_id)
     return run.run_id, _lives(run)
 
@@ -297,20 +326,17 @@ def _point_table(read: RunValues, table: PointTable) -> pd.DataFrame:
     import pandas as pd
 
     found = read.found
-    # The store's arrays become the columns as they are: no copy (pandas copies unless told).
+    # The store's arrays become the columns as they are: no copy (pandas copies unless told), and
+    # arrays rather than Series, which the frame would align on their indexes one by one.
     columns = {
-        "label": _categories(found.label, found.labels, read.labels),
-        "key": _categories(found.key, found.keys, read.keys),
-        **(
-            {"step": pd.Series(pd.arrays.IntegerArray(found.step, found.no_step), copy=False)}
-            if table == "metrics"
-            else {}
-        ),
-        "lease_epoch": pd.Series(found.epoch, copy=False),
-        "life": pd.Series(read.life, copy=False),
-        "seq": pd.Series(found.seq, copy=False),
-        "ts": _times(found.ts, reuse=True),  # the read's own array: its seconds are not read again
-        "value": pd.Series(found.value, copy=False),
+        "label": _categorical(found.label, found.labels, read.labels),
+        "key": _categorical(found.key, found.keys, read.keys),
+        **({"step": pd.arrays.IntegerArray(found.step, found.no_step)} if table == "metrics" else {}),
+        "lease_epoch": found.epoch,
+        "life": read.life,
+        "seq": found.seq,
+        "ts": _time_array(found.ts, reuse=True),  # the read's own array: its seconds are not read again
+        "value": found.value,
     }
     return pd.DataFrame(columns, copy=False)
 
@@ -331,17 +357,23 @@ def category_codes(
     return remap[codes] if len(codes) else np.zeros(0, remap.dtype)
 
 
-def _categories(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Series:
+def _categorical(codes: np.ndarray, names: list[str], categories: list[str]) -> pd.Categorical:
     import pandas as pd
 
     # Codes as small as pandas keeps them: made so at once, not made int32 and then copied.
     small = code_type(len(categories))
-    return pd.Series(
-        pd.Categorical.from_codes(
-            category_codes(codes, names, categories, small), categories=pd.Index(categories)
-        ),
-        copy=False,
+    return pd.Categorical.from_codes(
+        category_codes(codes, names, categories, small), dtype=_category_type(tuple(categories))
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _category_type(categories: tuple[str, ...]) -> pd.CategoricalDtype:
+    """The categorical type of `categories`, made once for the reads of a run: pandas checks
+    its categories (a hash table of them) each time one is made."""
+    import pandas as pd
+
+    return pd.CategoricalDtype(pd.Index(list(categories)))
 
 
 def _life_column(found: Values, lives: dict[str, dict[int, int]]) -> np.ndarray:
@@ -437,20 +469,25 @@ def _seconds(ts: float | None) -> float:
 
 
 def _times(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> pd.Series:
-    """Seconds since the epoch as UTC timestamps to the microsecond; NaN (and any value beyond
-    what a timestamp can hold) as NaT. With `reuse`, `seconds` (a float64 array the caller gives
-    up) holds them: a table's timestamps cost no copy."""
+    """Seconds since the epoch as UTC timestamps to the microsecond (_time_array) in a Series."""
+    import pandas as pd
+
+    return pd.Series(_time_array(seconds, reuse), copy=False)
+
+
+def _time_array(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> Any:
+    """Seconds since the epoch as UTC timestamps to the microsecond, a pandas DatetimeArray; NaN
+    (and any value beyond what a timestamp can hold) as NaT. With `reuse`, `seconds` (a float64
+    array the caller gives up) holds them: a table's timestamps cost no copy."""
     import pandas as pd
 
     whole = micros(seconds, reuse).view("datetime64[us]")
     try:
         # pandas' own constructor of an array it has checked: tz_localize("UTC") would copy the
         # column (8 bytes a value) to change nothing but its type.
-        utc = cast(Any, pd.arrays.DatetimeArray)._simple_new(whole, dtype=pd.DatetimeTZDtype("us", "UTC"))
+        return cast(Any, pd.arrays.DatetimeArray)._simple_new(whole, dtype=pd.DatetimeTZDtype("us", "UTC"))
     except (AttributeError, TypeError):  # a pandas without it: the public way
-        localized: pd.Series = cast(Any, pd.Series(whole, copy=False)).dt.tz_localize("UTC")
-        return localized
-    return pd.Series(utc, copy=False)
+        return cast(Any, pd.Series(whole, copy=False)).dt.tz_localize("UTC").array
 
 
 def micros(seconds: Sequence[float] | np.ndarray, reuse: bool = False) -> np.ndarray:

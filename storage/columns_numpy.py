@@ -8,7 +8,8 @@ runbus.storage.columns and the tests that compare the two paths bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from itertools import pairwise
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -87,39 +88,11 @@ def _noise(planes: npt.NDArray[np.uint8]) -> list[bool]:
 
 
 def _unshuffle(payload: bytes, count: int) -> Words:
-    words = _Planes(count)
-    words.put(payload, 0, count)
-    return words.words
+    return _words([payload], [count])
 
 
 # A zlib part that inflates to nothing, as pack_planes writes it: known, so never inflated.
 _NOTHING_DEFLATED = deflate(b"", ZLIB_LEVEL)
-
-
-def _planes_of(
-    payload: bytes | memoryview, count: int
-) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]]:
-    """A payload's kept planes (as unpack_planes reads them) as (plane indexes, a block of one
-    row a plane): the stored planes, then the inflated ones; no block for none."""
-    if len(payload) < 2:
-        raise FormatError("a shuffled column without its plane masks")
-    kept, stored = payload[0], payload[1]
-    if stored & ~kept:
-        raise FormatError("a shuffled column stores a plane it does not keep")
-    stored_size = _PLANES_IN[stored] * count
-    if len(payload) < 2 + stored_size:
-        raise FormatError("a shuffled column ends inside its stored planes")
-    packed = kept & ~stored
-    rest = payload[2 + stored_size :]
-    raw = b"" if not packed and rest == _NOTHING_DEFLATED else inflate(rest, _PLANES_IN[packed] * count)
-    found = []
-    if stored_size:
-        found.append(
-            (_PLANES_OF[stored], np.frombuffer(payload, np.uint8, stored_size, 2).reshape(-1, count))
-        )
-    if raw:
-        found.append((_PLANES_OF[packed], np.frombuffer(raw, np.uint8).reshape(-1, count)))
-    return found
 
 
 def _dod_words(values: Ints) -> Words:
@@ -275,62 +248,73 @@ def _undod_segments(words: Words, starts: Ints, counts: Ints) -> Ints:
     """_undod_words over chunks laid end to end (`starts` and `counts` of each, none empty):
     two running sums over all of them at once, each chunk's start set so that the sums start
     again there (from the segment sums of the chunk before, np.add.reduceat). The values are
-    made in `words`' memory."""
-    if np.count_nonzero(words) * SPARSE_SHARE < len(words):
-        return _undod_sparse(words, starts)
-    low = words & np.uint64(1)
-    np.negative(low, out=low)
-    steps = words
-    steps >>= np.uint64(1)
-    steps ^= low  # the zigzag undone
+    made in `words`' memory, with no column-sized workings: a fresh page costs more on many
+    machines than the arithmetic on it."""
+    if np.count_nonzero(words) <= 2 * len(starts):
+        # A first value and a delta a chunk at most set (steps, constants, counters): the
+        # zigzag undone on those alone. (np.flatnonzero is several times faster on a mask.)
+        at = np.flatnonzero(words != 0)
+        word = words[at]
+        words[at] = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))
+        if _lines(words, starts, counts, at):
+            return words.view(np.int64)
+    else:
+        _unzigzag(words)
     # Each chunk's first word is its first value: kept aside, the chunk's deltas start at 0.
-    firsts = steps[starts]
-    steps[starts] = 0
+    firsts = words[starts]
+    words[starts] = 0
     # deltas: a chunk's start cancels what the chunk before added up.
-    _restart_at(steps, starts, np.zeros(len(starts), np.uint64))
-    np.cumsum(steps, out=steps)
+    _restart_at(words, starts, np.zeros(len(starts), np.uint64))
+    np.cumsum(words, out=words)
     # values: each chunk's start is its first value, less where the chunk before ended.
-    _restart_at(steps, starts, firsts)
-    np.cumsum(steps, out=steps)
-    return steps.view(np.int64)
-
-
-# A column whose words are mostly zero (seqs, steps, counters: their deltas rarely change) is
-# decoded as runs of equal deltas, where fewer than one word in SPARSE_SHARE is not zero.
-SPARSE_SHARE = 8
-
-
-def _undod_sparse(words: Words, starts: Ints) -> Ints:
-    """_undod_segments where few words are not zero: between two of them (or a chunk's first
-    two points) the delta stays the same, so each run of points is a line, its first value and
-    delta found by running sums over the runs alone, and the points made from them at once."""
-    count = len(words)
-    # Where a run starts: at a word that is not zero, and at each chunk's first two points.
-    marks = words != 0
-    marks[starts] = True
-    marks[starts[starts + 1 < count] + 1] = True
-    edges = np.flatnonzero(marks)
-    word = words[edges]
-    step = (word >> np.uint64(1)) ^ (np.uint64(0) - (word & np.uint64(1)))  # the zigzag undone
-    first = np.searchsorted(edges, starts)  # each chunk's first run
-    # The delta of each run: a chunk's first point has none, the others add their step.
-    firsts = step[first]
-    step[first] = 0
-    _restart_at(step, first, np.zeros(len(first), np.uint64))
-    delta = np.cumsum(step, dtype=np.uint64)
-    # The first value of each run: the one before's first, its length less one times its
-    # delta, plus this run's delta; a chunk's first run starts at its first word.
-    lengths = np.diff(np.append(edges, count)).astype(np.uint64)
-    rise = delta.copy()
-    rise[1:] += (lengths[:-1] - np.uint64(1)) * delta[:-1]
-    rise[first] = 0
-    _restart_at(rise, first, firsts)
-    begin = np.cumsum(rise, dtype=np.uint64)
-    # Each point: its run's first value plus its distance into the run times the run's delta.
-    runs = lengths.astype(np.intp)
-    np.multiply(np.arange(count, dtype=np.uint64), np.repeat(delta, runs), out=words)
-    words += np.repeat(begin - edges.astype(np.uint64) * delta, runs)
+    _restart_at(words, starts, firsts)
+    np.cumsum(words, out=words)
     return words.view(np.int64)
+
+
+# Points a chunk holds on average, at least, for _lines to make each chunk's points apart.
+LINE_POINTS = 64
+
+
+def _lines(words: Words, starts: Ints, counts: Ints, at: Ints) -> bool:
+    """Where each chunk's delta never changes (a step, a constant, a counter: no word is set
+    past a chunk's second), each chunk's points made at once from its first value and delta
+    (`words` hold them, the zigzag undone, at `at`: the words not zero), rather than two running
+    sums over them all; False, with `words` as they were given, elsewhere."""
+    if len(words) < LINE_POINTS * len(starts):
+        return False
+    chunk = np.searchsorted(starts, at, side="right") - 1
+    offset = at - starts[chunk]
+    if len(offset) and int(offset.max()) > 1:
+        return False
+    firsts = np.zeros(len(starts), np.uint64)
+    deltas = np.zeros(len(starts), np.uint64)
+    firsts[chunk[offset == 0]] = words[at[offset == 0]]
+    deltas[chunk[offset == 1]] = words[at[offset == 1]]
+    for start, count, first, delta in zip(starts.tolist(), counts.tolist(), firsts, deltas, strict=True):
+        points = words[start : start + count]
+        np.multiply(np.arange(count, dtype=np.uint64), delta, out=points)
+        points += first
+    return True
+
+
+# A plane of a column is written at its set bytes alone where fewer than one in SPARSE_SHARE is set.
+SPARSE_SHARE = 8
+# Points whose workings are made at a time: few enough that they are taken from memory freed
+# before (under glibc's 128 kB mmap threshold), not from fresh pages.
+BLOCK_POINTS = 1 << 13
+
+
+def _unzigzag(words: Words) -> None:
+    """The zigzag undone in place, a block at a time."""
+    low = np.empty(min(len(words), BLOCK_POINTS), np.uint64)
+    for at in range(0, len(words), BLOCK_POINTS):
+        block = words[at : at + BLOCK_POINTS]
+        mine = low[: len(block)]
+        np.bitwise_and(block, np.uint64(1), out=mine)
+        np.negative(mine, out=mine)
+        block >>= np.uint64(1)
+        block ^= mine
 
 
 def _restart_at(words: Words, starts: Ints, values: Words) -> None:
@@ -347,37 +331,129 @@ def _restart_at(words: Words, starts: Ints, values: Words) -> None:
 _LOGGED_INTS = -1
 
 
-class _Planes:
-    """One column of many chunks as words: each chunk's planes are written at its offset
-    straight into the bytes of the words, so the words of every chunk are there at the end with
-    no planes array to turn around. Every word is written (plane 0 as whole words, its other
-    bytes zero; zeros where plane 0 is not kept): the memory need not start zeroed."""
+def _words(
+    payloads: Sequence[bytes | memoryview | None],
+    counts: Sequence[int],
+    out: npt.NDArray[np.generic] | None = None,
+) -> Words:
+    """One column of many chunks (a payload of `counts` points each; None: a chunk without the
+    column, zeros) as words, gathered plane by plane: each payload is taken as it comes (its
+    stored planes viewed, the others inflated), then each plane that any chunk keeps is laid end
+    to end over the chunks (zeros for a chunk that does not keep it), joined once and written
+    into the words in one strided copy, not a chunk at a time. Every word is written (plane 0
+    widened into whole words, zeros where no chunk keeps it): `out` (8 bytes a point, the
+    caller's memory where the words and then the values go) need not start zeroed."""
+    chunks = [
+        _Payload(b"", b"", 0, 0, count) if payload is None else _payload(payload, count)
+        for payload, count in zip(payloads, counts, strict=True)
+    ]
+    total, kept = sum(counts), 0
+    for chunk in chunks:
+        kept |= chunk.kept
+    words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
+    if kept & 1:
+        np.copyto(words, _plane(chunks, 0))  # widened: the words' other bytes 0
+    else:
+        words.fill(0)
+    rows = words.view(np.uint8).reshape(total, 8)
+    for index in _PLANES_OF[kept & ~1].tolist():
+        for start, plane in _plane_runs(chunks, index):
+            column = rows[start : start + len(plane), index]
+            if np.count_nonzero(plane) * SPARSE_SHARE < len(plane):
+                # Mostly zeros (a clock's high bytes: set at each chunk's first point alone):
+                # the others only, the words' other bytes being zeros already.
+                at = np.flatnonzero(plane != 0)  # several times faster on a mask
+                column[at] = plane[at]
+            else:
+                column[:] = plane
+    return words
 
-    def __init__(self, total: int, out: npt.NDArray[np.generic] | None = None) -> None:
-        # The caller's memory (8 bytes a point) where given: the words, and then the values, go there.
-        self.words: Words = np.empty(total, _WORD) if out is None else out.view(_WORD)
-        self._bytes = self.words.view(np.uint8).reshape(total, 8)
 
-    def zeros(self, at: int, count: int) -> None:
-        """A chunk without this column: zeros."""
-        self.words[at : at + count] = 0
+def _plane_runs(chunks: list[_Payload], index: int) -> list[tuple[int, npt.NDArray[np.uint8]]]:
+    """Plane `index` of each run of chunks that keep it, end to end, with the point where the
+    run starts: the chunks between (zeros there already) are not written again."""
+    bit = 1 << index
+    if all(chunk.kept & bit for chunk in chunks):  # the usual: one run of every chunk
+        return [(0, _plane(chunks, index))]
+    runs: list[tuple[int, npt.NDArray[np.uint8]]] = []
+    pieces: list[bytes | memoryview] = []
+    start = at = 0
+    for chunk in chunks:
+        if chunk.kept & bit:
+            start = start if pieces else at
+            pieces.append(_piece(chunk, index))
+        elif pieces:
+            runs.append((start, np.frombuffer(b"".join(pieces), np.uint8)))
+            pieces = []
+        at += chunk.points
+    if pieces:
+        runs.append((start, np.frombuffer(b"".join(pieces), np.uint8)))
+    return runs
 
-    def put(self, payload: bytes | memoryview, at: int, count: int) -> None:
-        # The block with plane 0 first: widening it writes every byte of the words.
-        blocks = _planes_of(payload, count)
-        if len(blocks) == 2 and blocks[1][0][0] == 0:  # plane 0 inflated, others stored
-            blocks.reverse()
-        words, rows = self.words[at : at + count], self._bytes[at : at + count]
-        if not blocks or blocks[0][0][0] != 0:
-            words.fill(0)
-        for planes, block in blocks:
-            if planes[0] == 0:
-                words[:] = block[0]  # plane 0 widened: the word's other bytes zero
-                planes, block = planes[1:], block[1:]
-            if len(planes) == 1:
-                rows[:, planes[0]] = block[0]
-            elif len(planes):
-                rows[:, planes] = block.T
+
+def _plane(chunks: list[_Payload], index: int) -> npt.NDArray[np.uint8]:
+    """Plane `index` of every chunk, end to end (zeros for a chunk that does not keep it)."""
+    bit, below = 1 << index, (1 << index) - 1
+    # _piece's, inline: a call per chunk and plane would cost more than the bytes it copies.
+    pieces = [
+        chunk.view[2 + _PLANES_IN[chunk.stored & below] * chunk.points :][: chunk.points]
+        if chunk.stored & bit
+        else chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * chunk.points :][: chunk.points]
+        if chunk.kept & bit
+        else _zeros(chunk.points)
+        for chunk in chunks
+    ]
+    return np.frombuffer(b"".join(pieces), np.uint8)
+
+
+def _piece(chunk: _Payload, index: int) -> bytes | memoryview:
+    """Plane `index` of a chunk that keeps it: in its stored planes or in those it inflated."""
+    below, count = (1 << index) - 1, chunk.points
+    if chunk.stored >> index & 1:
+        return chunk.view[2 + _PLANES_IN[chunk.stored & below] * count :][:count]
+    return chunk.inflated[_PLANES_IN[chunk.kept & ~chunk.stored & below] * count :][:count]
+
+
+class _Payload(NamedTuple):
+    """A chunk's shuffled column, its planes where they lie: stored ones in `view` (after the
+    two mask bytes), the other kept ones in `inflated`, in plane order."""
+
+    view: bytes | memoryview
+    inflated: bytes | memoryview
+    kept: int
+    stored: int
+    points: int
+
+
+def _payload(payload: bytes | memoryview, count: int) -> _Payload:
+    """A payload's planes (as unpack_planes reads them), checked, the packed ones inflated."""
+    if len(payload) < 2:
+        raise FormatError("a shuffled column without its plane masks")
+    kept, stored = payload[0], payload[1]
+    if stored & ~kept:
+        raise FormatError("a shuffled column stores a plane it does not keep")
+    stored_size = _PLANES_IN[stored] * count
+    if len(payload) < 2 + stored_size:
+        raise FormatError("a shuffled column ends inside its stored planes")
+    packed = kept & ~stored
+    rest = payload[2 + stored_size :]
+    inflated: bytes | memoryview = b""
+    if packed or rest != _NOTHING_DEFLATED:
+        inflated = memoryview(inflate(rest, _PLANES_IN[packed] * count))
+    return _Payload(memoryview(payload) if stored else b"", inflated, kept, stored, count)
+
+
+_ZEROS: dict[int, bytes] = {}
+
+
+def _zeros(count: int) -> bytes:
+    """`count` zero bytes: a plane a chunk does not keep (one object for every such plane)."""
+    zero = _ZEROS.get(count)
+    if zero is None:
+        if len(_ZEROS) >= 64:  # chunks of many sizes: the table kept small
+            _ZEROS.clear()
+        zero = _ZEROS[count] = bytes(count)
+    return zero
 
 
 class _Gathered(NamedTuple):
@@ -409,84 +485,87 @@ def _parsed(blobs: Sequence[bytes]) -> list[tuple[int, int, list[tuple[int, memo
 
 
 def _gather(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> _Gathered:
+    """Every column of `blobs` as words, a column at a time (a column's inflated planes are held
+    only while its words are made)."""
     found = _parsed(blobs)
-    counts = np.array([count for count, _, _ in found], np.int64)
-    total = int(counts.sum())
-    if into is None:
-        seqs, steps, values = _Planes(total), _Planes(total), _Planes(total)
-        ts, nulls = _Planes(total if times else 0), np.zeros(total, np.bool_)
-    else:
-        seqs, steps, values = (
-            _Planes(total, into.seqs),
-            _Planes(total, into.steps),
-            _Planes(total, into.values),
-        )
-        ts = _Planes(total, into.ts) if times else _Planes(0)
-        nulls = into.step_nulls if into.step_nulls is not None else np.zeros(total, np.bool_)
-        nulls.fill(False)
-    from_seqs, encodings, at = [], [], 0
-    for count, flags, encoded in found:
-        seqs.put(encoded[0][1], at, count)
-        if times:
-            ts.put(encoded[-2][1], at, count)
-        values.put(encoded[-1][1], at, count)
-        encodings.append(_LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0])
-        from_seqs.append(bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS)
-        if flags & FLAG_STEPS:
-            steps.put(encoded[1][1], at, count)
-        else:
-            steps.zeros(at, count)
+    sizes = [count for count, _, _ in found]
+    counts = np.array(sizes, np.int64)
+    # Where each column goes: the caller's arrays, or new ones.
+    outs: tuple[Any, ...] = (None,) * 5 if into is None else tuple(into)
+    seqs, steps, nulls, ts, values = outs
+    return _Gathered(
+        counts,
+        _words([encoded[0][1] for _, _, encoded in found], sizes, seqs),
+        _words([encoded[1][1] if flags & FLAG_STEPS else None for _, flags, encoded in found], sizes, steps),
+        np.array([_steps_from_seqs(flags, encoded) for _, flags, encoded in found], np.bool_),
+        _step_nulls(found, counts, nulls),
+        _words([encoded[-2][1] for _, _, encoded in found], sizes, ts) if times else np.zeros(0, _WORD),
+        _words([encoded[-1][1] for _, _, encoded in found], sizes, values),
+        np.array([_value_encoding(flags, encoded) for _, flags, encoded in found], np.int64),
+    )
+
+
+def _steps_from_seqs(flags: int, encoded: list[tuple[int, memoryview]]) -> bool:
+    return bool(flags & FLAG_STEPS) and encoded[1][0] == INT_DOD_FROM_SEQS
+
+
+def _value_encoding(flags: int, encoded: list[tuple[int, memoryview]]) -> int:
+    return _LOGGED_INTS if flags & FLAG_INTS else encoded[-1][0]
+
+
+def _step_nulls(
+    found: list[tuple[int, int, list[tuple[int, memoryview]]]], counts: Ints, into: Mask | None
+) -> Mask:
+    """Which points have no step (in `into` where given): a chunk's null mask, or all of a
+    chunk without steps."""
+    nulls = np.zeros(int(counts.sum()), np.bool_) if into is None else into
+    nulls.fill(False)
+    for at, (count, flags, encoded) in zip((np.cumsum(counts) - counts).tolist(), found, strict=True):
         if flags & FLAG_STEP_NULLS:
             nulls[at : at + count] = _nulls(encoded, count)
         elif not flags & FLAG_STEPS:
             nulls[at : at + count] = True
-        at += count
-    return _Gathered(
-        counts,
-        seqs.words,
-        steps.words,
-        np.array(from_seqs, np.bool_),
-        nulls,
-        ts.words,
-        values.words,
-        np.array(encodings, np.int64),
-    )
+    return nulls
 
 
 def _values_of(gathered: _Gathered, starts: Ints) -> Floats | Ints:
-    """The values of chunks decoded together, whatever each chunk's encoding: each encoding's
-    chunks decoded apart, together (a chunk's points lie together)."""
+    """The values of chunks decoded together, whatever each chunk's encoding, in place: each
+    run of chunks of one kind (XOR, integers, plain bits) decoded together (a chunk's points lie
+    together), with no column-sized workings."""
     counts, encodings, words = gathered.counts, gathered.value_encodings, gathered.values
     if (encodings == _LOGGED_INTS).all():
         return _undod_segments(words, starts, counts)
-    bits = words  # FLOAT_PLAIN: the bits as they are
-    xor = encodings == FLOAT_XOR
-    if xor.all():  # the usual: a running XOR over every chunk, in place
-        np.bitwise_xor.accumulate(words, out=words)
-        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
-        ended = np.zeros(len(counts), np.uint64)
-        ended[1:] = words[starts[1:] - 1]
-        words ^= np.repeat(ended, counts)
-        return words.view(np.float64)
-    if xor.any():
-        mine = np.repeat(xor, counts)
-        part = words[mine]
-        mine_counts = counts[xor]
-        mine_starts = np.cumsum(mine_counts) - mine_counts
-        running = np.bitwise_xor.accumulate(part)
-        # Each chunk's running XOR starts again: XOR out where the chunk before ended.
-        ended = np.zeros(len(mine_counts), np.uint64)
-        ended[1:] = running[mine_starts[1:] - 1]
-        running ^= np.repeat(ended, mine_counts)
-        bits[mine] = running
-    floats = bits.view(np.float64)
-    as_ints = (encodings == _LOGGED_INTS) | (encodings == FLOAT_INTEGRAL)
-    if as_ints.any():
-        mine = np.repeat(as_ints, counts)
-        mine_counts = counts[as_ints]
-        ints = _undod_segments(words[mine], np.cumsum(mine_counts) - mine_counts, mine_counts)
-        floats[mine] = ints.astype(np.float64)
-    return floats
+    # 1: XOR, 2: integers (logged so, or floats kept as integers), 0: the bits as they are.
+    kinds = (encodings == FLOAT_XOR) + 2 * ((encodings == _LOGGED_INTS) | (encodings == FLOAT_INTEGRAL))
+    edges = [0, *(np.flatnonzero(kinds[1:] != kinds[:-1]) + 1).tolist(), len(counts)]
+    for first, end in pairwise(edges):
+        kind = int(kinds[first])
+        if not kind:
+            continue
+        run = words[int(starts[first]) : int(starts[end - 1] + counts[end - 1])]
+        run_starts = starts[first:end] - starts[first]
+        if kind == 1:
+            _unxor(run, run_starts)
+        else:
+            _undod_segments(run, run_starts, counts[first:end])
+            _floats_in_place(run)
+    return words.view(np.float64)
+
+
+def _unxor(words: Words, starts: Ints) -> None:
+    """XOR chunks laid end to end decoded in place: one running XOR, each chunk's first word
+    XORing out where the chunk before ended (that chunk's words XORed together)."""
+    ended = np.bitwise_xor.reduceat(words, starts)
+    words[starts[1:]] ^= ended[:-1]
+    np.bitwise_xor.accumulate(words, out=words)
+
+
+def _floats_in_place(words: Words) -> None:
+    """int64 values in `words` made float64 in the same memory, a block at a time (numpy copies
+    an overlapping source first: the block bounds what that costs)."""
+    ints, floats = words.view(np.int64), words.view(np.float64)
+    for at in range(0, len(words), BLOCK_POINTS):
+        floats[at : at + BLOCK_POINTS] = ints[at : at + BLOCK_POINTS]
 
 
 def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None = None) -> Arrays:
@@ -515,7 +594,7 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
         steps[relative] = (steps[relative].view(np.uint64) + seqs[relative].view(np.uint64)).view(np.int64)
     values = _values_of(gathered, starts)
     if into is not None and values.dtype != into.values.dtype:  # logged as ints, kept as float64
-        np.copyto(into.values, values)
+        _floats_in_place(gathered.values)  # into.values' memory
         values = into.values
     nulls = gathered.nulls
     if nulls.any():
@@ -528,14 +607,12 @@ def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     """The ts column alone of many chunks, one chunk after another (decode_many's `ts`): a
     clock's timestamps, where a read has its seqs already; decoded in `into` where given."""
     found = _parsed(blobs)
-    counts = np.array([count for count, _, _ in found], np.int64)
-    ts, at = _Planes(int(counts.sum()), into), 0
-    for count, _, encoded in found:
-        ts.put(encoded[-2][1], at, count)
-        at += count
-    if not ts.words.any():
-        return ts.words.view(np.int64)
-    return _undod_segments(ts.words, np.cumsum(counts) - counts, counts)
+    sizes = [count for count, _, _ in found]
+    counts = np.array(sizes, np.int64)
+    words = _words([encoded[-2][1] for _, _, encoded in found], sizes, into)
+    if not words.any():
+        return words.view(np.int64)
+    return _undod_segments(words, np.cumsum(counts) - counts, counts)
 
 
 def arrays_of(chunk: Chunk) -> Arrays:

@@ -166,11 +166,20 @@ def _from_chunks(
     twins = _twins(chunks, heads, clocks)
     unmatched = [at for at, twin in enumerate(twins) if twin is None]
     clock = _Clock.of(clocks, groups, [chunks[at] for at in unmatched], [heads[at] for at in unmatched])
-    found = _columns_of(chunks, counts, label_code, key_code)
+    found = _columns_of(int(counts.sum()), len(label_code), len(key_code))
     offsets = np.cumsum(counts) - counts
+    # A chunk's label, key and epoch are its points': filled a run of equal ones at a time.
+    constants = [
+        (found.label, [label_code[c[0]] for c in chunks]),
+        (found.key, [key_code[c[1]] for c in chunks]),
+        (found.epoch, [c[2] for c in chunks]),
+    ]
+    edges = (offsets + counts).tolist()
 
     def fill(first: int, end: int) -> None:
         at = slice(int(offsets[first]), int(offsets[end - 1] + counts[end - 1]))
+        for column, each in constants:
+            _fill_runs(column, each, edges, first, end)
         ts = found.ts[at]
         # Decoded where the columns are, with no copy (the series chunks' ts are zeros: not read).
         into = Arrays(found.seq[at], found.step[at], found.no_step[at], ts.view(np.int64), found.value[at])
@@ -183,24 +192,31 @@ def _from_chunks(
     return found, not _overlapping(chunks, heads)
 
 
-def _columns_of(
-    chunks: list[ChunkPart], counts: Ints, label_code: dict[str, int], key_code: dict[str, int]
-) -> Values:
-    """The columns `chunks` are decoded into: label, key and epoch filled (a chunk's are its
-    points'), the others to be written a slice at a time."""
-    total = int(counts.sum())
+def _columns_of(total: int, labels: int, keys: int) -> Values:
+    """The columns a read's chunks are decoded into, a slice at a time (on threads, side by side:
+    pages are first written there)."""
     return Values(
         [],
         [],
-        np.repeat(np.array([label_code[c[0]] for c in chunks], code_type(len(label_code))), counts),
-        np.repeat(np.array([key_code[c[1]] for c in chunks], code_type(len(key_code))), counts),
-        np.repeat(np.array([c[2] for c in chunks], np.int64), counts),
+        np.empty(total, code_type(labels)),
+        np.empty(total, code_type(keys)),
+        np.empty(total, np.int64),
         np.empty(total, np.int64),
         np.empty(total, np.int64),
         np.empty(total, np.bool_),
         np.empty(total, np.float64),
         np.empty(total, np.float64),
     )
+
+
+def _fill_runs(column: npt.NDArray[Any], each: list[int], edges: list[int], first: int, end: int) -> None:
+    """Chunks first to end of `column` (chunk i's points end at edges[i]) set to each one's value
+    in `each`, a run of chunks of one value at a time."""
+    start = 0 if first == 0 else edges[first - 1]
+    for at in range(first, end):
+        if at + 1 == end or each[at + 1] != each[at]:
+            column[start : edges[at]] = each[at]
+            start = edges[at]
 
 
 def _twins(chunks: list[ChunkPart], heads: list[Bounds], clocks: list[ClockPart]) -> list[bytes | None]:

@@ -284,3 +284,26 @@ def test_columns_of_runs_decode_as_the_reference_does(columns_: list[tuple[int, 
     found = columns_numpy.decode_many(blobs)
     expected = [seq for chunk in chunks_ for seq in chunk.seqs]
     assert found.seqs.tolist() == expected and found.values.tolist() == expected
+
+
+# Chunks of one delta each (steps, constants, counters), most long enough to be made a chunk at a
+# time from their first value and delta; `bent` adds one whose delta changes (running sums then).
+LINES = st.lists(st.tuples(INT64, INT64, st.integers(1, 300)), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(LINES, st.booleans())
+def test_chunks_of_one_delta_each_decode_as_the_reference_does(
+    lines: list[tuple[int, int, int]], bent: bool
+) -> None:
+    chunks_ = []
+    for first, delta, count in lines:
+        seqs = [(first + delta * index + 2**63) % 2**64 - 2**63 for index in range(count)]
+        chunks_.append(Chunk(seqs, [None] * count, [0] * count, list(seqs)))
+    if bent:
+        seqs = [0, 1, 2, 10, 11] + [12] * 200
+        chunks_.append(Chunk(seqs, [None] * len(seqs), [0] * len(seqs), list(seqs)))
+    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    found = columns_numpy.decode_many(blobs)
+    expected = [seq for chunk in chunks_ for seq in chunk.seqs]
+    assert found.seqs.tolist() == expected and found.values.tolist() == expected
