@@ -29,6 +29,7 @@ restart of its process), not the training epoch; the column was named `epoch` up
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from array import array
 from collections.abc import Iterable, Sequence
@@ -264,8 +265,6 @@ async def read_values(
     """A run's values of `table` (of `labels`, of `keys`: unknown ones are a CommandError that
     names those there are; at `steps`, values.step_range's), as arrays (Store.values). `exact`:
     `run_id` is a stored run's whole id (runbus.Api's run has it), not a prefix to look up."""
-    import asyncio
-
     in_range = step_range(steps, table)
     chosen_keys, chosen_labels = names(keys, "keys"), names(labels, "labels")
     if exact:

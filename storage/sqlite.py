@@ -740,15 +740,6 @@ def _path(url: str) -> str:
     return unquote(urlsplit(url).path[1:])
 
 
-def _chosen(column: str, names: Sequence[str] | None) -> tuple[str, list[str]]:
-    """A condition that `column` is one of `names` (none when `names` is None), and its arguments."""
-    if names is None:
-        return "", []
-    if not names:
-        return " AND 0", []
-    return f" AND {column} IN ({_rows_sql(1, len(names))})", list(names)
-
-
 def _latest_start(label: LabelState) -> tuple[int, int | None]:
     """(epoch, restart count) of a label's latest start, for the generation of its epochs."""
     return label.start_pos[0], rollups.restart_count(label.start_data)
@@ -1134,7 +1125,7 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         if found is None:
             return []
         label_id = found[0]
-        with_key, key_args = _chosen("s.key", None if key is None else [rows.storable_text(key)])
+        with_key, key_args = SQLITE.one_of("s.key", None if key is None else [rows.storable_text(key)])
         past, past_args = "", []
         if after is not None:
             past, past_args = (
