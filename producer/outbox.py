@@ -68,6 +68,7 @@ class Outbox:
         "blocked_at",
         "demand",
         "drops",
+        "holds_gpu_values",
         "max_events",
         "may_wait",
         "room",
@@ -98,6 +99,9 @@ class Outbox:
         self.waiting_since: float | None = None
         # Since when (time.monotonic()) the box's first event waits for its GPU; None: it does not.
         self.blocked_at: float | None = None
+        # Set (by Run.log) once a metric event with CUDA values was put: until then `take` does
+        # not look at the events it takes for them.
+        self.holds_gpu_values = False
 
     def put(self, kind: str, step: int | None, data: Any) -> None:
         """Keep one event; when full, wait for room or drop it (counted)."""
@@ -174,7 +178,7 @@ class Outbox:
             events.clear()  # appended by a put that raced the finish
             return []
         raw = [events.popleft() for _ in range(min(limit, len(events)))]
-        if not force:
+        if self.holds_gpu_values and not force:
             raw = self._ready_part(raw)
         with self._lock:  # drops counted before close() are in, so they come before the finish
             dropped, self._unnumbered_drops = self._unnumbered_drops, 0

@@ -371,17 +371,26 @@ class Run:
                 if type(value) is not float and (
                     type(value) is not int or not INT64_MIN <= value <= INT64_MAX
                 ):
-                    metrics = checked_metrics(metrics, self._known_names)
+                    metrics = self._checked(metrics)
                     break
             else:
                 if len(metrics) > MAX_UNMEASURED_METRICS:
                     check_encoded_size(metrics)
                 metrics = metrics.copy()
         else:
-            metrics = checked_metrics(metrics, self._known_names)
+            metrics = self._checked(metrics)
         if step is not None and (type(step) is not int or not 0 <= step < STEP_END):
             step = checked_step(step)
         self._put("metric", step, metrics)
+
+    def _checked(self, metrics: Any) -> dict[str, Any]:
+        """log()'s slower path (checked_metrics), which alone meets CUDA values: the first such
+        event tells the outbox to look for values their GPU has not computed (none of it on the
+        plain floats' path)."""
+        checked = checked_metrics(metrics, self._known_names)
+        if type(checked) is DeviceMetrics:
+            self._outbox.holds_gpu_values = True
+        return checked
 
     def log_text(self, text: str, level: str = "INFO", stream: str = "logging") -> None:
         """Record one line (or block) of text with a level name."""
