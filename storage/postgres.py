@@ -761,6 +761,13 @@ REJECTED_CLASSES = frozenset({"22", "23", "54"})
 DENIED_CLASS, INSUFFICIENT_PRIVILEGE = "28", "42501"
 
 
+async def _kept_session(con: asyncpg.Connection) -> None:
+    """A connection handed back to the pool, as it is: asyncpg's default reset costs a round trip
+    a call (RESET ALL, UNLISTEN *, CLOSE ALL, pg_advisory_unlock_all), and this store leaves none
+    of that behind (no SET, LISTEN or cursor outside a transaction; advisory locks only with
+    pg_advisory_xact_lock). A transaction left open is still rolled back, by asyncpg itself."""
+
+
 class PostgresStore(reads.SharedReads, beats.SharedHealth):
     """`postgresql://user:password@host:port/database` (or `postgres://...`)."""
 
@@ -831,7 +838,9 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         if self._pool is not None:
             return
         try:
-            pool = await asyncpg.create_pool(self.url, min_size=self._min_size, max_size=self._max_size)
+            pool = await asyncpg.create_pool(
+                self.url, min_size=self._min_size, max_size=self._max_size, reset=_kept_session
+            )
         except _ERRORS as exc:
             raise self._error(exc) from exc
         try:
@@ -1134,34 +1143,13 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             if label_id is None:
                 return []
             stored = None if key is None else rows.storable_text(key)
-            args: list[Any] = [label_id, rollups.series_run(run_id, table)]
-            where = _past(args, "s.key, c.epoch, c.last_seq", stored, past)
-            head_args: list[Any] = [label_id]
-            head_where = _past(head_args, "s.key, s.epoch, s.seq", stored, past)
-            clocks = [
-                (label, *row)
-                for row in await con.fetch(
-                    f"SELECT epoch, data FROM chunks WHERE label_id = $1 AND series_id = {chunking.CLOCK}",
-                    label_id,
-                )
-            ]
-            step = "s.step" if table == "metrics" else "NULL::int8"
-            head = [
-                (label, *row)
-                for row in await con.fetch(
-                    f"SELECT s.key, s.epoch, s.seq, {step}, s.ts, s.value FROM {table} s "
-                    f"WHERE s.label_id = $1{head_where}",
-                    *head_args,
-                )
-            ]
+            chunk_query, clock_query, head_query = reads.page_queries(
+                POSTGRES, table, run_id, label_id, stored, past
+            )
+            clocks = [(label, *row) for row in await con.fetch(clock_query.sql, *clock_query.args)]
+            head = [(label, *row) for row in await con.fetch(head_query.sql, *head_query.args)]
             pager = values.Pager(clocks, head, limit, past)
-            async for row in con.cursor(
-                "SELECT s.key, c.epoch, c.first_seq, c.data, c.points FROM chunks c "
-                f"JOIN series s ON s.id = c.series_id WHERE c.label_id = $1 AND s.run_id = $2{where} "
-                "ORDER BY s.key, c.epoch, c.first_seq",
-                *args,
-                prefetch=_PAGE_CHUNKS,
-            ):
+            async for row in con.cursor(chunk_query.sql, *chunk_query.args, prefetch=_PAGE_CHUNKS):
                 found = pager.add((label, row[0], row[1], row[2], row[3]), row[4])
                 if found is not None:
                     return found.points()
@@ -1329,24 +1317,3 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
 }
-
-
-def _any_of(args: list[Any], *chosen: tuple[str, Sequence[str] | None]) -> str:
-    """` AND column = ANY($n)` for each (column, names) given names (None: any), the names
-    appended to `args` as $n."""
-    found = ""
-    for column, names in chosen:
-        if names is not None:
-            args.append(list(names))
-            found += f" AND {column} = ANY(${len(args)}::text[])"
-    return found
-
-
-def _past(args: list[Any], columns: str, key: str | None, past: tuple[str, int, int] | None) -> str:
-    """A page read's conditions on `columns` (key, epoch, seq): the key `key` if given, past
-    `past` if given; their values appended to `args` as $n."""
-    where = _any_of(args, (columns.split(", ")[0], None if key is None else [key]))
-    if past is not None:
-        args += past
-        where += f" AND ({columns}) > (${len(args) - 2}, ${len(args) - 1}, ${len(args)})"
-    return where

@@ -424,6 +424,40 @@ def values_queries(
     ]
 
 
+def page_queries(
+    dialect: Dialect,
+    table: PointTable,
+    run_id: str,
+    label_id: int,
+    key: str | None,
+    past: tuple[str, int, int] | None,
+) -> tuple[Query, Query, Query]:
+    """Store.point_page's statements for one label (by id), values.page takes their rows: its
+    chunks of `key` (None: every key) past `past` (stored key, epoch, seq; None: from the first),
+    in (key, epoch, first seq) order with their point counts; its clock chunks; its head rows
+    chosen alike."""
+    with_key, key_args = dialect.one_of("s.key", None if key is None else [key])
+    after, after_args = "", []
+    if past is not None:
+        after, after_args = " AND (s.key, c.epoch, c.last_seq) > (?, ?, ?)", list(past)
+    chunks = (
+        "SELECT s.key, c.epoch, c.first_seq, c.data, c.points FROM chunks c CROSS JOIN series s "
+        f"WHERE c.label_id = ? AND c.series_id = s.id AND s.run_id = ?{with_key}{after} "
+        "ORDER BY s.key, c.epoch, c.first_seq"
+    )
+    clocks = f"SELECT epoch, data FROM chunks WHERE label_id = ? AND series_id = {chunking.CLOCK}"
+    step = "s.step" if table == "metrics" else "CAST(NULL AS BIGINT)"
+    head = (
+        f"SELECT s.key, s.epoch, s.seq, {step}, s.ts, s.value FROM {table} s WHERE s.label_id = ?{with_key}"
+        + after.replace("c.epoch, c.last_seq", "s.epoch, s.seq")
+    )
+    return (
+        Query(dialect.sql(chunks), [label_id, rollups.series_run(run_id, table), *key_args, *after_args]),
+        Query(dialect.sql(clocks), [label_id]),
+        Query(dialect.sql(head), [label_id, *key_args, *after_args]),
+    )
+
+
 async def stored_values(
     reader: Fetcher,
     run_id: str,

@@ -1124,42 +1124,18 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         found = con.execute(reads.LABEL_ID_SQL, (run_id, label)).fetchone()
         if found is None:
             return []
-        label_id = found[0]
-        with_key, key_args = SQLITE.one_of("s.key", None if key is None else [rows.storable_text(key)])
-        past, past_args = "", []
-        if after is not None:
-            past, past_args = (
-                " AND (s.key, c.epoch, c.last_seq) > (?, ?, ?)",
-                [rows.storable_text(after[0]), *after[1:]],
-            )
+        past = None if after is None else (rows.storable_text(after[0]), after[1], after[2])
+        stored = None if key is None else rows.storable_text(key)
+        chunk_query, clock_query, head_query = reads.page_queries(
+            SQLITE, table, run_id, found[0], stored, past
+        )
         chunks = (
             ((label, key_, epoch, first, data), points)
-            for key_, epoch, first, data, points in con.execute(
-                "SELECT s.key, c.epoch, c.first_seq, c.data, c.points FROM chunks c CROSS JOIN series s "
-                f"WHERE c.label_id = ? AND c.series_id = s.id AND s.run_id = ?{with_key}{past} "
-                "ORDER BY s.key, c.epoch, c.first_seq",
-                [label_id, rollups.series_run(run_id, table), *key_args, *past_args],
-            )
+            for key_, epoch, first, data, points in con.execute(chunk_query.sql, chunk_query.args)
         )
-        clocks = [
-            (label, epoch, data)
-            for epoch, data in con.execute(
-                f"SELECT epoch, data FROM chunks WHERE label_id = ? AND series_id = {chunking.CLOCK}",
-                (label_id,),
-            )
-        ]
-        step = "step" if table == "metrics" else "NULL"
-        head = [
-            (label, *row)
-            for row in con.execute(
-                f"SELECT key, epoch, seq, {step}, ts, value FROM {table} s WHERE label_id = ?{with_key}"
-                + past.replace("c.epoch, c.last_seq", "s.epoch, s.seq"),
-                [label_id, *key_args, *past_args],
-            )
-        ]
-        return values.page(
-            chunks, clocks, head, limit, after and (rows.storable_text(after[0]), *after[1:])
-        ).points()
+        clocks = [(label, epoch, data) for epoch, data in con.execute(clock_query.sql, clock_query.args)]
+        head = [(label, *row) for row in con.execute(head_query.sql, head_query.args)]
+        return values.page(chunks, clocks, head, limit, past).points()
 
     # -- rollup reads (storage/charts.py composes them) -------------------------------------------
 
