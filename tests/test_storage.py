@@ -1099,3 +1099,48 @@ async def test_sessions_ended_by_an_administrator_are_unavailable_then_reconnect
         assert await store.write([metric(2, {"x": 1.0})]) == 1  # the pool connects anew
     finally:
         await store.close()
+
+
+async def test_a_postgres_read_cancelled_inside_its_snapshot_leaves_its_connection_clean(
+    postgres_url: str,
+) -> None:
+    # The pool hands connections back without asyncpg's reset query (postgres._kept_session):
+    # a read cancelled while its snapshot transaction is open must still leave the one
+    # connection of the pool out of that transaction, its snapshot gone, for the next caller.
+    store = postgres_backend.PostgresStore(postgres_url, min_size=1, max_size=1)
+    await store.connect()
+    admin = await asyncpg.connect(postgres_url)
+    try:
+        assert await store.write([start(1, primary=True), metric(2, {"x": 1.0}, step=2)]) == 2
+        slow = asyncio.create_task(
+            store._fetch_together(
+                [
+                    postgres_backend.reads.Query("SELECT pg_sleep(30)", []),
+                    postgres_backend.reads.Query("SELECT 1", []),
+                ]
+            )
+        )
+        await wait_for_async(
+            "the read sleeping inside its snapshot",
+            lambda: admin.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query LIKE 'SELECT pg_sleep%' AND state = 'active'"
+            ),
+            10,
+        )
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        # The same connection (the pool holds one) reads what a later write commits: a snapshot
+        # left open would not see it, and an aborted transaction would refuse the read.
+        assert await store.write([metric(3, {"x": 2.0}, step=3)]) == 1
+        assert [p.value for p in await store.metrics(RUN, key="x")] == [1.0, 2.0]
+
+        async def idle(con: asyncpg.Connection) -> bool:
+            await con.fetchval("SELECT 1")
+            return not con.is_in_transaction()  # the server's own word, in its ReadyForQuery
+
+        assert await store._call(idle)
+    finally:
+        await admin.close()
+        await store.close()
