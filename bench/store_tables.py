@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import sqlite3
-import sys
 import tempfile
 import time
 from typing import Any
@@ -45,7 +44,9 @@ async def postgres_tables(url: str, points: int) -> list[str]:
 
     con = await asyncpg.connect(url)
     try:
-        stattuple = await con.fetchval("SELECT count(*) FROM pg_available_extensions WHERE name = 'pgstattuple'")
+        stattuple = await con.fetchval(
+            "SELECT count(*) FROM pg_available_extensions WHERE name = 'pgstattuple'"
+        )
         if stattuple:
             await con.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
         lines = [
@@ -57,7 +58,9 @@ async def postgres_tables(url: str, points: int) -> list[str]:
             rows, width = await con.fetchrow(f'SELECT count(*), avg(pg_column_size(t.*)) FROM "{name}" t')
             dead = free = 0
             if stattuple:
-                found = await con.fetchrow("SELECT dead_tuple_len, free_space FROM pgstattuple($1::text)", f"\"{name}\"")
+                found = await con.fetchrow(
+                    "SELECT dead_tuple_len, free_space FROM pgstattuple($1::text)", f'"{name}"'
+                )
                 dead, free = found["dead_tuple_len"], found["free_space"]
             indexes = ", ".join(f"{i['name']} {i['size']}" for i in await con.fetch(_INDEXES, rel["oid"]))
             lines.append(
@@ -110,10 +113,12 @@ def main() -> None:
                     f"B/point; ingest {found['ingest_s']} s (bench CPU {time.process_time() - cpu:.1f} s)"
                 )
                 lines = (
-                    sqlite_tables(url, points) if kind == "sqlite" else asyncio.run(postgres_tables(url, points))
+                    sqlite_tables(url, points)
+                    if kind == "sqlite"
+                    else asyncio.run(postgres_tables(url, points))
                 )
                 print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 # Text columns that are sorted use the "C" collation so that every database orders them by code
 # point, as SQLite does, whatever locale the cluster was created with.
-# The label rollups (storage/rollup_blocks.py): an open row per label series, blocks of the rest.
+# The label rollups (storage/rollup_blocks.py) as schemas 6 to 10 made them: an open row per label
+# series, blocks of the rest. Migration 11 folds the open rows into the blocks and drops label_open.
 LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id BIGINT NOT NULL,
@@ -274,6 +275,9 @@ MIGRATIONS: list[str] = [
     + """
     ALTER TABLE chunks RESET (toast_tuple_target)
     """,
+    # Each series' open bucket into its fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11]
+    # moves label_open's rows there and drops the table.
+    "",
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -306,8 +310,8 @@ async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
 
 
 async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
-    """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
-    a label series at a time through a cursor and written so; the table then dropped."""
+    """Migration 10's data: a schema-9 store's label_rollups rows as blocks, read a label series at
+    a time through a cursor and written so; the table then dropped."""
     if await con.fetchval("SELECT to_regclass('label_rollups')") is None:
         return
     found = con.cursor(
@@ -315,17 +319,38 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
         f"ORDER BY {rollup_blocks.CONVERTED_ORDER}",
         prefetch=MIGRATION_PAGE // 10,
     )
-    opens: list[rows.Params] = []
     blocks: list[rows.Params] = []
     async for series in _series_of(found):
-        for open_rows, block_rows in rollup_blocks.converted(series):
-            opens += open_rows
+        for block_rows in rollup_blocks.converted(series):
             blocks += block_rows
-        if len(opens) + len(blocks) >= MIGRATION_PAGE // 10:
-            await _write_label_rollups(con, opens, blocks)
-            opens, blocks = [], []
-    await _write_label_rollups(con, opens, blocks)
+        if len(blocks) >= MIGRATION_PAGE // 10:
+            await _write_label_rollups(con, blocks)
+            blocks = []
+    await _write_label_rollups(con, blocks)
     await con.execute("DROP TABLE label_rollups")
+
+
+async def _open_rows_to_blocks(con: asyncpg.Connection) -> None:
+    """Migration 11's data: each label_open row (schema 10) into the fine block its bucket falls
+    in (rollup_blocks.folded), read through a cursor with that block and written so; the table
+    then dropped. A series has one open row and it one block, so no block is read twice."""
+    if await con.fetchval("SELECT to_regclass('label_open')") is None:
+        return
+    found = con.cursor(
+        f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+        f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+        "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+        f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS}",
+        prefetch=MIGRATION_PAGE // 10,
+    )
+    page: list[asyncpg.Record] = []
+    async for row in found:
+        page.append(row)
+        if len(page) >= MIGRATION_PAGE // 10:
+            await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+            page = []
+    await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+    await con.execute("DROP TABLE label_open")
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
@@ -403,24 +428,20 @@ async def _roll_up(
     learned.slot = known.slot if free else await _take_slot(con, known.slot)
     plan = rollups.plan(fine, key_id, generation, stored)
     blocks.update(await _stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
-    open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
+    block_rows = rollup_blocks.placed(plan, blocks)
     slot_rows = await _slot_rows(con, list(plan.run_deltas), learned.slot)
     merged = []
     for key, delta in plan.run_deltas.items():
         part, bins, samples = rollups.merged_run_row(slot_rows.get(key), delta)
         merged.append(rollups.run_row(key, learned.slot, _float_columns(part), bins, samples))
-    opens = [(*row[:5], *_float_columns(list(row[5:]))) for row in open_rows]
-    await _write_label_rollups(con, opens, block_rows, merged)
+    await _write_label_rollups(con, block_rows, merged)
 
 
 async def _write_label_rollups(
-    con: asyncpg.Connection,
-    opens: list[rows.Params],
-    blocks: list[rows.Params],
-    runs: Sequence[rows.Params] = (),
+    con: asyncpg.Connection, blocks: list[rows.Params], runs: Sequence[rows.Params] = ()
 ) -> None:
-    """Upsert label_open rows, label_blocks rows and this slot's run_rollups rows: one round trip."""
-    await con.execute(_WRITE_ROLLUPS, *_columns(opens, 18), *_columns(blocks, 7), *_columns(list(runs), 18))
+    """Upsert label_blocks rows and this slot's run_rollups rows: one round trip."""
+    await con.execute(_WRITE_ROLLUPS, *_columns(blocks, 7), *_columns(list(runs), 18))
 
 
 def _float_columns(part: rollups.Partial) -> rollups.Partial:
@@ -440,10 +461,6 @@ def _columns(rows_: list[rows.Params], width: int) -> list[list[Any]]:
     return [list(column) for column in zip(*rows_, strict=True)] if rows_ else [[] for _ in range(width)]
 
 
-_OPEN_TYPES = (
-    "int8[], int2[], int8[], int8[], int8[], int8[], int8[], int8[], float8[], float8[], float8[], "
-    "float8[], int8[], int8[], int8[], float8[], float8[], int8[]"
-)
 _BLOCK_TYPES = "int8[], int2[], int2[], int8[], int8[], int8[], bytea[]"
 _RUN_TYPES = (
     "int8[], int4[], int2[], int4[], int8[], int4[], int8[], int8[], int8[], float8[], float8[], float8[], "
@@ -457,18 +474,13 @@ def _unnest(types: str, first: int = 1) -> str:
 
 
 # In no order: a writer's rows are its own (its labels' locks, its slot's), no other transaction
-# waits for them. The open rows, blocks and run rows in data-modifying CTEs of one statement.
+# waits for them. The blocks and run rows in data-modifying CTEs of one statement.
 _WRITE_ROLLUPS = (
-    f"WITH opened AS (INSERT INTO label_open ({rollup_blocks.OPEN_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_OPEN_TYPES)} "
-    "ON CONFLICT (key_id, axis, label_id, epoch) DO UPDATE SET bucket = EXCLUDED.bucket, "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.LABEL_VALUE_COLUMNS.split(", "))
-    + "), blocked AS ("
-    f"INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_BLOCK_TYPES, first=19)} "
+    f"WITH blocked AS (INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
+    f"SELECT * FROM {_unnest(_BLOCK_TYPES)} "
     "ON CONFLICT (key_id, kind, axis, label_id, epoch, block) DO UPDATE SET data = EXCLUDED.data) "
     f"INSERT INTO run_rollups ({rollups.RUN_KEY_COLUMNS}, slot, {rollups.RUN_VALUE_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_RUN_TYPES, first=26)} "
+    f"SELECT * FROM {_unnest(_RUN_TYPES, first=8)} "
     "ON CONFLICT (key_id, width, axis, generation, bucket, slot) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.RUN_VALUE_COLUMNS.split(", "))
 )
@@ -554,40 +566,33 @@ async def _stored_fine_rows(
 ) -> tuple[
     dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places], bool
 ]:
-    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
-    the buckets of its blocks from that bucket's block up, or from its open bucket's if lower
-    (rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites them); and whether
-    the run_rollups `slot` was free (it is then this transaction's), tried in the same round trip."""
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): the buckets of
+    its fine blocks from that bucket's block up, or from its highest block if lower (which holds
+    its open bucket: rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites
+    them); and whether the run_rollups `slot` was free (it is then this transaction's), tried in
+    the same round trip."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
-    rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), rollups.FINE_WIDTH, ROLLUP_SLOT_LOCK, slot)
-    for row in rows_:
-        if row["kind"] == 1:
-            found[tuple(row[2:8])] = list(row[8:21])
-    held = rollup_blocks.decoded((*row[2:8], row[21]) for row in rows_ if row["kind"] == 2)
+    rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), ROLLUP_SLOT_LOCK, slot)
+    held = rollup_blocks.decoded(row[1:] for row in rows_ if row["data"] is not None)
     for block, places in held.items():
         found.update(rollup_blocks.stored_rows(block, places))
     return found, held, bool(rows_[0]["held"])
 
 
-# One row per open row (kind 1: the key, then its bucket and values) and per block (kind 2: its
-# key, then its data), beside the slot's lock: LATERAL probes of the primary keys (OFFSET 0 keeps
-# the planner from a hash join over the whole table). The lock in a CTE (MATERIALIZED: taken once);
-# one row with nulls if no series has rows.
+# One row per block, beside the slot's lock: LATERAL probes of the primary key, the series' highest
+# fine block first (OFFSET 0 keeps the planner from a hash join over the whole table). The lock in
+# a CTE (MATERIALIZED: taken once); one row with nulls if no series has blocks.
 _FINE_ROWS = (
-    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($7, $8) AS held), "
+    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6, $7) AS held), "
     "u AS (SELECT * FROM unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[], $5::int8[]) "
     "AS u(key_id, axis, label_id, epoch, lo)), "
-    "o AS MATERIALIZED (SELECT x.* FROM u CROSS JOIN LATERAL (SELECT * FROM label_open x "
-    "WHERE x.key_id = u.key_id AND x.axis = u.axis AND x.label_id = u.label_id AND x.epoch = u.epoch "
-    "OFFSET 0) x), "
-    "found AS (SELECT 1 AS kind, o.key_id, $6::int4 AS width, o.axis, o.label_id, o.epoch, o.bucket, "
-    f"o.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', o.')}, NULL::bytea AS data FROM o "
-    "UNION ALL SELECT 2, b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, "
-    + ", ".join(["NULL"] * 13)
-    + ", b.data FROM u LEFT JOIN o USING (key_id, axis, label_id, epoch) CROSS JOIN LATERAL ("
+    f"found AS (SELECT b.{rollup_blocks.BLOCK_COLUMNS.replace(', ', ', b.')} FROM u CROSS JOIN LATERAL ("
+    "SELECT t.block FROM label_blocks t WHERE t.key_id = u.key_id "
+    f"AND t.kind = {rollup_blocks.FINE} AND t.axis = u.axis AND t.label_id = u.label_id "
+    "AND t.epoch = u.epoch ORDER BY t.block DESC LIMIT 1) t CROSS JOIN LATERAL ("
     f"SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} "
     "AND b.axis = u.axis AND b.label_id = u.label_id AND b.epoch = u.epoch "
-    f"AND b.block >= (least(u.lo, coalesce(o.bucket, u.lo)) >> {rollup_blocks.FINE_BITS}) OFFSET 0) b) "
+    f"AND b.block >= least(u.lo >> {rollup_blocks.FINE_BITS}, t.block) OFFSET 0) b) "
     "SELECT lock.held, found.* FROM lock LEFT JOIN found ON true"
 )
 
@@ -1192,7 +1197,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
                 labels = await con.fetch(
                     "SELECT a.axis, count(*) FROM (VALUES (0::int2), (1::int2)) a(axis) CROSS JOIN labels l "
                     "CROSS JOIN LATERAL (SELECT 1 FROM label_epochs e CROSS JOIN LATERAL ("
-                    "SELECT 1 FROM label_open r WHERE r.key_id = $2 "
+                    f"SELECT 1 FROM label_blocks r WHERE r.key_id = $2 AND r.kind = {rollup_blocks.FINE} "
                     "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch LIMIT 1) x "
                     "WHERE e.label_id = l.id LIMIT 1) y "
                     "WHERE l.run_id = $1 GROUP BY a.axis",
@@ -1207,19 +1212,21 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[base.LabelBucket]:
         chosen = "" if labels is None else " AND l.label = ANY($5::text[])"
+        # Each label epoch's highest fine block, which holds its open bucket: a probe of the key.
         query = (
             "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2) "
-            "SELECT l.label, e.epoch, e.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id JOIN label_open r "
-            "ON r.axis = $3 AND r.label_id = l.id AND r.epoch = e.epoch "
-            f"WHERE r.key_id = k.id AND l.run_id = $1{chosen}"
+            "SELECT l.label, e.epoch, e.generation, b.block, b.data "
+            "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id CROSS JOIN LATERAL ("
+            "SELECT b.block, b.data FROM label_blocks b WHERE b.key_id = k.id "
+            f"AND b.kind = {rollup_blocks.FINE} AND b.axis = $3 AND b.label_id = l.id "
+            "AND b.epoch = e.epoch ORDER BY b.block DESC LIMIT 1) b "
+            f"WHERE l.run_id = $1{chosen}"
         )
         args: list[Any] = [run_id, rows.storable_text(key), axis, rollups.series_run(run_id, table)]
         if labels is not None:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
-        return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
+        return [base.LabelBucket(*row) for row in rollup_blocks.opened([tuple(row) for row in found])]
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
@@ -1251,45 +1258,30 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         labels: Sequence[str] | None,
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        chosen = " AND ($10::text[] IS NULL OR l.label = ANY($10::text[]))"
-        # The blocks of the range, and at the finest width the open rows in it: one query.
+        chosen = " AND ($8::text[] IS NULL OR l.label = ANY($8::text[]))"
+        # The blocks of the range (the fine ones hold the open buckets): one query.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $9 AND key = $2), "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $7 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
             f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
-            "SELECT l.label, l.epoch, l.generation, b.block AS bucket, "
-            + ", ".join(["NULL"] * 13)
-            + ", b.data FROM k, l JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch "
-            "WHERE b.key_id = k.id AND b.kind = $6 AND b.axis = $4 AND b.block BETWEEN $7 AND $8 "
-            "UNION ALL SELECT l.label, l.epoch, l.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL "
-            "FROM k, l JOIN label_open r ON r.label_id = l.label_id AND r.epoch = l.epoch "
-            f"WHERE r.key_id = k.id AND $3 = {rollups.FINE_WIDTH} AND r.axis = $4 "
-            "AND r.bucket BETWEEN $5::int8 AND $11::int8"
+            "SELECT l.label, l.epoch, l.generation, b.block, b.data "
+            "FROM k, l JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch "
+            "WHERE b.key_id = k.id AND b.kind = $4 AND b.axis = $3 AND b.block BETWEEN $5 AND $6"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
-            width,
             axis,
-            lo,
             kind,
             first,
             last,
             rollups.series_run(run_id, table),
             list(labels) if labels is not None else None,
-            hi,
         ]
         found = await self._call(lambda con: con.fetch(query, *args))
-        blocks = [(row[0], row[1], row[2], row[3], row[17]) for row in found if row[17] is not None]
-        buckets = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, kind, width, lo, hi)]
-        buckets += [
-            base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17]))
-            for row in found
-            if row[17] is None
-        ]
-        return buckets
+        blocks = [tuple(row) for row in found]
+        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, kind, width, lo, hi)]
 
 
 async def _store_settings(con: asyncpg.Connection, found: list[rows.SettingRow]) -> None:
@@ -1328,6 +1320,7 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
+    11: _open_rows_to_blocks,
 }
 
 

@@ -1,19 +1,23 @@
-"""Label rollups as the tables keep them: each label series' open 128-step bucket as a row, every
-other bucket packed with its neighbours into compressed blocks. Pure functions both backends share.
+"""Label rollups as the tables keep them: every 128-step bucket of a label series packed with its
+neighbours into compressed blocks, and the wider buckets too. Pure functions both backends share.
 
 A label's rollup rows (storage/rollups.py) are many and small: one per 128 steps per key, and a
 third as many again at the wider widths. As rows they weighed nearly as much as the values
 themselves (PostgreSQL: ~240 bytes a row with its index entry, 3.8 bytes a point on issue #22's
-bench). So they are kept as:
+bench). So they are kept as `label_blocks` rows:
 
-- `label_open`: one row per series (key, axis, label, epoch), its highest 128-step bucket. That
-  bucket grows with every batch of a live run, so it stays a plain row, cheap to rewrite;
-- `label_blocks`: every other bucket, in blocks. A *fine* block holds 16 consecutive 128-step
-  buckets; a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step
-  bucket: 256 + 64 + 16 + 4 + 1 places. A 128-step bucket goes into its block once it is closed (a
-  higher one got a value) and changes after that only for a late value; the wider buckets change
-  only as 128-step buckets close under them. So a block is rewritten about once per batch of its
-  series (a live run: once per 128 steps), and a series of a few thousand steps is three rows.
+- a *fine* block holds 16 consecutive 128-step buckets, the series' open one (its highest, which
+  grows with every batch of a live run) included;
+- a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step bucket: 256 +
+  64 + 16 + 4 + 1 places. A wider bucket changes only as 128-step buckets close under it.
+
+A batch rewrites the fine blocks its values fall in (a live run: the open bucket's, each batch)
+and the wide blocks of the buckets it closes (once per 128 steps). Up to schema 10 the open bucket
+was a row of its own (`label_open`), rewritten in place; that row, its index entry and the room
+its table kept for updates weighed more than the bucket does in its block (PostgreSQL, issue
+#22's run of constants and counters: 0.19 of its 1.68 bytes a point), and a block is rewritten
+about once per batch of a series anyway while its buckets close. So a series of a few thousand
+steps is two rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
 floats by their bits): each column as its first bucket's word, then differences from the bucket
@@ -63,6 +67,7 @@ _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no v
 
 # The order converted() reads label_rollups rows in: a label series' rows together.
 CONVERTED_ORDER = "key_id, axis, label_id, epoch, width, bucket"
+# label_open's columns (schema 10), which migration 11 folds into the blocks.
 OPEN_COLUMNS = f"key_id, axis, label_id, epoch, bucket, {rollups.LABEL_VALUE_COLUMNS}"
 BLOCK_COLUMNS = "key_id, kind, axis, label_id, epoch, block, data"
 
@@ -291,44 +296,19 @@ def places_of(width: int) -> tuple[int, int]:
     return start, start + (1 << (_WIDE_SHIFT - shift))
 
 
-def placed(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
-) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Where a batch's rollup rows go: the label_open rows (OPEN_COLUMNS) of the series whose open
-    bucket changed, and the label_blocks rows (BLOCK_COLUMNS) of the blocks that changed, each
-    whole: `held`'s stored buckets with the batch's merged in. `stored` is what plan() was
-    given; `held` must hold every stored block of the fine rows plan() names (from each series'
-    lowest bucket in the batch, or its open one if lower) and of its wide deltas."""
-    open_rows: list[tuple[Any, ...]] = []
+def placed(plan: rollups.Plan, held: Mapping[BlockKey, Places]) -> list[tuple[Any, ...]]:
+    """The label_blocks rows (BLOCK_COLUMNS) of the blocks a batch changed, each whole: `held`'s
+    stored buckets with the batch's merged in. `held` must hold every stored block of the fine
+    rows plan() names (each series' fine blocks from its lowest bucket in the batch up, or from
+    its highest stored block if lower: plan() needs the open bucket) and of its wide deltas."""
     into: dict[BlockKey, Places] = {}
     for key, part in plan.fine_rows.items():
-        kid, _, axis, label_id, epoch, bucket = key
-        if plan.tops[kid, axis, label_id, epoch] == bucket:
-            open_rows.append((kid, axis, label_id, epoch, bucket, *part))
-        else:
-            _put(into, held, key, part)
-    for key, part in _closed_opens(plan, stored, held):
         _put(into, held, key, part)
     for key, delta in plan.wide_deltas.items():
         block, place = place_of(key)
         known = held.get(block, {}).get(place)
         _put(into, held, key, delta if known is None else rollups.merge(known.copy(), delta))
-    blocks = [(*block, encode(places)) for block, places in into.items()]
-    return open_rows, blocks
-
-
-def _closed_opens(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
-) -> Iterator[tuple[LabelRowKey, Partial]]:
-    """The stored open rows a batch closed without a value of their own: into their blocks."""
-    for key, part in stored.items():
-        kid, width, axis, label_id, epoch, bucket = key
-        top = plan.tops.get((kid, axis, label_id, epoch))
-        if width != FINE_WIDTH or top is None or bucket >= top or key in plan.fine_rows:
-            continue
-        block, place = place_of(key)
-        if place not in held.get(block, {}):
-            yield key, part
+    return [(*block, encode(places)) for block, places in into.items()]
 
 
 def _put(
@@ -342,12 +322,39 @@ def _put(
 
 
 def open_part(row: Iterable[Any]) -> Partial:
-    """A partial from label_open's value columns; NaN where a store holds NULL (SQLite's NaN)."""
+    """A partial from a row's value columns (label_rollups', label_open's: schemas 9 and 10);
+    NaN where a store holds NULL (SQLite's NaN)."""
     part = list(row)
     for place in (rollups.TOTAL, LAST):
         if part[place] is None:
             part[place] = math.nan
     return part
+
+
+def opened(
+    blocks: Sequence[tuple[Any, Any, Any, int, bytes]],
+) -> Iterator[tuple[Any, Any, Any, int, Partial]]:
+    """The open bucket of each series, from its highest fine block read as (label, epoch,
+    generation, block, data): (label, epoch, generation, bucket, partial) of the block's last
+    place."""
+    for (label, epoch, generation, block, _), places in zip(
+        blocks, decode_many([row[4] for row in blocks], places_of(FINE_WIDTH)), strict=True
+    ):
+        if places:
+            top = max(places)
+            yield label, epoch, generation, (block << FINE_BITS) + top, places[top]
+
+
+def folded(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """label_open rows (OPEN_COLUMNS, then the data of the fine block their bucket falls in, or
+    None where it has none) as label_blocks rows, each open bucket in its block: migration 11."""
+    for row in rows:
+        kid, axis, label_id, epoch, bucket = row[:5]
+        block, place = place_of((kid, FINE_WIDTH, axis, label_id, epoch, bucket))
+        data = row[-1]
+        places = {} if data is None else decode_many([data])[0]
+        places[place] = open_part(row[5:-1])
+        yield (*block, encode(places))
 
 
 def stored_rows(block: BlockKey, places: Mapping[int, Partial]) -> Iterator[tuple[LabelRowKey, Partial]]:
@@ -363,20 +370,14 @@ def converted_series(row: Sequence[Any]) -> tuple[Any, ...]:
     return row[0], row[2], row[3], row[4]
 
 
-def converted(rows: Iterable[Any]) -> Iterator[tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
+def converted(rows: Iterable[Any]) -> Iterator[list[tuple[Any, ...]]]:
     """Rows of the label_rollups table of schema 9 (its key columns, then its value columns; in
-    CONVERTED_ORDER) as label_open and label_blocks rows, a label series (key, axis, label,
-    epoch) at a time: how a store migrates to blocks in bounded memory."""
+    CONVERTED_ORDER) as label_blocks rows, a label series (key, axis, label, epoch) at a time:
+    how a store migrates to blocks in bounded memory."""
     for series, group in groupby(rows, key=converted_series):
-        parts = {(row[1], row[5]): open_part(row[6:]) for row in group}
         kid, axis, label_id, epoch = series
-        open_rows = []
-        fine = [bucket for width, bucket in parts if width == FINE_WIDTH]
-        if fine:
-            top = max(fine)
-            open_rows.append((kid, axis, label_id, epoch, top, *parts.pop((FINE_WIDTH, top))))
         blocks: dict[BlockKey, Places] = {}
-        for (width, bucket), part in parts.items():
-            block, place = place_of((kid, width, axis, label_id, epoch, bucket))
-            blocks.setdefault(block, {})[place] = part
-        yield open_rows, [(*block, encode(places)) for block, places in blocks.items()]
+        for row in group:
+            block, place = place_of((kid, row[1], axis, label_id, epoch, row[5]))
+            blocks.setdefault(block, {})[place] = open_part(row[6:])
+        yield [(*block, encode(places)) for block, places in blocks.items()]

@@ -51,7 +51,8 @@ REJECTED_CODES = frozenset(
     {sqlite3.SQLITE_CONSTRAINT, sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH, sqlite3.SQLITE_RANGE}
 )
 
-# The label rollups (storage/rollup_blocks.py): an open row per label series, blocks of the rest.
+# The label rollups (storage/rollup_blocks.py) as schemas 6 to 10 made them: an open row per label
+# series, blocks of the rest. Migration 11 folds the open rows into the blocks and drops label_open.
 LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id INTEGER NOT NULL,
@@ -274,6 +275,9 @@ MIGRATIONS: list[str] = [
     # Label rollups as open rows and blocks (storage/rollup_blocks.py): the tables as migration 6
     # now makes them; DATA_MIGRATIONS[10] converts a schema-9 store's label_rollups rows.
     LABEL_ROLLUPS,
+    # Each series' open bucket into its fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11]
+    # moves label_open's rows there and drops the table.
+    "",
 ]
 
 
@@ -426,19 +430,39 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
 
 
 def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
-    """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
-    a label series at a time (sorted by SQLite, in temporary files if need be) and written so;
-    the table then dropped."""
+    """Migration 10's data: a schema-9 store's label_rollups rows as blocks, read a label series
+    at a time (sorted by SQLite, in temporary files if need be) and written so; the table then
+    dropped."""
     if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_rollups'").fetchone():
         return
     found = con.execute(
         f"SELECT {rollups.LABEL_KEY_COLUMNS}, {rollups.LABEL_VALUE_COLUMNS} FROM label_rollups "
         f"ORDER BY {rollup_blocks.CONVERTED_ORDER}"
     )
-    for open_rows, blocks in rollup_blocks.converted(found):
-        _insert(con, "label_open", 18, open_rows, verb="INSERT")
+    for blocks in rollup_blocks.converted(found):
         _insert(con, "label_blocks", 7, blocks, verb="INSERT")
     con.execute("DROP TABLE label_rollups")
+
+
+def _open_rows_to_blocks(con: sqlite3.Connection) -> None:
+    """Migration 11's data: each label_open row (schema 10) into the fine block its bucket falls
+    in (rollup_blocks.folded), read with that block and written so, a page at a time; the table
+    then dropped. A series has one open row and it one block, so no block is read twice."""
+    if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_open'").fetchone():
+        return
+    query = (
+        f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+        f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+        "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+        f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} "
+        "WHERE (o.key_id, o.axis, o.label_id, o.epoch) > (?, ?, ?, ?) "
+        "ORDER BY o.key_id, o.axis, o.label_id, o.epoch LIMIT ?"
+    )
+    after: tuple[int, ...] = (-1, -1, -1, -1)
+    while page := con.execute(query, (*after, MIGRATION_PAGE // 10)).fetchall():
+        _insert(con, "label_blocks", 7, list(rollup_blocks.folded(page)), verb="INSERT OR REPLACE")
+        after = tuple(page[-1][:4])
+    con.execute("DROP TABLE label_open")
 
 
 def _roll_up(
@@ -455,9 +479,7 @@ def _roll_up(
     stored, blocks = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
     plan = rollups.plan(fine, key_id, generation, stored)
     blocks.update(_stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
-    open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
-    _insert(con, "label_open", 18, open_rows, verb="INSERT OR REPLACE")
-    _insert(con, "label_blocks", 7, block_rows, verb="INSERT OR REPLACE")
+    _insert(con, "label_blocks", 7, rollup_blocks.placed(plan, blocks), verb="INSERT OR REPLACE")
     held = _stored_run_rows(con, list(plan.run_deltas))
     merged = []
     for key, delta in plan.run_deltas.items():
@@ -516,29 +538,22 @@ def _generations(
 def _stored_fine_rows(
     con: sqlite3.Connection, ranges: list[tuple[int, int, int, int, int]]
 ) -> tuple[dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places]]:
-    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
-    the buckets of its fine blocks from that bucket's block up, or from its open bucket's if lower
-    (rollups.fine_ranges); and those blocks as read (rollup_blocks.placed rewrites them)."""
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): the buckets of
+    its fine blocks from that bucket's block up, or from its highest block if lower (which holds
+    its open bucket: rollups.fine_ranges); and those blocks as read (rollup_blocks.placed
+    rewrites them)."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
     held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
-    opens = (
-        "SELECT x.key_id, x.axis, x.label_id, x.epoch, x.bucket, "
-        f"x.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', x.')} FROM u JOIN label_open x "
-        "USING (key_id, axis, label_id, epoch)"
-    )
     blocks = (
-        "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u "
-        "LEFT JOIN label_open x USING (key_id, axis, label_id, epoch) JOIN label_blocks b "
+        "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u JOIN label_blocks b "
         f"ON b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} AND b.axis = u.axis "
         "AND b.label_id = u.label_id AND b.epoch = u.epoch "
-        f"AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.FINE_BITS})"
+        f"AND b.block >= min(u.lo >> {rollup_blocks.FINE_BITS}, (SELECT max(t.block) FROM label_blocks t "
+        f"WHERE t.key_id = u.key_id AND t.kind = {rollup_blocks.FINE} AND t.axis = u.axis "
+        "AND t.label_id = u.label_id AND t.epoch = u.epoch))"
     )
     for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
         flat = list(chain.from_iterable(chunk))
-        for row in con.execute(
-            _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), opens), flat
-        ):
-            found[(row[0], rollups.FINE_WIDTH, *row[1:5])] = rollup_blocks.open_part(row[5:])
         read = con.execute(_given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat)
         held.update(rollup_blocks.decoded(read))
     for block, places in held.items():
@@ -789,6 +804,7 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
+    11: _open_rows_to_blocks,
 }
 
 
@@ -1189,9 +1205,9 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             axis: count
             for axis, count in con.execute(
                 "SELECT a.axis, count(*) FROM (SELECT 0 AS axis UNION ALL SELECT 1) a CROSS JOIN labels l "
-                "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_open r "
-                "WHERE e.label_id = l.id AND r.key_id = ? AND r.axis = a.axis "
-                "AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
+                "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_blocks r "
+                f"WHERE e.label_id = l.id AND r.key_id = ? AND r.kind = {rollup_blocks.FINE} "
+                "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
                 (run_id, found[0]),
             )
         }
@@ -1208,13 +1224,16 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         chosen = ""
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
+        # Each label epoch's highest fine block, which holds its open bucket.
         query = (
             "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, e.epoch, e.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_open r "
-            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id AND r.axis = ? "
-            "AND r.label_id = l.id AND r.epoch = e.epoch"
+            "SELECT l.label, e.epoch, e.generation, r.block, r.data "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_blocks r "
+            f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
+            f"AND r.kind = {rollup_blocks.FINE} AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch "
+            "AND r.block = (SELECT max(t.block) FROM label_blocks t WHERE t.key_id = k.id "
+            f"AND t.kind = {rollup_blocks.FINE} AND t.axis = r.axis AND t.label_id = l.id "
+            "AND t.epoch = e.epoch)"
         )
         args: list[Any] = [
             rollups.series_run(run_id, table),
@@ -1222,10 +1241,8 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             run_id,
             *(labels or []),
         ]
-        return [
-            base.LabelBucket(row[0], row[1], row[2], row[3], rollup_blocks.open_part(row[4:]))
-            for row in self._db().execute(query, [*args, axis])
-        ]
+        found = self._db().execute(query, [*args, axis]).fetchall()
+        return [base.LabelBucket(*row) for row in rollup_blocks.opened(found)]
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
@@ -1283,28 +1300,14 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
             args += list(labels)
-        shape = (
+        blocks = (
             "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, r.epoch, e.generation, {columns} "
-            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN {table} r "
+            "SELECT l.label, r.epoch, e.generation, r.block, r.data "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_blocks r "
             f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
-            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND {where}"
-        )
-        con = self._db()
-        blocks = shape.format(
-            columns="r.block, r.data", table="label_blocks", where="r.kind = ? AND r.block BETWEEN ? AND ?"
+            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.kind = ? "
+            "AND r.block BETWEEN ? AND ?"
         )
         kind, first, last = rollup_blocks.block_range(width, lo, hi)
-        read = con.execute(blocks, [*args, axis, kind, first, last]).fetchall()
-        found = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, kind, width, lo, hi)]
-        if width == rollups.FINE_WIDTH:
-            opens = shape.format(
-                columns=f"r.bucket, r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}",
-                table="label_open",
-                where="r.bucket BETWEEN ? AND ?",
-            )
-            for row in con.execute(opens, [*args, axis, lo, hi]):
-                found.append(
-                    base.LabelBucket(row[0], row[1], row[2], row[3], rollup_blocks.open_part(row[4:]))
-                )
-        return found
+        read = self._db().execute(blocks, [*args, axis, kind, first, last]).fetchall()
+        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, kind, width, lo, hi)]

@@ -4,6 +4,8 @@ tests/data/schema7.sqlite.gz and tests/data/schema7.pg.sql.gz (a `pg_dump --inse
 same) were written by `python tests/old_stores.py OUT_DIR POSTGRES_DSN` run with the code of
 commit 30e2163, the last before schema 8 (a worktree of it, with runbus installed from it):
 `write()` below is all it runs, through Store.write, which that code and this take alike.
+tests/data/schema10.* were written so (`... OUT_DIR POSTGRES_DSN schema10`) by the code of commit
+9ebfc01, the last whose stores keep each series' open bucket as a label_open row (schema 10).
 `events()` is deterministic, so a test knows every value those stores hold.
 
 Two runs: "done", whose three labels ended (the primary restarted once), and "live", whose label

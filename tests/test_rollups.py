@@ -344,7 +344,6 @@ async def make_old(url: str) -> None:
     tables = (
         "series",
         "label_epochs",
-        "label_open",
         "label_blocks",
         "run_rollups",
         "chunks",
@@ -997,7 +996,60 @@ async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
     )
     await assert_rollups_recompute(store, "live", exact=False)
     tables = await table_names(url)
-    assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
+    assert "label_rollups" not in tables and "label_open" not in tables and "label_blocks" in tables
+
+
+async def test_a_store_of_open_rows_keeps_every_bucket_in_its_blocks(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A store whose open buckets are rows of label_open (tests/data, written by the code of
+    schema 10; migration 11 folds them into their blocks) holds every bucket it held, bit for
+    bit, and goes on from its open buckets."""
+    url = await restore_old_store(any_store_url, schema=10)
+    before = await stored_label_buckets(url, with_open=True)
+    assert before and any(width == rollups.FINE_WIDTH for _, width, *_ in before)
+    store = await open_stores(url)
+    assert await stored_label_buckets(url, with_open=False) == before
+    assert "label_open" not in await table_names(url)
+    for run in ("done", "live"):
+        await assert_rollups_recompute(store, run, exact=False)
+    last = max(e.seq for e in old_stores.events() if e.run == "live")
+    step = max(e.step for e in old_stores.events() if e.run == "live" and e.step is not None)
+    ts = max(e.ts for e in old_stores.events() if e.run == "live")
+    await store.write(
+        [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
+    )
+    await assert_rollups_recompute(store, "live", exact=False)
+
+
+async def stored_label_buckets(url: str, with_open: bool) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Every label bucket a store holds, read from its tables: (key id, width, axis, label id,
+    epoch, bucket) -> its fields, floats as their bits; label_open's rows too `with_open`."""
+    blocks = f"SELECT {rollup_blocks.BLOCK_COLUMNS} FROM label_blocks"
+    opens = f"SELECT {rollup_blocks.OPEN_COLUMNS} FROM label_open"
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            block_rows = con.execute(blocks).fetchall()
+            open_rows = con.execute(opens).fetchall() if with_open else []
+    else:
+        con = await asyncpg.connect(url)
+        try:
+            block_rows = await con.fetch(blocks)
+            open_rows = await con.fetch(opens) if with_open else []
+        finally:
+            await con.close()
+    found = {}
+    for block, places in rollup_blocks.decoded(block_rows).items():
+        found.update(rollup_blocks.stored_rows(block, places))
+    for row in open_rows:
+        key = (row[0], rollups.FINE_WIDTH, *row[1:5])
+        assert key not in found
+        found[key] = rollup_blocks.open_part(row[5:])
+    return {key: tuple(as_bits(value) for value in part) for key, part in found.items()}
+
+
+def as_bits(value: Any) -> Any:
+    return struct.pack("<d", value) if isinstance(value, float) else value
 
 
 async def table_names(url: str) -> set[str]:
