@@ -330,27 +330,44 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
     await con.execute("DROP TABLE label_rollups")
 
 
-async def _open_rows_to_blocks(con: asyncpg.Connection) -> None:
+async def _label_open_to_blocks(con: asyncpg.Connection) -> None:
     """Migration 11's data: each label_open row (schema 10) into the fine block its bucket falls
-    in (rollup_blocks.folded), read through a cursor with that block and written so; the table
-    then dropped. A series has one open row and it one block, so no block is read twice."""
-    if await con.fetchval("SELECT to_regclass('label_open')") is None:
-        return
-    found = con.cursor(
-        f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
-        f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
-        "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
-        f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS}",
-        prefetch=MIGRATION_PAGE // 10,
+    in (rollup_blocks.folded), the table then dropped; each series' first wide block into its
+    first fine block (rollup_blocks.shared), the wide rows then deleted. A series has one open row
+    and one first wide block, each one fine block: no block is read twice."""
+    if await con.fetchval("SELECT to_regclass('label_open')") is not None:
+        await _blocks_rewritten(
+            con,
+            f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+            f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+            "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+            f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS}",
+            rollup_blocks.folded,
+        )
+        await con.execute("DROP TABLE label_open")
+    await _blocks_rewritten(
+        con,
+        "SELECT w.key_id, w.axis, w.label_id, w.epoch, w.data, f.data FROM label_blocks w "
+        f"LEFT JOIN label_blocks f ON f.key_id = w.key_id AND f.kind = {rollup_blocks.FINE} "
+        "AND f.axis = w.axis AND f.label_id = w.label_id AND f.epoch = w.epoch AND f.block = 0 "
+        f"WHERE w.kind = {rollup_blocks.WIDE} AND w.block = 0",
+        rollup_blocks.shared,
     )
+    await con.execute(f"DELETE FROM label_blocks WHERE kind = {rollup_blocks.WIDE} AND block = 0")
+
+
+async def _blocks_rewritten(
+    con: asyncpg.Connection, query: str, rewrite: Callable[[list[asyncpg.Record]], Iterable[rows.Params]]
+) -> None:
+    """The label_blocks rows `rewrite` makes of `query`'s rows, read through a cursor (its snapshot
+    is the one it opened with: what is written meanwhile is not read back) a page at a time."""
     page: list[asyncpg.Record] = []
-    async for row in found:
+    async for row in con.cursor(query, prefetch=MIGRATION_PAGE // 10):
         page.append(row)
         if len(page) >= MIGRATION_PAGE // 10:
-            await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+            await _write_label_rollups(con, list(rewrite(page)))
             page = []
-    await _write_label_rollups(con, list(rollup_blocks.folded(page)))
-    await con.execute("DROP TABLE label_open")
+    await _write_label_rollups(con, list(rewrite(page)))
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
@@ -571,12 +588,9 @@ async def _stored_fine_rows(
     its open bucket: rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites
     them); and whether the run_rollups `slot` was free (it is then this transaction's), tried in
     the same round trip."""
-    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
     rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), ROLLUP_SLOT_LOCK, slot)
     held = rollup_blocks.decoded(row[1:] for row in rows_ if row["data"] is not None)
-    for block, places in held.items():
-        found.update(rollup_blocks.stored_rows(block, places))
-    return found, held, bool(rows_[0]["held"])
+    return rollup_blocks.fine_rows(held), held, bool(rows_[0]["held"])
 
 
 # One row per block, beside the slot's lock: LATERAL probes of the primary key, the series' highest
@@ -1216,7 +1230,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         query = (
             "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2) "
             "SELECT l.label, e.epoch, e.generation, b.block, b.data "
-            "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id CROSS JOIN LATERAL ("
+            "FROM k CROSS JOIN labels l JOIN label_epochs e ON e.label_id = l.id CROSS JOIN LATERAL ("
             "SELECT b.block, b.data FROM label_blocks b WHERE b.key_id = k.id "
             f"AND b.kind = {rollup_blocks.FINE} AND b.axis = $3 AND b.label_id = l.id "
             "AND b.epoch = e.epoch ORDER BY b.block DESC LIMIT 1) b "
@@ -1258,30 +1272,32 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         labels: Sequence[str] | None,
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        chosen = " AND ($8::text[] IS NULL OR l.label = ANY($8::text[]))"
-        # The blocks of the range (the fine ones hold the open buckets): one query.
+        chosen = " AND ($7::text[] IS NULL OR l.label = ANY($7::text[]))"
+        # The blocks of the ranges (the fine ones hold the open buckets, the first fine one the
+        # first wide block): one query, a range of the primary key per label epoch and range.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $7 AND key = $2), "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $6 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
             f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
-            "SELECT l.label, l.epoch, l.generation, b.block, b.data "
-            "FROM k, l JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch "
-            "WHERE b.key_id = k.id AND b.kind = $4 AND b.axis = $3 AND b.block BETWEEN $5 AND $6"
+            "SELECT l.label, l.epoch, l.generation, b.kind, b.block, b.data FROM k CROSS JOIN l "
+            "CROSS JOIN unnest($4::int2[], $5::int8[], $8::int8[]) AS r(kind, first, last) "
+            "JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch AND b.key_id = k.id "
+            "AND b.kind = r.kind AND b.axis = $3 AND b.block BETWEEN r.first AND r.last"
         )
-        kind, first, last = rollup_blocks.block_range(width, lo, hi)
+        kinds, firsts, lasts = _columns(rollup_blocks.block_ranges(width, lo, hi), 3)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
             axis,
-            kind,
-            first,
-            last,
+            kinds,
+            firsts,
             rollups.series_run(run_id, table),
             list(labels) if labels is not None else None,
+            lasts,
         ]
         found = await self._call(lambda con: con.fetch(query, *args))
         blocks = [tuple(row) for row in found]
-        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, kind, width, lo, hi)]
+        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, width, lo, hi)]
 
 
 async def _store_settings(con: asyncpg.Connection, found: list[rows.SettingRow]) -> None:
@@ -1320,7 +1336,7 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
-    11: _open_rows_to_blocks,
+    11: _label_open_to_blocks,
 }
 
 

@@ -444,25 +444,45 @@ def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
     con.execute("DROP TABLE label_rollups")
 
 
-def _open_rows_to_blocks(con: sqlite3.Connection) -> None:
+def _label_open_to_blocks(con: sqlite3.Connection) -> None:
     """Migration 11's data: each label_open row (schema 10) into the fine block its bucket falls
-    in (rollup_blocks.folded), read with that block and written so, a page at a time; the table
-    then dropped. A series has one open row and it one block, so no block is read twice."""
-    if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_open'").fetchone():
-        return
-    query = (
-        f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
-        f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
-        "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
-        f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} "
-        "WHERE (o.key_id, o.axis, o.label_id, o.epoch) > (?, ?, ?, ?) "
-        "ORDER BY o.key_id, o.axis, o.label_id, o.epoch LIMIT ?"
+    in (rollup_blocks.folded), the table then dropped; each series' first wide block into its
+    first fine block (rollup_blocks.shared), the wide rows then deleted. A series has one open row
+    and one first wide block, each one fine block: no block is read twice."""
+    if con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_open'").fetchone():
+        _blocks_rewritten(
+            con,
+            f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+            f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+            "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+            f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE true",
+            "o",
+            rollup_blocks.folded,
+        )
+        con.execute("DROP TABLE label_open")
+    _blocks_rewritten(
+        con,
+        "SELECT w.key_id, w.axis, w.label_id, w.epoch, w.data, f.data FROM label_blocks w "
+        f"LEFT JOIN label_blocks f ON f.key_id = w.key_id AND f.kind = {rollup_blocks.FINE} "
+        "AND f.axis = w.axis AND f.label_id = w.label_id AND f.epoch = w.epoch AND f.block = 0 "
+        f"WHERE w.kind = {rollup_blocks.WIDE} AND w.block = 0",
+        "w",
+        rollup_blocks.shared,
     )
+    con.execute(f"DELETE FROM label_blocks WHERE kind = {rollup_blocks.WIDE} AND block = 0")
+
+
+def _blocks_rewritten(
+    con: sqlite3.Connection, query: str, table: str, rewrite: Callable[[list[Any]], Iterable[rows.Params]]
+) -> None:
+    """The label_blocks rows `rewrite` makes of `query`'s rows (its first columns the series: key
+    id, axis, label id, epoch of its `table`, one row each), a page of series at a time."""
+    series = f"{table}.key_id, {table}.axis, {table}.label_id, {table}.epoch"
+    paged = f"{query} AND ({series}) > (?, ?, ?, ?) ORDER BY {series} LIMIT ?"
     after: tuple[int, ...] = (-1, -1, -1, -1)
-    while page := con.execute(query, (*after, MIGRATION_PAGE // 10)).fetchall():
-        _insert(con, "label_blocks", 7, list(rollup_blocks.folded(page)), verb="INSERT OR REPLACE")
+    while page := con.execute(paged, (*after, MIGRATION_PAGE // 10)).fetchall():
+        _insert(con, "label_blocks", 7, list(rewrite(page)), verb="INSERT OR REPLACE")
         after = tuple(page[-1][:4])
-    con.execute("DROP TABLE label_open")
 
 
 def _roll_up(
@@ -542,7 +562,6 @@ def _stored_fine_rows(
     its fine blocks from that bucket's block up, or from its highest block if lower (which holds
     its open bucket: rollups.fine_ranges); and those blocks as read (rollup_blocks.placed
     rewrites them)."""
-    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
     held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
     blocks = (
         "SELECT b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, b.data FROM u JOIN label_blocks b "
@@ -556,9 +575,7 @@ def _stored_fine_rows(
         flat = list(chain.from_iterable(chunk))
         read = con.execute(_given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat)
         held.update(rollup_blocks.decoded(read))
-    for block, places in held.items():
-        found.update(rollup_blocks.stored_rows(block, places))
-    return found, held
+    return rollup_blocks.fine_rows(held), held
 
 
 def _stored_blocks(
@@ -804,7 +821,7 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
-    11: _open_rows_to_blocks,
+    11: _label_open_to_blocks,
 }
 
 
@@ -1302,12 +1319,14 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
             args += list(labels)
         blocks = (
             "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, r.epoch, e.generation, r.block, r.data "
+            "SELECT l.label, r.epoch, e.generation, r.kind, r.block, r.data "
             "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_blocks r "
             f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
             "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.kind = ? "
             "AND r.block BETWEEN ? AND ?"
         )
-        kind, first, last = rollup_blocks.block_range(width, lo, hi)
-        read = self._db().execute(blocks, [*args, axis, kind, first, last]).fetchall()
-        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, kind, width, lo, hi)]
+        # The first fine block holds the first wide block: a range of its own (block_ranges).
+        read = []
+        for kind, first, last in rollup_blocks.block_ranges(width, lo, hi):
+            read += self._db().execute(blocks, [*args, axis, kind, first, last]).fetchall()
+        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, width, lo, hi)]

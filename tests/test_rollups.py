@@ -320,6 +320,19 @@ async def slots_used(url: str) -> int:
         await con.close()
 
 
+async def test_a_series_past_its_first_wide_block_keeps_every_bucket(open_stores: OpenStore) -> None:
+    """A series whose steps cross 131,072 has wider buckets in its first fine block (the first
+    wide block's) and in a wide block: a read of a range over both gets them all."""
+    store = await open_stores()
+    steps = [*range(0, 3000, 7), *range(130_500, 131_900, 5)]
+    events = [start("far", "rank0", 1)] + [
+        metric("far", "rank0", 1, n + 2, {"loss": n / 8}, step, T0 + n) for n, step in enumerate(steps)
+    ]
+    for first in range(0, len(events), 97):
+        await store.write(events[first : first + 97])
+    await assert_rollups_recompute(store, "far")
+
+
 async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, any_store_url: str) -> None:
     """A restarted worker takes the lowest free slot again: a run's rows do not spread over a
     slot per restart (a chart merges every slot's row of a bucket)."""
@@ -1124,16 +1137,16 @@ def test_blocks_decoded_together_are_each_as_decoded_alone(blocks: list[dict[int
 
 
 def test_every_bucket_has_one_place_in_one_block() -> None:
-    """Each width's buckets map to distinct (block, place) pairs, and back."""
+    """Each width's buckets map to distinct (block, place) pairs (the first wide block's in the
+    first fine block), which a read of the bucket fetches, and back."""
     seen = set()
     for width in rollups.WIDTHS:
         for bucket in range(-70, 700):
             block, place = rollup_blocks.place_of((1, width, 0, 2, 3, bucket))
             assert (block, place) not in seen
             seen.add((block, place))
-            kind, first, last = rollup_blocks.block_range(width, bucket, bucket)
-            assert kind == block[1] and first == last == block[5]
-            back = list(rollup_blocks.buckets(kind, block[5], {place: []}))
+            assert (block[1], block[5], block[5]) in rollup_blocks.block_ranges(width, bucket, bucket)
+            back = list(rollup_blocks.buckets(block[1], block[5], {place: []}))
             assert back == [(width, bucket, [])]
 
 
