@@ -1,4 +1,4 @@
-"""Stores written by older runbus (schema 7: a row per value; schema 10: open rollup rows), for the migration tests.
+"""Stores older runbus wrote (schema 7: a row per value; schema 10: open rollup rows), for migration tests.
 
 tests/data/schema7.sqlite.gz and tests/data/schema7.pg.sql.gz (a `pg_dump --inserts` of the
 same) were written by `python tests/old_stores.py OUT_DIR POSTGRES_DSN` run with the code of
