@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -41,8 +41,8 @@ T = TypeVar("T")
 
 # Text columns that are sorted use the "C" collation so that every database orders them by code
 # point, as SQLite does, whatever locale the cluster was created with.
-# The label rollups (storage/rollup_blocks.py) as schemas 6 to 10 made them: an open row per label
-# series, blocks of the rest. Migration 11 folds the open rows into the blocks and drops label_open.
+# The label rollups (storage/rollup_blocks.py): an open row per label series (of a running label,
+# from schema 11), blocks of the rest.
 LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id BIGINT NOT NULL,
@@ -275,9 +275,10 @@ MIGRATIONS: list[str] = [
     + """
     ALTER TABLE chunks RESET (toast_tuple_target)
     """,
-    # Each series' open bucket into its fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11]
-    # moves label_open's rows there and drops the table.
-    "",
+    # The open buckets of ended labels' series in their fine blocks, each series' first wide block
+    # in its first fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11] moves them there.
+    # An index to find a label's open rows by when it ends.
+    "CREATE INDEX IF NOT EXISTS label_open_by_label ON label_open (label_id)",
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -331,38 +332,52 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
 
 
 async def _label_open_to_blocks(con: asyncpg.Connection) -> None:
-    """Migration 11's data: each label_open row (schema 10) into the fine block its bucket falls
-    in (rollup_blocks.folded), the table then dropped; each series' first wide block into its
-    first fine block (rollup_blocks.shared), the wide rows then deleted. A series has one open row
-    and one first wide block, each one fine block: no block is read twice."""
-    if await con.fetchval("SELECT to_regclass('label_open')") is not None:
-        await _blocks_rewritten(
-            con,
-            f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
-            f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
-            "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
-            f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS}",
-            rollup_blocks.folded,
-        )
-        await con.execute("DROP TABLE label_open")
+    """Migration 11's data: the label_open rows of the labels that have ended into their blocks
+    (_fold_open_rows); each series' first wide block into its first fine block
+    (rollup_blocks.shared), the wide rows then deleted. A series has one first wide block, and it
+    one first fine block: no block is read twice."""
+    ended = [row[0] for row in await con.fetch(f"SELECT id FROM labels WHERE state != '{RUNNING}'")]
+    await _fold_open_rows(con, ended)
     await _blocks_rewritten(
         con,
         "SELECT w.key_id, w.axis, w.label_id, w.epoch, w.data, f.data FROM label_blocks w "
         f"LEFT JOIN label_blocks f ON f.key_id = w.key_id AND f.kind = {rollup_blocks.FINE} "
         "AND f.axis = w.axis AND f.label_id = w.label_id AND f.epoch = w.epoch AND f.block = 0 "
         f"WHERE w.kind = {rollup_blocks.WIDE} AND w.block = 0",
+        (),
         rollup_blocks.shared,
     )
     await con.execute(f"DELETE FROM label_blocks WHERE kind = {rollup_blocks.WIDE} AND block = 0")
 
 
+async def _fold_open_rows(con: asyncpg.Connection, labels: Sequence[int]) -> None:
+    """The label_open rows of `labels` (which have ended: their open buckets are final) into the
+    fine blocks their buckets fall in (rollup_blocks.folded), then deleted. A series has one open
+    row, and it one block: no block is read twice."""
+    if labels:
+        await _blocks_rewritten(con, _FOLDED, (list(labels),), rollup_blocks.folded)
+        await con.execute("DELETE FROM label_open WHERE label_id = ANY($1::int8[])", list(labels))
+
+
+# label_open rows of some labels ($1, by label_open_by_label), each with its bucket's fine block.
+_FOLDED = (
+    f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+    f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+    "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+    f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id = ANY($1::int8[])"
+)
+
+
 async def _blocks_rewritten(
-    con: asyncpg.Connection, query: str, rewrite: Callable[[list[asyncpg.Record]], Iterable[rows.Params]]
+    con: asyncpg.Connection,
+    query: str,
+    args: Sequence[Any],
+    rewrite: Callable[[list[asyncpg.Record]], Iterable[rows.Params]],
 ) -> None:
     """The label_blocks rows `rewrite` makes of `query`'s rows, read through a cursor (its snapshot
     is the one it opened with: what is written meanwhile is not read back) a page at a time."""
     page: list[asyncpg.Record] = []
-    async for row in con.cursor(query, prefetch=MIGRATION_PAGE // 10):
+    async for row in con.cursor(query, *args, prefetch=MIGRATION_PAGE // 10):
         page.append(row)
         if len(page) >= MIGRATION_PAGE // 10:
             await _write_label_rollups(con, list(rewrite(page)))
@@ -432,33 +447,47 @@ async def _roll_up(
     starts: Mapping[int, tuple[int, int | None]],
     known: Known,
     learned: Known,
+    ended: Container[int] = (),
 ) -> None:
-    """Fold a batch's fine partials into the rollup tables; the labels are locked by the caller.
-    What `known` holds is not read again; what this batch read or made goes into `learned`, to
-    be remembered once it has committed."""
+    """Fold a batch's fine partials into the rollup tables; the labels are locked by the caller,
+    those of `ended` have ended (their open buckets go into blocks: rollup_blocks.placed). What
+    `known` holds is not read again; what this batch read or made goes into `learned`, to be
+    remembered once it has committed."""
     key_id = await _series_ids(con, fine, run_of, known.series, learned.series)
     generation = await _generations(con, fine, starts, known.generations, learned.generations)
     # The slot is taken before its rows are read, in an earlier statement: a statement's snapshot
     # is taken when it starts, so a read in the statement that takes the lock could miss what
     # the slot's last holder committed just before letting it go.
-    stored, blocks, free = await _stored_fine_rows(con, rollups.fine_ranges(fine, key_id), known.slot)
+    stored, opens, blocks, free = await _stored_fine_rows(con, rollups.fine_ranges(fine, key_id), known.slot)
     learned.slot = known.slot if free else await _take_slot(con, known.slot)
     plan = rollups.plan(fine, key_id, generation, stored)
     blocks.update(await _stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
-    block_rows = rollup_blocks.placed(plan, blocks)
+    placed = rollup_blocks.placed(plan, stored, opens, blocks, ended)
     slot_rows = await _slot_rows(con, list(plan.run_deltas), learned.slot)
     merged = []
     for key, delta in plan.run_deltas.items():
         part, bins, samples = rollups.merged_run_row(slot_rows.get(key), delta)
         merged.append(rollups.run_row(key, learned.slot, _float_columns(part), bins, samples))
-    await _write_label_rollups(con, block_rows, merged)
+    open_rows = [(*row[:5], *_float_columns(list(row[5:]))) for row in placed.opens]
+    await _write_label_rollups(con, placed.blocks, merged, open_rows, placed.closed)
 
 
 async def _write_label_rollups(
-    con: asyncpg.Connection, blocks: list[rows.Params], runs: Sequence[rows.Params] = ()
+    con: asyncpg.Connection,
+    blocks: list[rows.Params],
+    runs: Sequence[rows.Params] = (),
+    opens: Sequence[rows.Params] = (),
+    closed: Sequence[rows.Params] = (),
 ) -> None:
-    """Upsert label_blocks rows and this slot's run_rollups rows: one round trip."""
-    await con.execute(_WRITE_ROLLUPS, *_columns(blocks, 7), *_columns(list(runs), 18))
+    """Upsert label_blocks rows, label_open rows and this slot's run_rollups rows, and delete the
+    `closed` series' label_open rows: one round trip."""
+    await con.execute(
+        _WRITE_ROLLUPS,
+        *_columns(list(closed), 4),
+        *_columns(list(opens), 18),
+        *_columns(blocks, 7),
+        *_columns(list(runs), 18),
+    )
 
 
 def _float_columns(part: rollups.Partial) -> rollups.Partial:
@@ -478,6 +507,10 @@ def _columns(rows_: list[rows.Params], width: int) -> list[list[Any]]:
     return [list(column) for column in zip(*rows_, strict=True)] if rows_ else [[] for _ in range(width)]
 
 
+_OPEN_TYPES = (
+    "int8[], int2[], int8[], int8[], int8[], int8[], int8[], int8[], float8[], float8[], float8[], "
+    "float8[], int8[], int8[], int8[], float8[], float8[], int8[]"
+)
 _BLOCK_TYPES = "int8[], int2[], int2[], int8[], int8[], int8[], bytea[]"
 _RUN_TYPES = (
     "int8[], int4[], int2[], int4[], int8[], int4[], int8[], int8[], int8[], float8[], float8[], float8[], "
@@ -491,13 +524,22 @@ def _unnest(types: str, first: int = 1) -> str:
 
 
 # In no order: a writer's rows are its own (its labels' locks, its slot's), no other transaction
-# waits for them. The blocks and run rows in data-modifying CTEs of one statement.
+# waits for them. The open rows deleted and written, the blocks and run rows in data-modifying
+# CTEs of one statement.
 _WRITE_ROLLUPS = (
-    f"WITH blocked AS (INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_BLOCK_TYPES)} "
+    "WITH gone AS (DELETE FROM label_open o USING unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[]) "
+    "AS u(key_id, axis, label_id, epoch) WHERE o.key_id = u.key_id AND o.axis = u.axis "
+    "AND o.label_id = u.label_id AND o.epoch = u.epoch), "
+    f"opened AS (INSERT INTO label_open ({rollup_blocks.OPEN_COLUMNS}) "
+    f"SELECT * FROM {_unnest(_OPEN_TYPES, first=5)} "
+    "ON CONFLICT (key_id, axis, label_id, epoch) DO UPDATE SET bucket = EXCLUDED.bucket, "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.LABEL_VALUE_COLUMNS.split(", "))
+    + "), blocked AS ("
+    f"INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
+    f"SELECT * FROM {_unnest(_BLOCK_TYPES, first=23)} "
     "ON CONFLICT (key_id, kind, axis, label_id, epoch, block) DO UPDATE SET data = EXCLUDED.data) "
     f"INSERT INTO run_rollups ({rollups.RUN_KEY_COLUMNS}, slot, {rollups.RUN_VALUE_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_RUN_TYPES, first=8)} "
+    f"SELECT * FROM {_unnest(_RUN_TYPES, first=30)} "
     "ON CONFLICT (key_id, width, axis, generation, bucket, slot) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.RUN_VALUE_COLUMNS.split(", "))
 )
@@ -581,32 +623,51 @@ async def _generations(
 async def _stored_fine_rows(
     con: asyncpg.Connection, ranges: list[tuple[int, int, int, int, int]], slot: int
 ) -> tuple[
-    dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places], bool
+    dict[rollups.LabelRowKey, rollups.Partial],
+    dict[rollups.SeriesKey, int],
+    dict[rollup_blocks.BlockKey, rollup_blocks.Places],
+    bool,
 ]:
-    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): the buckets of
-    its fine blocks from that bucket's block up, or from its highest block if lower (which holds
-    its open bucket: rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites
-    them); and whether the run_rollups `slot` was free (it is then this transaction's), tried in
-    the same round trip."""
-    rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), ROLLUP_SLOT_LOCK, slot)
-    held = rollup_blocks.decoded(row[1:] for row in rows_ if row["data"] is not None)
-    return rollup_blocks.fine_rows(held), held, bool(rows_[0]["held"])
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its label_open
+    row and the buckets of its fine blocks from that bucket's block up, or from its open bucket's
+    (its label_open row's, else its highest block's) if lower (rollups.fine_ranges); the open
+    bucket of each series with a label_open row; those blocks as read (rollup_blocks.placed
+    rewrites them); and whether the run_rollups `slot` was free (it is then this transaction's),
+    tried in the same round trip."""
+    rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), rollups.FINE_WIDTH, ROLLUP_SLOT_LOCK, slot)
+    held = rollup_blocks.decoded((*row[2:8], row[21]) for row in rows_ if row["kind"] == 2)
+    found = rollup_blocks.fine_rows(held)
+    opens = {}
+    for row in rows_:
+        if row["kind"] == 1:
+            found[tuple(row[2:8])] = list(row[8:21])
+            opens[row[2], row[4], row[5], row[6]] = row[7]
+    return found, opens, held, bool(rows_[0]["held"])
 
 
-# One row per block, beside the slot's lock: LATERAL probes of the primary key, the series' highest
-# fine block first (OFFSET 0 keeps the planner from a hash join over the whole table). The lock in
-# a CTE (MATERIALIZED: taken once); one row with nulls if no series has blocks.
+# One row per label_open row (kind 1: the key, then its bucket and values) and per block (kind 2:
+# its key, then its data), beside the slot's lock: LATERAL probes of the primary keys (OFFSET 0
+# keeps the planner from a hash join over the whole table), the series' highest fine block first.
+# The lock in a CTE (MATERIALIZED: taken once); one row with nulls if no series has rows.
 _FINE_ROWS = (
-    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6, $7) AS held), "
+    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($7, $8) AS held), "
     "u AS (SELECT * FROM unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[], $5::int8[]) "
     "AS u(key_id, axis, label_id, epoch, lo)), "
-    f"found AS (SELECT b.{rollup_blocks.BLOCK_COLUMNS.replace(', ', ', b.')} FROM u CROSS JOIN LATERAL ("
+    "o AS MATERIALIZED (SELECT x.* FROM u CROSS JOIN LATERAL (SELECT * FROM label_open x "
+    "WHERE x.key_id = u.key_id AND x.axis = u.axis AND x.label_id = u.label_id AND x.epoch = u.epoch "
+    "OFFSET 0) x), "
+    "found AS (SELECT 1 AS kind, o.key_id, $6::int4 AS width, o.axis, o.label_id, o.epoch, o.bucket, "
+    f"o.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', o.')}, NULL::bytea AS data FROM o "
+    "UNION ALL SELECT 2, b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, "
+    + ", ".join(["NULL"] * 13)
+    + ", b.data FROM u LEFT JOIN o USING (key_id, axis, label_id, epoch) CROSS JOIN LATERAL ("
     "SELECT t.block FROM label_blocks t WHERE t.key_id = u.key_id "
     f"AND t.kind = {rollup_blocks.FINE} AND t.axis = u.axis AND t.label_id = u.label_id "
     "AND t.epoch = u.epoch ORDER BY t.block DESC LIMIT 1) t CROSS JOIN LATERAL ("
     f"SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} "
     "AND b.axis = u.axis AND b.label_id = u.label_id AND b.epoch = u.epoch "
-    f"AND b.block >= least(u.lo >> {rollup_blocks.FINE_BITS}, t.block) OFFSET 0) b) "
+    f"AND b.block >= (least(u.lo, coalesce(o.bucket, t.block << {rollup_blocks.FINE_BITS})) "
+    f">> {rollup_blocks.FINE_BITS}) OFFSET 0) b) "
     "SELECT lock.held, found.* FROM lock LEFT JOIN found ON true"
 )
 
@@ -676,10 +737,12 @@ async def _store_values(
     if log_rows:
         await con.copy_records_to_table(_LOGS[0], records=log_rows, columns=_LOGS[1])
     if fine:
-        await _roll_up(con, fine, run_of, starts, known, learned)
+        await _roll_up(con, fine, run_of, starts, known, learned, ended)
     if system_rows:
         system_of = {label_id: rollups.series_run(run, "system") for label_id, run in run_of.items()}
-        await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned)
+        await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned, ended)
+    # The ended labels' series this batch brought no value: their open buckets too.
+    await _fold_open_rows(con, sorted(ended))
     due = set(await _grow_heads(con, chunking.head_events(new), ended))
     metric_head, system_head, direct = chunking.split_due(
         metric_columns, chunking.row_columns(system_rows, steps=False), due
@@ -1211,6 +1274,8 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
                 labels = await con.fetch(
                     "SELECT a.axis, count(*) FROM (VALUES (0::int2), (1::int2)) a(axis) CROSS JOIN labels l "
                     "CROSS JOIN LATERAL (SELECT 1 FROM label_epochs e CROSS JOIN LATERAL ("
+                    "SELECT 1 FROM label_open r WHERE r.key_id = $2 "
+                    "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch UNION ALL "
                     f"SELECT 1 FROM label_blocks r WHERE r.key_id = $2 AND r.kind = {rollup_blocks.FINE} "
                     "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch LIMIT 1) x "
                     "WHERE e.label_id = l.id LIMIT 1) y "
@@ -1226,21 +1291,36 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[base.LabelBucket]:
         chosen = "" if labels is None else " AND l.label = ANY($5::text[])"
-        # Each label epoch's highest fine block, which holds its open bucket: a probe of the key.
+        # Each label epoch's label_open row, else its highest fine block (which then holds its
+        # open bucket): probes of the primary keys.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2) "
-            "SELECT l.label, e.epoch, e.generation, b.block, b.data "
-            "FROM k CROSS JOIN labels l JOIN label_epochs e ON e.label_id = l.id CROSS JOIN LATERAL ("
-            "SELECT b.block, b.data FROM label_blocks b WHERE b.key_id = k.id "
-            f"AND b.kind = {rollup_blocks.FINE} AND b.axis = $3 AND b.label_id = l.id "
-            "AND b.epoch = e.epoch ORDER BY b.block DESC LIMIT 1) b "
-            f"WHERE l.run_id = $1{chosen}"
+            "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2), "
+            "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
+            f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
+            "SELECT l.label, l.epoch, l.generation, r.bucket, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL::bytea AS data "
+            "FROM k CROSS JOIN l JOIN label_open r ON r.key_id = k.id AND r.axis = $3 "
+            "AND r.label_id = l.label_id AND r.epoch = l.epoch "
+            "UNION ALL SELECT l.label, l.epoch, l.generation, b.block, "
+            + ", ".join(["NULL"] * 13)
+            + ", b.data FROM k CROSS JOIN l CROSS JOIN LATERAL (SELECT b.block, b.data FROM label_blocks b "
+            f"WHERE b.key_id = k.id AND b.kind = {rollup_blocks.FINE} AND b.axis = $3 "
+            "AND b.label_id = l.label_id AND b.epoch = l.epoch ORDER BY b.block DESC LIMIT 1) b "
+            "WHERE NOT EXISTS (SELECT 1 FROM label_open r WHERE r.key_id = k.id AND r.axis = $3 "
+            "AND r.label_id = l.label_id AND r.epoch = l.epoch)"
         )
         args: list[Any] = [run_id, rows.storable_text(key), axis, rollups.series_run(run_id, table)]
         if labels is not None:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
-        return [base.LabelBucket(*row) for row in rollup_blocks.opened([tuple(row) for row in found])]
+        blocks = [(row[0], row[1], row[2], row[3], row[17]) for row in found if row[17] is not None]
+        buckets = [base.LabelBucket(*row) for row in rollup_blocks.opened(blocks)]
+        buckets += [
+            base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17]))
+            for row in found
+            if row[17] is None
+        ]
+        return buckets
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
@@ -1273,16 +1353,23 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
         chosen = " AND ($7::text[] IS NULL OR l.label = ANY($7::text[]))"
-        # The blocks of the ranges (the fine ones hold the open buckets, the first fine one the
-        # first wide block): one query, a range of the primary key per label epoch and range.
+        # The blocks of the ranges (the first fine one holds the first wide block), a range of the
+        # primary key per label epoch and range, and at the finest width the label_open rows in it:
+        # one query.
         query = (
             "WITH k AS (SELECT id FROM series WHERE run_id = $6 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
             f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
-            "SELECT l.label, l.epoch, l.generation, b.kind, b.block, b.data FROM k CROSS JOIN l "
+            "SELECT l.label, l.epoch, l.generation, b.kind, b.block, "
+            + ", ".join(["NULL"] * 13)
+            + ", b.data FROM k CROSS JOIN l "
             "CROSS JOIN unnest($4::int2[], $5::int8[], $8::int8[]) AS r(kind, first, last) "
             "JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch AND b.key_id = k.id "
-            "AND b.kind = r.kind AND b.axis = $3 AND b.block BETWEEN r.first AND r.last"
+            "AND b.kind = r.kind AND b.axis = $3 AND b.block BETWEEN r.first AND r.last "
+            "UNION ALL SELECT l.label, l.epoch, l.generation, NULL, r.bucket, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL "
+            "FROM k CROSS JOIN l JOIN label_open r ON r.label_id = l.label_id AND r.epoch = l.epoch "
+            "AND r.key_id = k.id AND r.axis = $3 WHERE $9 AND r.bucket BETWEEN $10::int8 AND $11::int8"
         )
         kinds, firsts, lasts = _columns(rollup_blocks.block_ranges(width, lo, hi), 3)
         args: list[Any] = [
@@ -1294,10 +1381,19 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
             rollups.series_run(run_id, table),
             list(labels) if labels is not None else None,
             lasts,
+            width == rollups.FINE_WIDTH,
+            lo,
+            hi,
         ]
         found = await self._call(lambda con: con.fetch(query, *args))
-        blocks = [tuple(row) for row in found]
-        return [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, width, lo, hi)]
+        blocks = [(*row[:5], row[18]) for row in found if row[18] is not None]
+        buckets = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, width, lo, hi)]
+        buckets += [
+            base.LabelBucket(row[0], row[1], row[2], row[4], list(row[5:18]))
+            for row in found
+            if row[18] is None
+        ]
+        return buckets
 
 
 async def _store_settings(con: asyncpg.Connection, found: list[rows.SettingRow]) -> None:

@@ -1,26 +1,32 @@
-"""Label rollups as the tables keep them: every 128-step bucket of a label series packed with its
-neighbours into compressed blocks, and the wider buckets too. Pure functions both backends share.
+"""Label rollups as the tables keep them: each running label series' open 128-step bucket as a row,
+every other bucket packed with its neighbours into compressed blocks. Pure functions both backends
+share.
 
 A label's rollup rows (storage/rollups.py) are many and small: one per 128 steps per key, and a
 third as many again at the wider widths. As rows they weighed nearly as much as the values
 themselves (PostgreSQL: ~240 bytes a row with its index entry, 3.8 bytes a point on issue #22's
-bench). So they are kept as `label_blocks` rows:
+bench). So they are kept as:
 
-- a *fine* block holds 16 consecutive 128-step buckets, the series' open one (its highest, which
-  grows with every batch of a live run) included;
-- a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step bucket: 256 +
-  64 + 16 + 4 + 1 places. A wider bucket changes only as 128-step buckets close under it. A
-  series' first wide block (steps 0 to 131071) is kept in its first fine block (steps 0 to
-  2047), after the fine block's own places: one row fewer for every series, whatever its length.
+- `label_open`: one row per series (key, axis, label, epoch) of a running label, its highest
+  128-step bucket. That bucket grows with every batch of a live run, so it stays a plain row,
+  cheap to rewrite (a block would be encoded again each batch);
+- `label_blocks`: every other bucket, in blocks. A *fine* block holds 16 consecutive 128-step
+  buckets; a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step
+  bucket: 256 + 64 + 16 + 4 + 1 places. A 128-step bucket goes into its block once it is closed (a
+  higher one got a value) and changes after that only for a late value; the wider buckets change
+  only as 128-step buckets close under them. So a block is rewritten about once per batch of its
+  series (a live run: once per 128 steps).
 
-A batch rewrites the fine blocks its values fall in (a live run: the open bucket's, each batch)
-and the wide blocks of the buckets it closes (once per 128 steps). Up to schema 10 the open bucket
-was a row of its own (`label_open`), rewritten in place; that row, its index entry and the room
-its table kept for updates weighed more than the bucket does in its block (PostgreSQL, issue
-#22's run of constants and counters: 0.19 of its 1.68 bytes a point), and a block is rewritten
-about once per batch of a series anyway while its buckets close. So a series of up to 2,048 steps
-is one row, and one of a few thousand two; a read of a wider width fetches the first fine block
-with the wide ones where its range starts at step 0 (block_ranges).
+Once a label has ended its series' open buckets are final: the batch that ends it puts them into
+their fine blocks and deletes their label_open rows (migration 11 did so for the labels ended
+before it). Their row, its index entry and the room label_open keeps for updates weighed more
+than the bucket does in its block (PostgreSQL, issue #22's run of constants and counters: 0.19 of
+its 1.68 bytes a point). A series without a label_open row whose label runs again (a late value,
+a label that came back) keeps its open bucket in its block. And a series' first wide block (steps
+0 to 131071) is kept in its first fine block (steps 0 to 2047), after the fine block's own
+places: one row fewer for every series, whatever its length; a read of a wider width fetches the
+first fine block too where its range starts at step 0 (block_ranges). A series of an ended label
+with up to 2,048 steps is one row, one of a few thousand two.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
 floats by their bits): each column as its first bucket's word, then differences from the bucket
@@ -35,14 +41,24 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import groupby
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from runbus.storage import rollups
-from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, HI, LAST, LO, SHIFTS, LabelRowKey, Partial
+from runbus.storage.rollups import (
+    FINE_SHIFT,
+    FINE_WIDTH,
+    HI,
+    LAST,
+    LO,
+    SHIFTS,
+    LabelRowKey,
+    Partial,
+    SeriesKey,
+)
 
 FORMAT = 1
 FINE, WIDE = 0, 1
@@ -70,7 +86,6 @@ _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no v
 
 # The order converted() reads label_rollups rows in: a label series' rows together.
 CONVERTED_ORDER = "key_id, axis, label_id, epoch, width, bucket"
-# label_open's columns (schema 10), which migration 11 folds into the blocks.
 OPEN_COLUMNS = f"key_id, axis, label_id, epoch, bucket, {rollups.LABEL_VALUE_COLUMNS}"
 BLOCK_COLUMNS = "key_id, kind, axis, label_id, epoch, block, data"
 
@@ -305,12 +320,13 @@ def buckets_in(
 def fine_rows(held: Mapping[BlockKey, Places]) -> dict[LabelRowKey, Partial]:
     """The 128-step label_rollups rows (key, partial) of fine blocks (the first one's wide places
     left out): what rollups.plan() is given as stored."""
-    return {
-        key: part
-        for block, places in held.items()
-        for key, part in stored_rows(block, places)
-        if key[1] == FINE_WIDTH
-    }
+    found: dict[LabelRowKey, Partial] = {}
+    for (kid, kind, axis, label_id, epoch, block), places in held.items():
+        if kind == FINE:
+            for place, part in places.items():
+                if place < FINE_PLACES:
+                    found[kid, FINE_WIDTH, axis, label_id, epoch, (block << FINE_BITS) + place] = part
+    return found
 
 
 def places_of(width: int) -> tuple[int, int]:
@@ -322,19 +338,57 @@ def places_of(width: int) -> tuple[int, int]:
     return start, start + (1 << (_WIDE_SHIFT - shift))
 
 
-def placed(plan: rollups.Plan, held: Mapping[BlockKey, Places]) -> list[tuple[Any, ...]]:
-    """The label_blocks rows (BLOCK_COLUMNS) of the blocks a batch changed, each whole: `held`'s
-    stored buckets with the batch's merged in. `held` must hold every stored block of the fine
-    rows plan() names (each series' fine blocks from its lowest bucket in the batch up, or from
-    its highest stored block if lower: plan() needs the open bucket) and of its wide deltas."""
+class Placed(NamedTuple):
+    """Where a batch's rollup rows go (placed)."""
+
+    opens: list[tuple[Any, ...]]  # label_open rows (OPEN_COLUMNS) to write
+    blocks: list[tuple[Any, ...]]  # label_blocks rows (BLOCK_COLUMNS) to write
+    closed: list[SeriesKey]  # the series whose label_open row is to go: its bucket is in a block
+
+
+def placed(
+    plan: rollups.Plan,
+    stored: Mapping[LabelRowKey, Partial],
+    opens: Mapping[SeriesKey, int],
+    held: Mapping[BlockKey, Places],
+    ended: Container[int],
+) -> Placed:
+    """Where a batch's rollup rows go: the label_open rows of the series whose open bucket
+    changed and stays a row (its label runs, and it has such a row or no rows at all), the
+    label_blocks rows of the blocks that changed, each whole (`held`'s stored buckets with the
+    batch's merged in), and the series whose label_open row goes (its label has `ended`: the
+    bucket goes into its block). `stored` is what plan() was given, `opens` the stored open
+    bucket of each series that has a label_open row; `held` must hold every stored block of the
+    fine rows plan() names (from each series' lowest bucket in the batch, or its open one if
+    lower: its label_open row's, else its highest block's) and of its wide deltas."""
+    have_rows = {(kid, axis, label_id, epoch) for kid, _, axis, label_id, epoch, _ in stored}
+    rowed = {
+        series
+        for series in plan.tops
+        if series[2] not in ended and (series in opens or series not in have_rows)
+    }
+    open_rows: list[tuple[Any, ...]] = []
     into: dict[BlockKey, Places] = {}
     for key, part in plan.fine_rows.items():
-        _put(into, held, key, part)
+        kid, _, axis, label_id, epoch, bucket = key
+        series = (kid, axis, label_id, epoch)
+        if series in rowed and plan.tops[series] == bucket:
+            open_rows.append((*series, bucket, *part))
+        else:
+            _put(into, held, key, part)
+    # A stored open row the batch closed (or whose label ended) without a value of its own.
+    for series, bucket in opens.items():
+        top = plan.tops.get(series)
+        key = (series[0], FINE_WIDTH, *series[1:], bucket)
+        if top is not None and (bucket < top or series not in rowed) and key not in plan.fine_rows:
+            _put(into, held, key, stored[key])
     for key, delta in plan.wide_deltas.items():
         block, place = place_of(key)
         known = held.get(block, {}).get(place)
         _put(into, held, key, delta if known is None else rollups.merge(known.copy(), delta))
-    return [(*block, encode(places)) for block, places in into.items()]
+    blocks = [(*block, encode(places)) for block, places in into.items()]
+    closed = [series for series in opens if series in plan.tops and series not in rowed]
+    return Placed(open_rows, blocks, closed)
 
 
 def _put(
@@ -360,9 +414,9 @@ def open_part(row: Iterable[Any]) -> Partial:
 def opened(
     blocks: Sequence[tuple[Any, Any, Any, int, bytes]],
 ) -> Iterator[tuple[Any, Any, Any, int, Partial]]:
-    """The open bucket of each series, from its highest fine block read as (label, epoch,
-    generation, block, data): (label, epoch, generation, bucket, partial) of the block's last
-    place."""
+    """The open bucket of each series without a label_open row, from its highest fine block read
+    as (label, epoch, generation, block, data): (label, epoch, generation, bucket, partial) of
+    the block's last place."""
     for (label, epoch, generation, block, _), places in zip(
         blocks, decode_many([row[4] for row in blocks], places_of(FINE_WIDTH)), strict=True
     ):
@@ -373,7 +427,8 @@ def opened(
 
 def folded(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
     """label_open rows (OPEN_COLUMNS, then the data of the fine block their bucket falls in, or
-    None where it has none) as label_blocks rows, each open bucket in its block: migration 11."""
+    None where it has none) as label_blocks rows, each open bucket in its block: migration 11, for
+    the labels that had ended."""
     for row in rows:
         kid, axis, label_id, epoch, bucket = row[:5]
         block, place = place_of((kid, FINE_WIDTH, axis, label_id, epoch, bucket))

@@ -333,6 +333,30 @@ async def test_a_series_past_its_first_wide_block_keeps_every_bucket(open_stores
     await assert_rollups_recompute(store, "far")
 
 
+async def test_an_ended_label_keeps_its_open_buckets_in_blocks(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A running label's open buckets are label_open rows; the batch that ends it moves them into
+    their blocks (the keys it brings values of, and the others); a late value after that goes
+    into the blocks too."""
+    store = await open_stores()
+    events = [start("end", "rank0", 1)]
+    for s in range(300):
+        events.append(
+            metric("end", "rank0", 1, s + 2, {"loss": s / 4, **({"lr": s / 8} if s < 200 else {})}, s, T0 + s)
+        )
+    for first in range(0, 290, 10):
+        await store.write(events[first : first + 10])
+    assert await open_rows_by_run(any_store_url) == {"end": 2}
+    finish = Event("end", "rank0", "finish", 1, 302, T0 + 301, {"exit_code": 0}, None)
+    await store.write([*events[290:], finish])
+    assert await open_rows_by_run(any_store_url) == {}
+    await assert_rollups_recompute(store, "end")
+    await store.write([metric("end", "rank0", 1, 303, {"loss": 1.25, "lr": 0.5}, 400, T0 + 302)])
+    assert await open_rows_by_run(any_store_url) == {}
+    await assert_rollups_recompute(store, "end")
+
+
 async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, any_store_url: str) -> None:
     """A restarted worker takes the lowest free slot again: a run's rows do not spread over a
     slot per restart (a chart merges every slot's row of a bucket)."""
@@ -357,6 +381,7 @@ async def make_old(url: str) -> None:
     tables = (
         "series",
         "label_epochs",
+        "label_open",
         "label_blocks",
         "run_rollups",
         "chunks",
@@ -1009,21 +1034,21 @@ async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
     )
     await assert_rollups_recompute(store, "live", exact=False)
     tables = await table_names(url)
-    assert "label_rollups" not in tables and "label_open" not in tables and "label_blocks" in tables
+    assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
 
 
-async def test_a_store_of_open_rows_keeps_every_bucket_in_its_blocks(
+async def test_a_store_of_schema_10_keeps_every_bucket_bit_for_bit(
     open_stores: OpenStore, any_store_url: str
 ) -> None:
-    """A store whose open buckets are rows of label_open (tests/data, written by the code of
-    schema 10; migration 11 folds them into their blocks) holds every bucket it held, bit for
-    bit, and goes on from its open buckets."""
+    """A store of schema 10 (tests/data: an open row per series, the first wide blocks apart;
+    migration 11 moves the ended labels' open rows and the first wide blocks into fine blocks)
+    holds every bucket it held, bit for bit; its live label keeps its open rows and goes on."""
     url = await restore_old_store(any_store_url, schema=10)
-    before = await stored_label_buckets(url, with_open=True)
+    before = await stored_label_buckets(url)
     assert before and any(width == rollups.FINE_WIDTH for _, width, *_ in before)
     store = await open_stores(url)
-    assert await stored_label_buckets(url, with_open=False) == before
-    assert "label_open" not in await table_names(url)
+    assert await stored_label_buckets(url) == before
+    assert set(await open_rows_by_run(url)) == {"live"}
     for run in ("done", "live"):
         await assert_rollups_recompute(store, run, exact=False)
     last = max(e.seq for e in old_stores.events() if e.run == "live")
@@ -1033,22 +1058,39 @@ async def test_a_store_of_open_rows_keeps_every_bucket_in_its_blocks(
         [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
     )
     await assert_rollups_recompute(store, "live", exact=False)
+    # A finish alone: the label's open buckets go into their blocks all the same.
+    await store.write([Event("live", "rank0", "finish", 1, last + 300, ts + 300, {"exit_code": 0}, None)])
+    assert await open_rows_by_run(url) == {}
+    await assert_rollups_recompute(store, "live", exact=False)
 
 
-async def stored_label_buckets(url: str, with_open: bool) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+async def open_rows_by_run(url: str) -> dict[str, int]:
+    """How many label_open rows each run's labels have."""
+    query = "SELECT l.run_id, count(*) FROM label_open o JOIN labels l ON l.id = o.label_id GROUP BY l.run_id"
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            return dict(con.execute(query).fetchall())
+    con = await asyncpg.connect(url)
+    try:
+        return {row[0]: row[1] for row in await con.fetch(query)}
+    finally:
+        await con.close()
+
+
+async def stored_label_buckets(url: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """Every label bucket a store holds, read from its tables: (key id, width, axis, label id,
-    epoch, bucket) -> its fields, floats as their bits; label_open's rows too `with_open`."""
+    epoch, bucket) -> its fields, floats as their bits."""
     blocks = f"SELECT {rollup_blocks.BLOCK_COLUMNS} FROM label_blocks"
     opens = f"SELECT {rollup_blocks.OPEN_COLUMNS} FROM label_open"
     if url.startswith("sqlite"):
         with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
             block_rows = con.execute(blocks).fetchall()
-            open_rows = con.execute(opens).fetchall() if with_open else []
+            open_rows = con.execute(opens).fetchall()
     else:
         con = await asyncpg.connect(url)
         try:
             block_rows = await con.fetch(blocks)
-            open_rows = await con.fetch(opens) if with_open else []
+            open_rows = await con.fetch(opens)
         finally:
             await con.close()
     found = {}

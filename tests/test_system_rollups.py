@@ -136,6 +136,7 @@ async def make_before_system_rollups(url: str) -> None:
     """The store as runbus left it before system rollups: none of them, its version one lower."""
     system_series = "SELECT id FROM series WHERE run_id LIKE '%:system'"
     statements = [
+        f"DELETE FROM label_open WHERE key_id IN ({system_series})",
         f"DELETE FROM label_blocks WHERE key_id IN ({system_series})",
         f"DELETE FROM run_rollups WHERE key_id IN ({system_series})",
         "DELETE FROM series WHERE run_id LIKE '%:system'",
