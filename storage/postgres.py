@@ -275,9 +275,8 @@ MIGRATIONS: list[str] = [
     + """
     ALTER TABLE chunks RESET (toast_tuple_target)
     """,
-    # The open buckets of ended labels' series in their fine blocks, each series' first wide block
-    # in its first fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11] moves them there.
-    # An index to find a label's open rows by when it ends.
+    # The open buckets of ended labels' series in their fine blocks (storage/rollup_blocks.py):
+    # DATA_MIGRATIONS[11] moves them there. An index to find a label's open rows by when it ends.
     "CREATE INDEX IF NOT EXISTS label_open_by_label ON label_open (label_id)",
 ]
 
@@ -332,31 +331,26 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
 
 
 async def _label_open_to_blocks(con: asyncpg.Connection) -> None:
-    """Migration 11's data: the label_open rows of the labels that have ended into their blocks
-    (_fold_open_rows); each series' first wide block into its first fine block
-    (rollup_blocks.shared), the wide rows then deleted. A series has one first wide block, and it
-    one first fine block: no block is read twice."""
+    """Migration 11's data: the label_open rows of the labels that have ended into their blocks."""
     ended = [row[0] for row in await con.fetch(f"SELECT id FROM labels WHERE state != '{RUNNING}'")]
     await _fold_open_rows(con, ended)
-    await _blocks_rewritten(
-        con,
-        "SELECT w.key_id, w.axis, w.label_id, w.epoch, w.data, f.data FROM label_blocks w "
-        f"LEFT JOIN label_blocks f ON f.key_id = w.key_id AND f.kind = {rollup_blocks.FINE} "
-        "AND f.axis = w.axis AND f.label_id = w.label_id AND f.epoch = w.epoch AND f.block = 0 "
-        f"WHERE w.kind = {rollup_blocks.WIDE} AND w.block = 0",
-        (),
-        rollup_blocks.shared,
-    )
-    await con.execute(f"DELETE FROM label_blocks WHERE kind = {rollup_blocks.WIDE} AND block = 0")
 
 
 async def _fold_open_rows(con: asyncpg.Connection, labels: Sequence[int]) -> None:
     """The label_open rows of `labels` (which have ended: their open buckets are final) into the
-    fine blocks their buckets fall in (rollup_blocks.folded), then deleted. A series has one open
-    row, and it one block: no block is read twice."""
-    if labels:
-        await _blocks_rewritten(con, _FOLDED, (list(labels),), rollup_blocks.folded)
-        await con.execute("DELETE FROM label_open WHERE label_id = ANY($1::int8[])", list(labels))
+    fine blocks their buckets fall in (rollup_blocks.folded), read through a cursor a page at a
+    time, then deleted. A series has one open row, and it one block: no block is read twice (nor
+    is what is written meanwhile: the cursor reads the snapshot it opened with)."""
+    if not labels:
+        return
+    page: list[asyncpg.Record] = []
+    async for row in con.cursor(_FOLDED, list(labels), prefetch=MIGRATION_PAGE // 10):
+        page.append(row)
+        if len(page) >= MIGRATION_PAGE // 10:
+            await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+            page = []
+    await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+    await con.execute("DELETE FROM label_open WHERE label_id = ANY($1::int8[])", list(labels))
 
 
 # label_open rows of some labels ($1, by label_open_by_label), each with its bucket's fine block.
@@ -366,23 +360,6 @@ _FOLDED = (
     "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
     f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id = ANY($1::int8[])"
 )
-
-
-async def _blocks_rewritten(
-    con: asyncpg.Connection,
-    query: str,
-    args: Sequence[Any],
-    rewrite: Callable[[list[asyncpg.Record]], Iterable[rows.Params]],
-) -> None:
-    """The label_blocks rows `rewrite` makes of `query`'s rows, read through a cursor (its snapshot
-    is the one it opened with: what is written meanwhile is not read back) a page at a time."""
-    page: list[asyncpg.Record] = []
-    async for row in con.cursor(query, *args, prefetch=MIGRATION_PAGE // 10):
-        page.append(row)
-        if len(page) >= MIGRATION_PAGE // 10:
-            await _write_label_rollups(con, list(rewrite(page)))
-            page = []
-    await _write_label_rollups(con, list(rewrite(page)))
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
@@ -1352,46 +1329,43 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         labels: Sequence[str] | None,
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
-        chosen = " AND ($7::text[] IS NULL OR l.label = ANY($7::text[]))"
-        # The blocks of the ranges (the first fine one holds the first wide block), a range of the
-        # primary key per label epoch and range, and at the finest width the label_open rows in it:
-        # one query.
+        chosen = " AND ($10::text[] IS NULL OR l.label = ANY($10::text[]))"
+        # The blocks of the range, and at the finest width the label_open rows in it: one query.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $6 AND key = $2), "
+            "WITH k AS (SELECT id FROM series WHERE run_id = $9 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
             f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
-            "SELECT l.label, l.epoch, l.generation, b.kind, b.block, "
+            "SELECT l.label, l.epoch, l.generation, b.block AS bucket, "
             + ", ".join(["NULL"] * 13)
-            + ", b.data FROM k CROSS JOIN l "
-            "CROSS JOIN unnest($4::int2[], $5::int8[], $8::int8[]) AS r(kind, first, last) "
-            "JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch AND b.key_id = k.id "
-            "AND b.kind = r.kind AND b.axis = $3 AND b.block BETWEEN r.first AND r.last "
-            "UNION ALL SELECT l.label, l.epoch, l.generation, NULL, r.bucket, "
+            + ", b.data FROM k, l JOIN label_blocks b ON b.label_id = l.label_id AND b.epoch = l.epoch "
+            "WHERE b.key_id = k.id AND b.kind = $6 AND b.axis = $4 AND b.block BETWEEN $7 AND $8 "
+            "UNION ALL SELECT l.label, l.epoch, l.generation, r.bucket, "
             f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL "
-            "FROM k CROSS JOIN l JOIN label_open r ON r.label_id = l.label_id AND r.epoch = l.epoch "
-            "AND r.key_id = k.id AND r.axis = $3 WHERE $9 AND r.bucket BETWEEN $10::int8 AND $11::int8"
+            "FROM k, l JOIN label_open r ON r.label_id = l.label_id AND r.epoch = l.epoch "
+            f"WHERE r.key_id = k.id AND $3 = {rollups.FINE_WIDTH} AND r.axis = $4 "
+            "AND r.bucket BETWEEN $5::int8 AND $11::int8"
         )
-        kinds, firsts, lasts = _columns(rollup_blocks.block_ranges(width, lo, hi), 3)
+        kind, first, last = rollup_blocks.block_range(width, lo, hi)
         args: list[Any] = [
             run_id,
             rows.storable_text(key),
+            width,
             axis,
-            kinds,
-            firsts,
+            lo,
+            kind,
+            first,
+            last,
             rollups.series_run(run_id, table),
             list(labels) if labels is not None else None,
-            lasts,
-            width == rollups.FINE_WIDTH,
-            lo,
             hi,
         ]
         found = await self._call(lambda con: con.fetch(query, *args))
-        blocks = [(*row[:5], row[18]) for row in found if row[18] is not None]
-        buckets = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, width, lo, hi)]
+        blocks = [(row[0], row[1], row[2], row[3], row[17]) for row in found if row[17] is not None]
+        buckets = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(blocks, kind, width, lo, hi)]
         buckets += [
-            base.LabelBucket(row[0], row[1], row[2], row[4], list(row[5:18]))
+            base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17]))
             for row in found
-            if row[18] is None
+            if row[17] is None
         ]
         return buckets
 

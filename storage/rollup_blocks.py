@@ -22,11 +22,8 @@ their fine blocks and deletes their label_open rows (migration 11 did so for the
 before it). Their row, its index entry and the room label_open keeps for updates weighed more
 than the bucket does in its block (PostgreSQL, issue #22's run of constants and counters: 0.19 of
 its 1.68 bytes a point). A series without a label_open row whose label runs again (a late value,
-a label that came back) keeps its open bucket in its block. And a series' first wide block (steps
-0 to 131071) is kept in its first fine block (steps 0 to 2047), after the fine block's own
-places: one row fewer for every series, whatever its length; a read of a wider width fetches the
-first fine block too where its range starts at step 0 (block_ranges). A series of an ended label
-with up to 2,048 steps is one row, one of a few thousand two.
+a label that came back) keeps its open bucket in its block. A series of an ended label with a few
+thousand steps is two rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
 floats by their bits): each column as its first bucket's word, then differences from the bucket
@@ -98,31 +95,25 @@ def place_of(key: LabelRowKey) -> tuple[BlockKey, int]:
         return (kid, FINE, axis, label_id, epoch, bucket >> FINE_BITS), bucket & (FINE_PLACES - 1)
     within = _WIDE_SHIFT - shift
     place = _WIDE_START[shift] + (bucket & ((1 << within) - 1))
-    block = bucket >> within
-    if block == 0:  # the first wide block: in the first fine block, after its places
-        return (kid, FINE, axis, label_id, epoch, 0), FINE_PLACES + place
-    return (kid, WIDE, axis, label_id, epoch, block), place
+    return (kid, WIDE, axis, label_id, epoch, bucket >> within), place
 
 
-def block_ranges(width: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """The kind and the first and last block of each range of blocks that hold `width`'s buckets
-    lo..hi: at a wider width, the first fine block too where the range holds the first wide one."""
+def block_range(width: int, lo: int, hi: int) -> tuple[int, int, int]:
+    """The kind and the first and last block that hold `width`'s buckets lo..hi."""
     shift = width.bit_length() - 1
     if shift == FINE_SHIFT:
-        return [(FINE, lo >> FINE_BITS, hi >> FINE_BITS)]
+        return FINE, lo >> FINE_BITS, hi >> FINE_BITS
     within = _WIDE_SHIFT - shift
-    first, last = lo >> within, hi >> within
-    return [(WIDE, first, last)] + ([(FINE, 0, 0)] if first <= 0 <= last else [])
+    return WIDE, lo >> within, hi >> within
 
 
 def buckets(kind: int, block: int, places: Mapping[int, Partial]) -> Iterator[tuple[int, int, Partial]]:
     """(width, bucket, partial) of a block's places."""
-    for place, part in places.items():
-        if kind == FINE and place < FINE_PLACES:
+    if kind == FINE:
+        for place, part in places.items():
             yield FINE_WIDTH, (block << FINE_BITS) + place, part
-            continue
-        if kind == FINE:  # the first wide block's, kept in the first fine block
-            place -= FINE_PLACES
+        return
+    for place, part in places.items():
         start, shift = _WIDE_ORDER[_wide_width(place)]
         yield 1 << shift, (block << (_WIDE_SHIFT - shift)) + place - start, part
 
@@ -300,32 +291,24 @@ def decoded(rows: Iterable[Sequence[Any]]) -> dict[BlockKey, Places]:
 
 
 def buckets_in(
-    blocks: Sequence[tuple[Any, Any, Any, int, int, bytes]], width: int, lo: int, hi: int
+    blocks: Sequence[tuple[Any, Any, Any, int, bytes]], kind: int, width: int, lo: int, hi: int
 ) -> Iterator[tuple[Any, Any, Any, int, Partial]]:
-    """The `width` buckets lo..hi of blocks read as (label, epoch, generation, kind, block, data),
-    as (label, epoch, generation, bucket, partial): the blocks of each kind decoded together
-    (decode_many), only their places of `width`."""
-    first, end = places_of(width)
-    for kind in (FINE, WIDE):
-        rows = [row for row in blocks if row[3] == kind]
-        # A wider width's buckets in the first fine block lie after the fine block's own places.
-        shift = FINE_PLACES if kind == FINE and width != FINE_WIDTH else 0
-        decoded = decode_many([row[5] for row in rows], (first + shift, end + shift))
-        for (label, epoch, generation, _, block, _), places in zip(rows, decoded, strict=True):
-            for at, bucket, part in buckets(kind, block, places):
-                if at == width and lo <= bucket <= hi:
-                    yield label, epoch, generation, bucket, part
+    """The `width` buckets lo..hi of blocks read as (label, epoch, generation, block, data), as
+    (label, epoch, generation, bucket, partial): the blocks decoded together (decode_many)."""
+    decoded = decode_many([row[4] for row in blocks], places_of(width))
+    for (label, epoch, generation, block, _), places in zip(blocks, decoded, strict=True):
+        for at, bucket, part in buckets(kind, block, places):
+            if at == width and lo <= bucket <= hi:
+                yield label, epoch, generation, bucket, part
 
 
 def fine_rows(held: Mapping[BlockKey, Places]) -> dict[LabelRowKey, Partial]:
-    """The 128-step label_rollups rows (key, partial) of fine blocks (the first one's wide places
-    left out): what rollups.plan() is given as stored."""
+    """The 128-step label_rollups rows (key, partial) of the fine blocks of `held`: what
+    rollups.plan() is given as stored."""
     found: dict[LabelRowKey, Partial] = {}
-    for (kid, kind, axis, label_id, epoch, block), places in held.items():
-        if kind == FINE:
-            for place, part in places.items():
-                if place < FINE_PLACES:
-                    found[kid, FINE_WIDTH, axis, label_id, epoch, (block << FINE_BITS) + place] = part
+    for block, places in held.items():
+        if block[1] == FINE:
+            found.update(stored_rows(block, places))
     return found
 
 
@@ -443,18 +426,6 @@ def stored_rows(block: BlockKey, places: Mapping[int, Partial]) -> Iterator[tupl
     kid, kind, axis, label_id, epoch, number = block
     for width, bucket, part in buckets(kind, number, places):
         yield (kid, width, axis, label_id, epoch, bucket), part
-
-
-def shared(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
-    """Rows of a series' first wide block (key id, axis, label id, epoch, its data, then the data
-    of the series' first fine block, or None where it has none) as that fine block's label_blocks
-    rows, the wide places after its own (place_of): migration 11."""
-    for kid, axis, label_id, epoch, wide, fine in rows:
-        found = decode_many([wide] if fine is None else [wide, fine])
-        places = {FINE_PLACES + place: part for place, part in found[0].items()}
-        if fine is not None:
-            places.update(found[1])
-        yield (kid, FINE, axis, label_id, epoch, 0, encode(places))
 
 
 def converted_series(row: Sequence[Any]) -> tuple[Any, ...]:

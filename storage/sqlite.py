@@ -275,9 +275,8 @@ MIGRATIONS: list[str] = [
     # Label rollups as open rows and blocks (storage/rollup_blocks.py): the tables as migration 6
     # now makes them; DATA_MIGRATIONS[10] converts a schema-9 store's label_rollups rows.
     LABEL_ROLLUPS,
-    # The open buckets of ended labels' series in their fine blocks, each series' first wide block
-    # in its first fine block (storage/rollup_blocks.py): DATA_MIGRATIONS[11] moves them there.
-    # An index to find a label's open rows by when it ends.
+    # The open buckets of ended labels' series in their fine blocks (storage/rollup_blocks.py):
+    # DATA_MIGRATIONS[11] moves them there. An index to find a label's open rows by when it ends.
     "CREATE INDEX IF NOT EXISTS label_open_by_label ON label_open (label_id)",
 ]
 
@@ -446,21 +445,8 @@ def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
 
 
 def _label_open_to_blocks(con: sqlite3.Connection) -> None:
-    """Migration 11's data: the label_open rows of the labels that have ended into their blocks
-    (_fold_open_rows); each series' first wide block into its first fine block
-    (rollup_blocks.shared), the wide rows then deleted. A series has one first wide block, and it
-    one first fine block: no block is read twice."""
+    """Migration 11's data: the label_open rows of the labels that have ended into their blocks."""
     _fold_open_rows(con, [row[0] for row in con.execute(f"SELECT id FROM labels WHERE state != '{RUNNING}'")])
-    _blocks_rewritten(
-        con,
-        "SELECT w.key_id, w.axis, w.label_id, w.epoch, w.data, f.data FROM label_blocks w "
-        f"LEFT JOIN label_blocks f ON f.key_id = w.key_id AND f.kind = {rollup_blocks.FINE} "
-        "AND f.axis = w.axis AND f.label_id = w.label_id AND f.epoch = w.epoch AND f.block = 0 "
-        f"WHERE w.kind = {rollup_blocks.WIDE} AND w.block = 0",
-        "w",
-        rollup_blocks.shared,
-    )
-    con.execute(f"DELETE FROM label_blocks WHERE kind = {rollup_blocks.WIDE} AND block = 0")
 
 
 def _fold_open_rows(con: sqlite3.Connection, labels: Sequence[int]) -> None:
@@ -479,19 +465,6 @@ def _fold_open_rows(con: sqlite3.Connection, labels: Sequence[int]) -> None:
         if found:
             _insert(con, "label_blocks", 7, list(rollup_blocks.folded(found)), verb="INSERT OR REPLACE")
             con.execute(f"DELETE FROM label_open WHERE label_id IN ({chosen})", chunk)
-
-
-def _blocks_rewritten(
-    con: sqlite3.Connection, query: str, table: str, rewrite: Callable[[list[Any]], Iterable[rows.Params]]
-) -> None:
-    """The label_blocks rows `rewrite` makes of `query`'s rows (its first columns the series: key
-    id, axis, label id, epoch of its `table`, one row each), a page of series at a time."""
-    series = f"{table}.key_id, {table}.axis, {table}.label_id, {table}.epoch"
-    paged = f"{query} AND ({series}) > (?, ?, ?, ?) ORDER BY {series} LIMIT ?"
-    after: tuple[int, ...] = (-1, -1, -1, -1)
-    while page := con.execute(paged, (*after, MIGRATION_PAGE // 10)).fetchall():
-        _insert(con, "label_blocks", 7, list(rewrite(page)), verb="INSERT OR REPLACE")
-        after = tuple(page[-1][:4])
 
 
 def _roll_up(
@@ -1383,27 +1356,25 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
             args += list(labels)
-        blocks = (
+        shape = (
             "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, r.epoch, e.generation, r.kind, r.block, r.data "
-            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_blocks r "
+            "SELECT l.label, r.epoch, e.generation, {columns} "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN {table} r "
             f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
-            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.kind = ? "
-            "AND r.block BETWEEN ? AND ?"
+            "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND {where}"
         )
         con = self._db()
-        # The first fine block holds the first wide block: a range of its own (block_ranges).
-        read = []
-        for kind, first, last in rollup_blocks.block_ranges(width, lo, hi):
-            read += con.execute(blocks, [*args, axis, kind, first, last]).fetchall()
-        found = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, width, lo, hi)]
+        blocks = shape.format(
+            columns="r.block, r.data", table="label_blocks", where="r.kind = ? AND r.block BETWEEN ? AND ?"
+        )
+        kind, first, last = rollup_blocks.block_range(width, lo, hi)
+        read = con.execute(blocks, [*args, axis, kind, first, last]).fetchall()
+        found = [base.LabelBucket(*row) for row in rollup_blocks.buckets_in(read, kind, width, lo, hi)]
         if width == rollups.FINE_WIDTH:
-            opens = (
-                "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-                f"SELECT l.label, r.epoch, e.generation, r.bucket, {_OPEN_VALUES} "
-                "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_open r "
-                f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id "
-                "AND r.axis = ? AND r.label_id = l.id AND r.epoch = e.epoch AND r.bucket BETWEEN ? AND ?"
+            opens = shape.format(
+                columns=f"r.bucket, r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}",
+                table="label_open",
+                where="r.bucket BETWEEN ? AND ?",
             )
             for row in con.execute(opens, [*args, axis, lo, hi]):
                 found.append(

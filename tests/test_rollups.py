@@ -321,8 +321,8 @@ async def slots_used(url: str) -> int:
 
 
 async def test_a_series_past_its_first_wide_block_keeps_every_bucket(open_stores: OpenStore) -> None:
-    """A series whose steps cross 131,072 has wider buckets in its first fine block (the first
-    wide block's) and in a wide block: a read of a range over both gets them all."""
+    """A series whose steps cross 131,072 has wider buckets in two wide blocks: a read of a range
+    over both gets them all."""
     store = await open_stores()
     steps = [*range(0, 3000, 7), *range(130_500, 131_900, 5)]
     events = [start("far", "rank0", 1)] + [
@@ -1040,9 +1040,9 @@ async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
 async def test_a_store_of_schema_10_keeps_every_bucket_bit_for_bit(
     open_stores: OpenStore, any_store_url: str
 ) -> None:
-    """A store of schema 10 (tests/data: an open row per series, the first wide blocks apart;
-    migration 11 moves the ended labels' open rows and the first wide blocks into fine blocks)
-    holds every bucket it held, bit for bit; its live label keeps its open rows and goes on."""
+    """A store of schema 10 (tests/data: an open row per series; migration 11 moves the ended
+    labels' open rows into their fine blocks) holds every bucket it held, bit for bit; its live
+    label keeps its open rows and goes on, until it ends."""
     url = await restore_old_store(any_store_url, schema=10)
     before = await stored_label_buckets(url)
     assert before and any(width == rollups.FINE_WIDTH for _, width, *_ in before)
@@ -1179,16 +1179,16 @@ def test_blocks_decoded_together_are_each_as_decoded_alone(blocks: list[dict[int
 
 
 def test_every_bucket_has_one_place_in_one_block() -> None:
-    """Each width's buckets map to distinct (block, place) pairs (the first wide block's in the
-    first fine block), which a read of the bucket fetches, and back."""
+    """Each width's buckets map to distinct (block, place) pairs, and back."""
     seen = set()
     for width in rollups.WIDTHS:
         for bucket in range(-70, 700):
             block, place = rollup_blocks.place_of((1, width, 0, 2, 3, bucket))
             assert (block, place) not in seen
             seen.add((block, place))
-            assert (block[1], block[5], block[5]) in rollup_blocks.block_ranges(width, bucket, bucket)
-            back = list(rollup_blocks.buckets(block[1], block[5], {place: []}))
+            kind, first, last = rollup_blocks.block_range(width, bucket, bucket)
+            assert kind == block[1] and first == last == block[5]
+            back = list(rollup_blocks.buckets(kind, block[5], {place: []}))
             assert back == [(width, bucket, [])]
 
 
