@@ -310,8 +310,8 @@ async def _roll_up_stored(con: asyncpg.Connection, table: PointTable) -> None:
 
 
 async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
-    """Migration 10's data: a schema-9 store's label_rollups rows as blocks, read a label series at
-    a time through a cursor and written so; the table then dropped."""
+    """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
+    a label series at a time through a cursor and written so; the table then dropped."""
     if await con.fetchval("SELECT to_regclass('label_rollups')") is None:
         return
     found = con.cursor(
@@ -319,14 +319,16 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
         f"ORDER BY {rollup_blocks.CONVERTED_ORDER}",
         prefetch=MIGRATION_PAGE // 10,
     )
+    opens: list[rows.Params] = []
     blocks: list[rows.Params] = []
     async for series in _series_of(found):
-        for block_rows in rollup_blocks.converted(series):
+        for open_rows, block_rows in rollup_blocks.converted(series):
+            opens += open_rows
             blocks += block_rows
-        if len(blocks) >= MIGRATION_PAGE // 10:
-            await _write_label_rollups(con, blocks)
-            blocks = []
-    await _write_label_rollups(con, blocks)
+        if len(opens) + len(blocks) >= MIGRATION_PAGE // 10:
+            await _write_label_rollups(con, blocks, opens=opens)
+            opens, blocks = [], []
+    await _write_label_rollups(con, blocks, opens=opens)
     await con.execute("DROP TABLE label_rollups")
 
 

@@ -410,8 +410,8 @@ def opened(
 
 def folded(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
     """label_open rows (OPEN_COLUMNS, then the data of the fine block their bucket falls in, or
-    None where it has none) as label_blocks rows, each open bucket in its block: migration 11, for
-    the labels that had ended."""
+    None where it has none) as label_blocks rows, each open bucket in its block: how the open
+    buckets of a label that has ended go into its blocks."""
     for row in rows:
         kid, axis, label_id, epoch, bucket = row[:5]
         block, place = place_of((kid, FINE_WIDTH, axis, label_id, epoch, bucket))
@@ -434,14 +434,20 @@ def converted_series(row: Sequence[Any]) -> tuple[Any, ...]:
     return row[0], row[2], row[3], row[4]
 
 
-def converted(rows: Iterable[Any]) -> Iterator[list[tuple[Any, ...]]]:
+def converted(rows: Iterable[Any]) -> Iterator[tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]]:
     """Rows of the label_rollups table of schema 9 (its key columns, then its value columns; in
-    CONVERTED_ORDER) as label_blocks rows, a label series (key, axis, label, epoch) at a time:
-    how a store migrates to blocks in bounded memory."""
+    CONVERTED_ORDER) as label_open and label_blocks rows, a label series (key, axis, label,
+    epoch) at a time: how a store migrates to blocks in bounded memory."""
     for series, group in groupby(rows, key=converted_series):
+        parts = {(row[1], row[5]): open_part(row[6:]) for row in group}
         kid, axis, label_id, epoch = series
+        open_rows = []
+        fine = [bucket for width, bucket in parts if width == FINE_WIDTH]
+        if fine:
+            top = max(fine)
+            open_rows.append((kid, axis, label_id, epoch, top, *parts.pop((FINE_WIDTH, top))))
         blocks: dict[BlockKey, Places] = {}
-        for row in group:
-            block, place = place_of((kid, row[1], axis, label_id, epoch, row[5]))
-            blocks.setdefault(block, {})[place] = open_part(row[6:])
-        yield [(*block, encode(places)) for block, places in blocks.items()]
+        for (width, bucket), part in parts.items():
+            block, place = place_of((kid, width, axis, label_id, epoch, bucket))
+            blocks.setdefault(block, {})[place] = part
+        yield open_rows, [(*block, encode(places)) for block, places in blocks.items()]

@@ -430,16 +430,17 @@ def _roll_up_stored(con: sqlite3.Connection, table: PointTable) -> None:
 
 
 def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
-    """Migration 10's data: a schema-9 store's label_rollups rows as blocks, read a label series
-    at a time (sorted by SQLite, in temporary files if need be) and written so; the table then
-    dropped."""
+    """Migration 10's data: a schema-9 store's label_rollups rows as open rows and blocks, read
+    a label series at a time (sorted by SQLite, in temporary files if need be) and written so;
+    the table then dropped."""
     if not con.execute("SELECT 1 FROM sqlite_schema WHERE name = 'label_rollups'").fetchone():
         return
     found = con.execute(
         f"SELECT {rollups.LABEL_KEY_COLUMNS}, {rollups.LABEL_VALUE_COLUMNS} FROM label_rollups "
         f"ORDER BY {rollup_blocks.CONVERTED_ORDER}"
     )
-    for blocks in rollup_blocks.converted(found):
+    for open_rows, blocks in rollup_blocks.converted(found):
+        _insert(con, "label_open", 18, open_rows, verb="INSERT")
         _insert(con, "label_blocks", 7, blocks, verb="INSERT")
     con.execute("DROP TABLE label_rollups")
 
