@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 # Text columns that are sorted use the "C" collation so that every database orders them by code
 # point, as SQLite does, whatever locale the cluster was created with.
-# The label rollups (storage/rollup_blocks.py): an open row per label series, blocks of the rest.
+# The label rollups (storage/rollup_blocks.py): an open row per label series (of a running label,
+# from schema 11), blocks of the rest.
 LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id BIGINT NOT NULL,
@@ -274,6 +275,9 @@ MIGRATIONS: list[str] = [
     + """
     ALTER TABLE chunks RESET (toast_tuple_target)
     """,
+    # The open buckets of ended labels' series in their fine blocks (storage/rollup_blocks.py):
+    # DATA_MIGRATIONS[11] moves them there. An index to find a label's open rows by when it ends.
+    "CREATE INDEX IF NOT EXISTS label_open_by_label ON label_open (label_id)",
 ]
 
 # Stored metric rows read per step of the rollups migration: its memory stays bounded.
@@ -322,10 +326,42 @@ async def _label_rollups_to_blocks(con: asyncpg.Connection) -> None:
             opens += open_rows
             blocks += block_rows
         if len(opens) + len(blocks) >= MIGRATION_PAGE // 10:
-            await _write_label_rollups(con, opens, blocks)
+            await _write_label_rollups(con, blocks, opens=opens)
             opens, blocks = [], []
-    await _write_label_rollups(con, opens, blocks)
+    await _write_label_rollups(con, blocks, opens=opens)
     await con.execute("DROP TABLE label_rollups")
+
+
+async def _label_open_to_blocks(con: asyncpg.Connection) -> None:
+    """Migration 11's data: the label_open rows of the labels that have ended into their blocks."""
+    ended = [row[0] for row in await con.fetch(f"SELECT id FROM labels WHERE state != '{RUNNING}'")]
+    await _fold_open_rows(con, ended)
+
+
+async def _fold_open_rows(con: asyncpg.Connection, labels: Sequence[int]) -> None:
+    """The label_open rows of `labels` (which have ended: their open buckets are final) into the
+    fine blocks their buckets fall in (rollup_blocks.folded), read through a cursor a page at a
+    time, then deleted. A series has one open row, and it one block: no block is read twice (nor
+    is what is written meanwhile: the cursor reads the snapshot it opened with)."""
+    if not labels:
+        return
+    page: list[asyncpg.Record] = []
+    async for row in con.cursor(_FOLDED, list(labels), prefetch=MIGRATION_PAGE // 10):
+        page.append(row)
+        if len(page) >= MIGRATION_PAGE // 10:
+            await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+            page = []
+    await _write_label_rollups(con, list(rollup_blocks.folded(page)))
+    await con.execute("DELETE FROM label_open WHERE label_id = ANY($1::int8[])", list(labels))
+
+
+# label_open rows of some labels ($1, by label_open_by_label), each with its bucket's fine block.
+_FOLDED = (
+    f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+    f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+    "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+    f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id = ANY($1::int8[])"
+)
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:
@@ -390,37 +426,47 @@ async def _roll_up(
     starts: Mapping[int, tuple[int, int | None]],
     known: Known,
     learned: Known,
+    ended: Container[int] = (),
 ) -> None:
-    """Fold a batch's fine partials into the rollup tables; the labels are locked by the caller.
-    What `known` holds is not read again; what this batch read or made goes into `learned`, to
-    be remembered once it has committed."""
+    """Fold a batch's fine partials into the rollup tables; the labels are locked by the caller,
+    those of `ended` have ended (their open buckets go into blocks: rollup_blocks.placed). What
+    `known` holds is not read again; what this batch read or made goes into `learned`, to be
+    remembered once it has committed."""
     key_id = await _series_ids(con, fine, run_of, known.series, learned.series)
     generation = await _generations(con, fine, starts, known.generations, learned.generations)
     # The slot is taken before its rows are read, in an earlier statement: a statement's snapshot
     # is taken when it starts, so a read in the statement that takes the lock could miss what
     # the slot's last holder committed just before letting it go.
-    stored, blocks, free = await _stored_fine_rows(con, rollups.fine_ranges(fine, key_id), known.slot)
+    stored, opens, blocks, free = await _stored_fine_rows(con, rollups.fine_ranges(fine, key_id), known.slot)
     learned.slot = known.slot if free else await _take_slot(con, known.slot)
     plan = rollups.plan(fine, key_id, generation, stored)
     blocks.update(await _stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
-    open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
+    placed = rollup_blocks.placed(plan, stored, opens, blocks, ended)
     slot_rows = await _slot_rows(con, list(plan.run_deltas), learned.slot)
     merged = []
     for key, delta in plan.run_deltas.items():
         part, bins, samples = rollups.merged_run_row(slot_rows.get(key), delta)
         merged.append(rollups.run_row(key, learned.slot, _float_columns(part), bins, samples))
-    opens = [(*row[:5], *_float_columns(list(row[5:]))) for row in open_rows]
-    await _write_label_rollups(con, opens, block_rows, merged)
+    open_rows = [(*row[:5], *_float_columns(list(row[5:]))) for row in placed.opens]
+    await _write_label_rollups(con, placed.blocks, merged, open_rows, placed.closed)
 
 
 async def _write_label_rollups(
     con: asyncpg.Connection,
-    opens: list[rows.Params],
     blocks: list[rows.Params],
     runs: Sequence[rows.Params] = (),
+    opens: Sequence[rows.Params] = (),
+    closed: Sequence[rows.Params] = (),
 ) -> None:
-    """Upsert label_open rows, label_blocks rows and this slot's run_rollups rows: one round trip."""
-    await con.execute(_WRITE_ROLLUPS, *_columns(opens, 18), *_columns(blocks, 7), *_columns(list(runs), 18))
+    """Upsert label_blocks rows, label_open rows and this slot's run_rollups rows, and delete the
+    `closed` series' label_open rows: one round trip."""
+    await con.execute(
+        _WRITE_ROLLUPS,
+        *_columns(list(closed), 4),
+        *_columns(list(opens), 18),
+        *_columns(blocks, 7),
+        *_columns(list(runs), 18),
+    )
 
 
 def _float_columns(part: rollups.Partial) -> rollups.Partial:
@@ -457,18 +503,22 @@ def _unnest(types: str, first: int = 1) -> str:
 
 
 # In no order: a writer's rows are its own (its labels' locks, its slot's), no other transaction
-# waits for them. The open rows, blocks and run rows in data-modifying CTEs of one statement.
+# waits for them. The open rows deleted and written, the blocks and run rows in data-modifying
+# CTEs of one statement.
 _WRITE_ROLLUPS = (
-    f"WITH opened AS (INSERT INTO label_open ({rollup_blocks.OPEN_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_OPEN_TYPES)} "
+    "WITH gone AS (DELETE FROM label_open o USING unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[]) "
+    "AS u(key_id, axis, label_id, epoch) WHERE o.key_id = u.key_id AND o.axis = u.axis "
+    "AND o.label_id = u.label_id AND o.epoch = u.epoch), "
+    f"opened AS (INSERT INTO label_open ({rollup_blocks.OPEN_COLUMNS}) "
+    f"SELECT * FROM {_unnest(_OPEN_TYPES, first=5)} "
     "ON CONFLICT (key_id, axis, label_id, epoch) DO UPDATE SET bucket = EXCLUDED.bucket, "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.LABEL_VALUE_COLUMNS.split(", "))
     + "), blocked AS ("
     f"INSERT INTO label_blocks ({rollup_blocks.BLOCK_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_BLOCK_TYPES, first=19)} "
+    f"SELECT * FROM {_unnest(_BLOCK_TYPES, first=23)} "
     "ON CONFLICT (key_id, kind, axis, label_id, epoch, block) DO UPDATE SET data = EXCLUDED.data) "
     f"INSERT INTO run_rollups ({rollups.RUN_KEY_COLUMNS}, slot, {rollups.RUN_VALUE_COLUMNS}) "
-    f"SELECT * FROM {_unnest(_RUN_TYPES, first=26)} "
+    f"SELECT * FROM {_unnest(_RUN_TYPES, first=30)} "
     "ON CONFLICT (key_id, width, axis, generation, bucket, slot) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in rollups.RUN_VALUE_COLUMNS.split(", "))
 )
@@ -552,27 +602,32 @@ async def _generations(
 async def _stored_fine_rows(
     con: asyncpg.Connection, ranges: list[tuple[int, int, int, int, int]], slot: int
 ) -> tuple[
-    dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places], bool
+    dict[rollups.LabelRowKey, rollups.Partial],
+    dict[rollups.SeriesKey, int],
+    dict[rollup_blocks.BlockKey, rollup_blocks.Places],
+    bool,
 ]:
-    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
-    the buckets of its blocks from that bucket's block up, or from its open bucket's if lower
-    (rollups.fine_ranges); those blocks as read (rollup_blocks.placed rewrites them); and whether
-    the run_rollups `slot` was free (it is then this transaction's), tried in the same round trip."""
-    found: dict[rollups.LabelRowKey, rollups.Partial] = {}
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its label_open
+    row and the buckets of its fine blocks from that bucket's block up, or from its open bucket's
+    (its label_open row's, else its highest block's) if lower (rollups.fine_ranges); the open
+    bucket of each series with a label_open row; those blocks as read (rollup_blocks.placed
+    rewrites them); and whether the run_rollups `slot` was free (it is then this transaction's),
+    tried in the same round trip."""
     rows_ = await con.fetch(_FINE_ROWS, *_columns(ranges, 5), rollups.FINE_WIDTH, ROLLUP_SLOT_LOCK, slot)
+    held = rollup_blocks.decoded((*row[2:8], row[21]) for row in rows_ if row["kind"] == 2)
+    found = rollup_blocks.fine_rows(held)
+    opens = {}
     for row in rows_:
         if row["kind"] == 1:
             found[tuple(row[2:8])] = list(row[8:21])
-    held = rollup_blocks.decoded((*row[2:8], row[21]) for row in rows_ if row["kind"] == 2)
-    for block, places in held.items():
-        found.update(rollup_blocks.stored_rows(block, places))
-    return found, held, bool(rows_[0]["held"])
+            opens[row[2], row[4], row[5], row[6]] = row[7]
+    return found, opens, held, bool(rows_[0]["held"])
 
 
-# One row per open row (kind 1: the key, then its bucket and values) and per block (kind 2: its
-# key, then its data), beside the slot's lock: LATERAL probes of the primary keys (OFFSET 0 keeps
-# the planner from a hash join over the whole table). The lock in a CTE (MATERIALIZED: taken once);
-# one row with nulls if no series has rows.
+# One row per label_open row (kind 1: the key, then its bucket and values) and per block (kind 2:
+# its key, then its data), beside the slot's lock: LATERAL probes of the primary keys (OFFSET 0
+# keeps the planner from a hash join over the whole table), the series' highest fine block first.
+# The lock in a CTE (MATERIALIZED: taken once); one row with nulls if no series has rows.
 _FINE_ROWS = (
     "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($7, $8) AS held), "
     "u AS (SELECT * FROM unnest($1::int8[], $2::int2[], $3::int8[], $4::int8[], $5::int8[]) "
@@ -585,9 +640,13 @@ _FINE_ROWS = (
     "UNION ALL SELECT 2, b.key_id, b.kind, b.axis, b.label_id, b.epoch, b.block, "
     + ", ".join(["NULL"] * 13)
     + ", b.data FROM u LEFT JOIN o USING (key_id, axis, label_id, epoch) CROSS JOIN LATERAL ("
+    "SELECT t.block FROM label_blocks t WHERE t.key_id = u.key_id "
+    f"AND t.kind = {rollup_blocks.FINE} AND t.axis = u.axis AND t.label_id = u.label_id "
+    "AND t.epoch = u.epoch ORDER BY t.block DESC LIMIT 1) t CROSS JOIN LATERAL ("
     f"SELECT * FROM label_blocks b WHERE b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} "
     "AND b.axis = u.axis AND b.label_id = u.label_id AND b.epoch = u.epoch "
-    f"AND b.block >= (least(u.lo, coalesce(o.bucket, u.lo)) >> {rollup_blocks.FINE_BITS}) OFFSET 0) b) "
+    f"AND b.block >= (least(u.lo, coalesce(o.bucket, t.block << {rollup_blocks.FINE_BITS})) "
+    f">> {rollup_blocks.FINE_BITS}) OFFSET 0) b) "
     "SELECT lock.held, found.* FROM lock LEFT JOIN found ON true"
 )
 
@@ -657,10 +716,12 @@ async def _store_values(
     if log_rows:
         await con.copy_records_to_table(_LOGS[0], records=log_rows, columns=_LOGS[1])
     if fine:
-        await _roll_up(con, fine, run_of, starts, known, learned)
+        await _roll_up(con, fine, run_of, starts, known, learned, ended)
     if system_rows:
         system_of = {label_id: rollups.series_run(run, "system") for label_id, run in run_of.items()}
-        await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned)
+        await _roll_up(con, rollups.fold_system(system_rows), system_of, starts, known, learned, ended)
+    # The ended labels' series this batch brought no value: their open buckets too.
+    await _fold_open_rows(con, sorted(ended))
     due = set(await _grow_heads(con, chunking.head_events(new), ended))
     metric_head, system_head, direct = chunking.split_due(
         metric_columns, chunking.row_columns(system_rows, steps=False), due
@@ -1181,6 +1242,8 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
                     "SELECT a.axis, count(*) FROM (VALUES (0::int2), (1::int2)) a(axis) CROSS JOIN labels l "
                     "CROSS JOIN LATERAL (SELECT 1 FROM label_epochs e CROSS JOIN LATERAL ("
                     "SELECT 1 FROM label_open r WHERE r.key_id = $2 "
+                    "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch UNION ALL "
+                    f"SELECT 1 FROM label_blocks r WHERE r.key_id = $2 AND r.kind = {rollup_blocks.FINE} "
                     "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch LIMIT 1) x "
                     "WHERE e.label_id = l.id LIMIT 1) y "
                     "WHERE l.run_id = $1 GROUP BY a.axis",
@@ -1195,19 +1258,36 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         self, run_id: str, key: str, axis: int, labels: Sequence[str] | None, table: PointTable = "metrics"
     ) -> list[base.LabelBucket]:
         chosen = "" if labels is None else " AND l.label = ANY($5::text[])"
+        # Each label epoch's label_open row, else its highest fine block (which then holds its
+        # open bucket): probes of the primary keys.
         query = (
-            "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2) "
-            "SELECT l.label, e.epoch, e.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM k, labels l JOIN label_epochs e ON e.label_id = l.id JOIN label_open r "
-            "ON r.axis = $3 AND r.label_id = l.id AND r.epoch = e.epoch "
-            f"WHERE r.key_id = k.id AND l.run_id = $1{chosen}"
+            "WITH k AS (SELECT id FROM series WHERE run_id = $4 AND key = $2), "
+            "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
+            f"JOIN label_epochs e ON e.label_id = l.id WHERE l.run_id = $1{chosen}) "
+            "SELECT l.label, l.epoch, l.generation, r.bucket, "
+            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}, NULL::bytea AS data "
+            "FROM k CROSS JOIN l JOIN label_open r ON r.key_id = k.id AND r.axis = $3 "
+            "AND r.label_id = l.label_id AND r.epoch = l.epoch "
+            "UNION ALL SELECT l.label, l.epoch, l.generation, b.block, "
+            + ", ".join(["NULL"] * 13)
+            + ", b.data FROM k CROSS JOIN l CROSS JOIN LATERAL (SELECT b.block, b.data FROM label_blocks b "
+            f"WHERE b.key_id = k.id AND b.kind = {rollup_blocks.FINE} AND b.axis = $3 "
+            "AND b.label_id = l.label_id AND b.epoch = l.epoch ORDER BY b.block DESC LIMIT 1) b "
+            "WHERE NOT EXISTS (SELECT 1 FROM label_open r WHERE r.key_id = k.id AND r.axis = $3 "
+            "AND r.label_id = l.label_id AND r.epoch = l.epoch)"
         )
         args: list[Any] = [run_id, rows.storable_text(key), axis, rollups.series_run(run_id, table)]
         if labels is not None:
             args.append(list(labels))
         found = await self._call(lambda con: con.fetch(query, *args))
-        return [base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:])) for row in found]
+        blocks = [(row[0], row[1], row[2], row[3], row[17]) for row in found if row[17] is not None]
+        buckets = [base.LabelBucket(*row) for row in rollup_blocks.opened(blocks)]
+        buckets += [
+            base.LabelBucket(row[0], row[1], row[2], row[3], list(row[4:17]))
+            for row in found
+            if row[17] is None
+        ]
+        return buckets
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"
@@ -1240,7 +1320,7 @@ class PostgresStore(reads.SharedReads, beats.SharedHealth):
         table: PointTable = "metrics",
     ) -> list[base.LabelBucket]:
         chosen = " AND ($10::text[] IS NULL OR l.label = ANY($10::text[]))"
-        # The blocks of the range, and at the finest width the open rows in it: one query.
+        # The blocks of the range, and at the finest width the label_open rows in it: one query.
         query = (
             "WITH k AS (SELECT id FROM series WHERE run_id = $9 AND key = $2), "
             "l AS (SELECT l.label, e.label_id, e.epoch, e.generation FROM labels l "
@@ -1316,4 +1396,5 @@ DATA_MIGRATIONS: dict[int, Callable[[asyncpg.Connection], Awaitable[None]]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
+    11: _label_open_to_blocks,
 }

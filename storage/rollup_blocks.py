@@ -1,19 +1,29 @@
-"""Label rollups as the tables keep them: each label series' open 128-step bucket as a row, every
-other bucket packed with its neighbours into compressed blocks. Pure functions both backends share.
+"""Label rollups as the tables keep them: each running label series' open 128-step bucket as a row,
+every other bucket packed with its neighbours into compressed blocks. Pure functions both backends
+share.
 
 A label's rollup rows (storage/rollups.py) are many and small: one per 128 steps per key, and a
 third as many again at the wider widths. As rows they weighed nearly as much as the values
 themselves (PostgreSQL: ~240 bytes a row with its index entry, 3.8 bytes a point on issue #22's
 bench). So they are kept as:
 
-- `label_open`: one row per series (key, axis, label, epoch), its highest 128-step bucket. That
-  bucket grows with every batch of a live run, so it stays a plain row, cheap to rewrite;
+- `label_open`: one row per series (key, axis, label, epoch) of a running label, its highest
+  128-step bucket. That bucket grows with every batch of a live run, so it stays a plain row,
+  cheap to rewrite (a block would be encoded again each batch);
 - `label_blocks`: every other bucket, in blocks. A *fine* block holds 16 consecutive 128-step
   buckets; a *wide* block holds every wider bucket (512 ... 131072) within one 131072-step
   bucket: 256 + 64 + 16 + 4 + 1 places. A 128-step bucket goes into its block once it is closed (a
   higher one got a value) and changes after that only for a late value; the wider buckets change
   only as 128-step buckets close under them. So a block is rewritten about once per batch of its
-  series (a live run: once per 128 steps), and a series of a few thousand steps is three rows.
+  series (a live run: once per 128 steps).
+
+Once a label has ended its series' open buckets are final: the batch that ends it puts them into
+their fine blocks and deletes their label_open rows (migration 11 did so for the labels ended
+before it). Their row, its index entry and the room label_open keeps for updates weighed more
+than the bucket does in its block (PostgreSQL, issue #22's run of constants and counters: 0.19 of
+its 1.68 bytes a point). A series without a label_open row whose label runs again (a late value,
+a label that came back) keeps its open bucket in its block. A series of an ended label with a few
+thousand steps is two rows.
 
 A block's data is its buckets' partials as 13 columns of 64-bit words (integers as they are,
 floats by their bits): each column as its first bucket's word, then differences from the bucket
@@ -28,14 +38,24 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import groupby
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from runbus.storage import rollups
-from runbus.storage.rollups import FINE_SHIFT, FINE_WIDTH, HI, LAST, LO, SHIFTS, LabelRowKey, Partial
+from runbus.storage.rollups import (
+    FINE_SHIFT,
+    FINE_WIDTH,
+    HI,
+    LAST,
+    LO,
+    SHIFTS,
+    LabelRowKey,
+    Partial,
+    SeriesKey,
+)
 
 FORMAT = 1
 FINE, WIDE = 0, 1
@@ -282,6 +302,16 @@ def buckets_in(
                 yield label, epoch, generation, bucket, part
 
 
+def fine_rows(held: Mapping[BlockKey, Places]) -> dict[LabelRowKey, Partial]:
+    """The 128-step label_rollups rows (key, partial) of the fine blocks of `held`: what
+    rollups.plan() is given as stored."""
+    found: dict[LabelRowKey, Partial] = {}
+    for block, places in held.items():
+        if block[1] == FINE:
+            found.update(stored_rows(block, places))
+    return found
+
+
 def places_of(width: int) -> tuple[int, int]:
     """The places [first, end) of `width`'s buckets in its blocks."""
     shift = width.bit_length() - 1
@@ -291,44 +321,57 @@ def places_of(width: int) -> tuple[int, int]:
     return start, start + (1 << (_WIDE_SHIFT - shift))
 
 
+class Placed(NamedTuple):
+    """Where a batch's rollup rows go (placed)."""
+
+    opens: list[tuple[Any, ...]]  # label_open rows (OPEN_COLUMNS) to write
+    blocks: list[tuple[Any, ...]]  # label_blocks rows (BLOCK_COLUMNS) to write
+    closed: list[SeriesKey]  # the series whose label_open row is to go: its bucket is in a block
+
+
 def placed(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
-) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Where a batch's rollup rows go: the label_open rows (OPEN_COLUMNS) of the series whose open
-    bucket changed, and the label_blocks rows (BLOCK_COLUMNS) of the blocks that changed, each
-    whole: `held`'s stored buckets with the batch's merged in. `stored` is what plan() was
-    given; `held` must hold every stored block of the fine rows plan() names (from each series'
-    lowest bucket in the batch, or its open one if lower) and of its wide deltas."""
+    plan: rollups.Plan,
+    stored: Mapping[LabelRowKey, Partial],
+    opens: Mapping[SeriesKey, int],
+    held: Mapping[BlockKey, Places],
+    ended: Container[int],
+) -> Placed:
+    """Where a batch's rollup rows go: the label_open rows of the series whose open bucket
+    changed and stays a row (its label runs, and it has such a row or no rows at all), the
+    label_blocks rows of the blocks that changed, each whole (`held`'s stored buckets with the
+    batch's merged in), and the series whose label_open row goes (its label has `ended`: the
+    bucket goes into its block). `stored` is what plan() was given, `opens` the stored open
+    bucket of each series that has a label_open row; `held` must hold every stored block of the
+    fine rows plan() names (from each series' lowest bucket in the batch, or its open one if
+    lower: its label_open row's, else its highest block's) and of its wide deltas."""
+    have_rows = {(kid, axis, label_id, epoch) for kid, _, axis, label_id, epoch, _ in stored}
+    rowed = {
+        series
+        for series in plan.tops
+        if series[2] not in ended and (series in opens or series not in have_rows)
+    }
     open_rows: list[tuple[Any, ...]] = []
     into: dict[BlockKey, Places] = {}
     for key, part in plan.fine_rows.items():
         kid, _, axis, label_id, epoch, bucket = key
-        if plan.tops[kid, axis, label_id, epoch] == bucket:
-            open_rows.append((kid, axis, label_id, epoch, bucket, *part))
+        series = (kid, axis, label_id, epoch)
+        if series in rowed and plan.tops[series] == bucket:
+            open_rows.append((*series, bucket, *part))
         else:
             _put(into, held, key, part)
-    for key, part in _closed_opens(plan, stored, held):
-        _put(into, held, key, part)
+    # A stored open row the batch closed (or whose label ended) without a value of its own.
+    for series, bucket in opens.items():
+        top = plan.tops.get(series)
+        key = (series[0], FINE_WIDTH, *series[1:], bucket)
+        if top is not None and (bucket < top or series not in rowed) and key not in plan.fine_rows:
+            _put(into, held, key, stored[key])
     for key, delta in plan.wide_deltas.items():
         block, place = place_of(key)
         known = held.get(block, {}).get(place)
         _put(into, held, key, delta if known is None else rollups.merge(known.copy(), delta))
     blocks = [(*block, encode(places)) for block, places in into.items()]
-    return open_rows, blocks
-
-
-def _closed_opens(
-    plan: rollups.Plan, stored: Mapping[LabelRowKey, Partial], held: Mapping[BlockKey, Places]
-) -> Iterator[tuple[LabelRowKey, Partial]]:
-    """The stored open rows a batch closed without a value of their own: into their blocks."""
-    for key, part in stored.items():
-        kid, width, axis, label_id, epoch, bucket = key
-        top = plan.tops.get((kid, axis, label_id, epoch))
-        if width != FINE_WIDTH or top is None or bucket >= top or key in plan.fine_rows:
-            continue
-        block, place = place_of(key)
-        if place not in held.get(block, {}):
-            yield key, part
+    closed = [series for series in opens if series in plan.tops and series not in rowed]
+    return Placed(open_rows, blocks, closed)
 
 
 def _put(
@@ -342,12 +385,40 @@ def _put(
 
 
 def open_part(row: Iterable[Any]) -> Partial:
-    """A partial from label_open's value columns; NaN where a store holds NULL (SQLite's NaN)."""
+    """A partial from a row's value columns (label_rollups', label_open's: schemas 9 and 10);
+    NaN where a store holds NULL (SQLite's NaN)."""
     part = list(row)
     for place in (rollups.TOTAL, LAST):
         if part[place] is None:
             part[place] = math.nan
     return part
+
+
+def opened(
+    blocks: Sequence[tuple[Any, Any, Any, int, bytes]],
+) -> Iterator[tuple[Any, Any, Any, int, Partial]]:
+    """The open bucket of each series without a label_open row, from its highest fine block read
+    as (label, epoch, generation, block, data): (label, epoch, generation, bucket, partial) of
+    the block's last place."""
+    for (label, epoch, generation, block, _), places in zip(
+        blocks, decode_many([row[4] for row in blocks], places_of(FINE_WIDTH)), strict=True
+    ):
+        if places:
+            top = max(places)
+            yield label, epoch, generation, (block << FINE_BITS) + top, places[top]
+
+
+def folded(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
+    """label_open rows (OPEN_COLUMNS, then the data of the fine block their bucket falls in, or
+    None where it has none) as label_blocks rows, each open bucket in its block: how the open
+    buckets of a label that has ended go into its blocks."""
+    for row in rows:
+        kid, axis, label_id, epoch, bucket = row[:5]
+        block, place = place_of((kid, FINE_WIDTH, axis, label_id, epoch, bucket))
+        data = row[-1]
+        places = {} if data is None else decode_many([data])[0]
+        places[place] = open_part(row[5:-1])
+        yield (*block, encode(places))
 
 
 def stored_rows(block: BlockKey, places: Mapping[int, Partial]) -> Iterator[tuple[LabelRowKey, Partial]]:

@@ -9,7 +9,7 @@ import operator
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
@@ -51,7 +51,8 @@ REJECTED_CODES = frozenset(
     {sqlite3.SQLITE_CONSTRAINT, sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH, sqlite3.SQLITE_RANGE}
 )
 
-# The label rollups (storage/rollup_blocks.py): an open row per label series, blocks of the rest.
+# The label rollups (storage/rollup_blocks.py): an open row per label series (of a running label,
+# from schema 11), blocks of the rest.
 LABEL_ROLLUPS = """
     CREATE TABLE IF NOT EXISTS label_open (
         key_id INTEGER NOT NULL,
@@ -274,6 +275,9 @@ MIGRATIONS: list[str] = [
     # Label rollups as open rows and blocks (storage/rollup_blocks.py): the tables as migration 6
     # now makes them; DATA_MIGRATIONS[10] converts a schema-9 store's label_rollups rows.
     LABEL_ROLLUPS,
+    # The open buckets of ended labels' series in their fine blocks (storage/rollup_blocks.py):
+    # DATA_MIGRATIONS[11] moves them there. An index to find a label's open rows by when it ends.
+    "CREATE INDEX IF NOT EXISTS label_open_by_label ON label_open (label_id)",
 ]
 
 
@@ -441,23 +445,58 @@ def _label_rollups_to_blocks(con: sqlite3.Connection) -> None:
     con.execute("DROP TABLE label_rollups")
 
 
+def _label_open_to_blocks(con: sqlite3.Connection) -> None:
+    """Migration 11's data: the label_open rows of the labels that have ended into their blocks."""
+    _fold_open_rows(con, [row[0] for row in con.execute(f"SELECT id FROM labels WHERE state != '{RUNNING}'")])
+
+
+def _fold_open_rows(con: sqlite3.Connection, labels: Sequence[int]) -> None:
+    """The label_open rows of `labels` (which have ended: their open buckets are final) into the
+    fine blocks their buckets fall in (rollup_blocks.folded), then deleted. A series has one open
+    row, and it one block: no block is read twice."""
+    for chunk in _chunks(list(labels), MAX_LABELS_PER_STATEMENT):
+        chosen = _rows_sql(1, len(chunk))
+        found = con.execute(
+            f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+            f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
+            "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+            f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id IN ({chosen})",
+            chunk,
+        ).fetchall()
+        if found:
+            _insert(con, "label_blocks", 7, list(rollup_blocks.folded(found)), verb="INSERT OR REPLACE")
+            con.execute(f"DELETE FROM label_open WHERE label_id IN ({chosen})", chunk)
+
+
 def _roll_up(
     con: sqlite3.Connection,
     fine: dict[rollups.FineKey, rollups.Partial],
     run_of: Mapping[int, str],
     starts: Mapping[int, tuple[int, int | None]],
+    ended: Container[int] = (),
 ) -> None:
     """Fold a batch's 128-step partials into the rollup tables: `run_of` names each label id's
-    run, `starts` gives each its latest start's (epoch, restart count). SQLite has one writer
+    run, `starts` gives each its latest start's (epoch, restart count); the labels of `ended`
+    have ended (their open buckets go into blocks: rollup_blocks.placed). SQLite has one writer
     at a time, so its run_rollups rows are all of slot 0."""
     key_id = _series_ids(con, fine, run_of)
     generation = _generations(con, fine, starts)
-    stored, blocks = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
+    stored, opens, blocks = _stored_fine_rows(con, rollups.fine_ranges(fine, key_id))
     plan = rollups.plan(fine, key_id, generation, stored)
     blocks.update(_stored_blocks(con, {rollup_blocks.place_of(key)[0] for key in plan.wide_deltas}))
-    open_rows, block_rows = rollup_blocks.placed(plan, stored, blocks)
-    _insert(con, "label_open", 18, open_rows, verb="INSERT OR REPLACE")
-    _insert(con, "label_blocks", 7, block_rows, verb="INSERT OR REPLACE")
+    placed = rollup_blocks.placed(plan, stored, opens, blocks, ended)
+    for chunk in _chunks(placed.closed, MAX_ROWS_PER_INSERT):
+        con.execute(
+            _given_rows(
+                "u",
+                "key_id, axis, label_id, epoch",
+                len(chunk),
+                "DELETE FROM label_open WHERE (key_id, axis, label_id, epoch) IN (SELECT * FROM u)",
+            ),
+            list(chain.from_iterable(chunk)),
+        )
+    _insert(con, "label_open", 18, placed.opens, verb="INSERT OR REPLACE")
+    _insert(con, "label_blocks", 7, placed.blocks, verb="INSERT OR REPLACE")
     held = _stored_run_rows(con, list(plan.run_deltas))
     merged = []
     for key, delta in plan.run_deltas.items():
@@ -515,11 +554,18 @@ def _generations(
 
 def _stored_fine_rows(
     con: sqlite3.Connection, ranges: list[tuple[int, int, int, int, int]]
-) -> tuple[dict[rollups.LabelRowKey, rollups.Partial], dict[rollup_blocks.BlockKey, rollup_blocks.Places]]:
-    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its open row and
-    the buckets of its fine blocks from that bucket's block up, or from its open bucket's if lower
-    (rollups.fine_ranges); and those blocks as read (rollup_blocks.placed rewrites them)."""
+) -> tuple[
+    dict[rollups.LabelRowKey, rollups.Partial],
+    dict[rollups.SeriesKey, int],
+    dict[rollup_blocks.BlockKey, rollup_blocks.Places],
+]:
+    """The 128-step rows of each (key id, axis, label id, epoch, lowest bucket): its label_open
+    row and the buckets of its fine blocks from that bucket's block up, or from its open bucket's
+    (its label_open row's, else its highest block's) if lower (rollups.fine_ranges); the open
+    bucket of each series with a label_open row; and those blocks as read (rollup_blocks.placed
+    rewrites them)."""
     found: dict[rollups.LabelRowKey, rollups.Partial] = {}
+    opened: dict[rollups.SeriesKey, int] = {}
     held: dict[rollup_blocks.BlockKey, rollup_blocks.Places] = {}
     opens = (
         "SELECT x.key_id, x.axis, x.label_id, x.epoch, x.bucket, "
@@ -531,19 +577,21 @@ def _stored_fine_rows(
         "LEFT JOIN label_open x USING (key_id, axis, label_id, epoch) JOIN label_blocks b "
         f"ON b.key_id = u.key_id AND b.kind = {rollup_blocks.FINE} AND b.axis = u.axis "
         "AND b.label_id = u.label_id AND b.epoch = u.epoch "
-        f"AND b.block >= (min(u.lo, coalesce(x.bucket, u.lo)) >> {rollup_blocks.FINE_BITS})"
+        "AND b.block >= (min(u.lo, coalesce(x.bucket, (SELECT max(t.block) FROM label_blocks t "
+        f"WHERE t.key_id = u.key_id AND t.kind = {rollup_blocks.FINE} AND t.axis = u.axis "
+        f"AND t.label_id = u.label_id AND t.epoch = u.epoch) << {rollup_blocks.FINE_BITS})) "
+        f">> {rollup_blocks.FINE_BITS})"
     )
     for chunk in _chunks(ranges, MAX_ROWS_PER_INSERT):
         flat = list(chain.from_iterable(chunk))
+        read = con.execute(_given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat)
+        held.update(rollup_blocks.decoded(read))
         for row in con.execute(
             _given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), opens), flat
         ):
             found[(row[0], rollups.FINE_WIDTH, *row[1:5])] = rollup_blocks.open_part(row[5:])
-        read = con.execute(_given_rows("u", "key_id, axis, label_id, epoch, lo", len(chunk), blocks), flat)
-        held.update(rollup_blocks.decoded(read))
-    for block, places in held.items():
-        found.update(rollup_blocks.stored_rows(block, places))
-    return found, held
+            opened[row[:4]] = row[4]
+    return {**rollup_blocks.fine_rows(held), **found}, opened, held
 
 
 def _stored_blocks(
@@ -625,10 +673,12 @@ def _store_values(
     runs = {label_id: run for label_id, (run, _, _) in fresh.items()}
     starts = {label_id: _latest_start(label) for label_id, (_, _, label) in fresh.items()}
     if fine:
-        _roll_up(con, fine, runs, starts)
+        _roll_up(con, fine, runs, starts, ended)
     if system_rows:
         system_runs = {label_id: rollups.series_run(run, "system") for label_id, run in runs.items()}
-        _roll_up(con, rollups.fold_system(system_rows), system_runs, starts)
+        _roll_up(con, rollups.fold_system(system_rows), system_runs, starts, ended)
+    # The ended labels' series this batch brought no value: their open buckets too.
+    _fold_open_rows(con, sorted(ended))
     heads = chunking.head_events((label_id, new) for label_id, (_, new, _) in fresh.items())
     due = set(_grow_heads(con, heads, ended))
     metric_rows, system_head, direct = chunking.split_due(
@@ -789,7 +839,12 @@ DATA_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     6: _roll_up_stored_metrics,
     7: _roll_up_stored_system,
     10: _label_rollups_to_blocks,
+    11: _label_open_to_blocks,
 }
+
+
+# label_open's value columns, of `r`.
+_OPEN_VALUES = f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')}"
 
 
 class SQLiteStore(reads.SharedReads, beats.SharedHealth):
@@ -1167,8 +1222,11 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
                 "SELECT a.axis, count(*) FROM (SELECT 0 AS axis UNION ALL SELECT 1) a CROSS JOIN labels l "
                 "WHERE l.run_id = ? AND EXISTS (SELECT 1 FROM label_epochs e CROSS JOIN label_open r "
                 "WHERE e.label_id = l.id AND r.key_id = ? AND r.axis = a.axis "
-                "AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
-                (run_id, found[0]),
+                "AND r.label_id = l.id AND r.epoch = e.epoch UNION ALL "
+                "SELECT 1 FROM label_epochs e CROSS JOIN label_blocks r "
+                f"WHERE e.label_id = l.id AND r.key_id = ? AND r.kind = {rollup_blocks.FINE} "
+                "AND r.axis = a.axis AND r.label_id = l.id AND r.epoch = e.epoch) GROUP BY a.axis",
+                (run_id, found[0], found[0]),
             )
         }
         return base.KeyExtent(spans, labels)
@@ -1184,24 +1242,40 @@ class SQLiteStore(reads.SharedReads, beats.SharedHealth):
         chosen = ""
         if labels is not None:
             chosen = f" AND l.label IN ({_rows_sql(1, len(labels))})" if labels else " AND 0"
-        query = (
-            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) "
-            "SELECT l.label, e.epoch, e.generation, r.bucket, "
-            f"r.{rollups.LABEL_VALUE_COLUMNS.replace(', ', ', r.')} "
-            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN label_open r "
+        # Each label epoch's label_open row, else its highest fine block (which then holds its
+        # open bucket).
+        series = (
+            "WITH k(id) AS (SELECT id FROM series WHERE run_id = ? AND key = ?) SELECT {columns} "
+            "FROM k CROSS JOIN labels l CROSS JOIN label_epochs e CROSS JOIN {table} r "
             f"WHERE l.run_id = ?{chosen} AND e.label_id = l.id AND r.key_id = k.id AND r.axis = ? "
             "AND r.label_id = l.id AND r.epoch = e.epoch"
+        )
+        opens = series.format(
+            columns=f"l.label, e.epoch, e.generation, r.bucket, {_OPEN_VALUES}",
+            table="label_open",
+        )
+        blocks = series.format(
+            columns="l.label, e.epoch, e.generation, r.block, r.data", table="label_blocks"
+        ) + (
+            f" AND r.kind = {rollup_blocks.FINE} AND r.block = (SELECT max(t.block) FROM label_blocks t "
+            f"WHERE t.key_id = k.id AND t.kind = {rollup_blocks.FINE} AND t.axis = r.axis "
+            "AND t.label_id = l.id AND t.epoch = e.epoch) AND NOT EXISTS (SELECT 1 FROM label_open o "
+            "WHERE o.key_id = k.id AND o.axis = r.axis AND o.label_id = l.id AND o.epoch = e.epoch)"
         )
         args: list[Any] = [
             rollups.series_run(run_id, table),
             rows.storable_text(key),
             run_id,
             *(labels or []),
+            axis,
         ]
-        return [
+        con = self._db()
+        found = [base.LabelBucket(*row) for row in rollup_blocks.opened(con.execute(blocks, args).fetchall())]
+        found += [
             base.LabelBucket(row[0], row[1], row[2], row[3], rollup_blocks.open_part(row[4:]))
-            for row in self._db().execute(query, [*args, axis])
+            for row in con.execute(opens, args)
         ]
+        return found
 
     async def run_buckets(
         self, run_id: str, key: str, axis: int, width: int, lo: int, hi: int, table: PointTable = "metrics"

@@ -1,9 +1,11 @@
-"""Stores written by runbus before column chunks (schema 7: a row per value), for the migration tests.
+"""Stores older runbus wrote (schema 7: a row per value; schema 10: open rollup rows), for migration tests.
 
 tests/data/schema7.sqlite.gz and tests/data/schema7.pg.sql.gz (a `pg_dump --inserts` of the
 same) were written by `python tests/old_stores.py OUT_DIR POSTGRES_DSN` run with the code of
 commit 30e2163, the last before schema 8 (a worktree of it, with runbus installed from it):
 `write()` below is all it runs, through Store.write, which that code and this take alike.
+tests/data/schema10.* were written so (`... OUT_DIR POSTGRES_DSN schema10`) by the code of commit
+9ebfc01, the last whose stores keep each series' open bucket as a label_open row (schema 10).
 `events()` is deterministic, so a test knows every value those stores hold.
 
 Two runs: "done", whose three labels ended (the primary restarted once), and "live", whose label
@@ -103,33 +105,34 @@ def _pg_dump() -> str:
     raise SystemExit("pg_dump not found")
 
 
-def main(out_dir: str, dsn: str) -> None:
-    """Write both old stores into `out_dir` (run with the old code: see the module)."""
+def main(out_dir: str, dsn: str, name: str = "schema7") -> None:
+    """Write both old stores into `out_dir` as NAME.sqlite.gz and NAME.pg.sql.gz (run with the old
+    code: see the module)."""
     import asyncpg
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "old.db")
         asyncio.run(write(f"sqlite:///{path}"))
-        with open(path, "rb") as source, gzip.open(os.path.join(out_dir, "schema7.sqlite.gz"), "wb") as out:
+        with open(path, "rb") as source, gzip.open(os.path.join(out_dir, f"{name}.sqlite.gz"), "wb") as out:
             shutil.copyfileobj(source, out)
 
     async def fresh_database() -> str:
         con = await asyncpg.connect(dsn)
         try:
-            await con.execute("DROP DATABASE IF EXISTS runbus_schema7")
-            await con.execute("CREATE DATABASE runbus_schema7")
+            await con.execute(f"DROP DATABASE IF EXISTS runbus_{name}")
+            await con.execute(f"CREATE DATABASE runbus_{name}")
         finally:
             await con.close()
-        return dsn.rsplit("/", 1)[0] + "/runbus_schema7"
+        return dsn.rsplit("/", 1)[0] + f"/runbus_{name}"
 
     url = asyncio.run(fresh_database())
     asyncio.run(write(url))
     dump = subprocess.run(
         [_pg_dump(), "--inserts", "--no-owner", "--no-privileges", url], check=True, capture_output=True
     ).stdout
-    with gzip.open(os.path.join(out_dir, "schema7.pg.sql.gz"), "wb") as out:
+    with gzip.open(os.path.join(out_dir, f"{name}.pg.sql.gz"), "wb") as out:
         out.write(dump)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

@@ -240,13 +240,13 @@ async def test_a_read_of_some_keys_and_labels_reads_only_those(store: Store, tab
 DATA = Path(__file__).parent / "data"
 
 
-async def restore_old_store(any_store_url: str) -> str:
-    """The schema-7 store tests/old_stores.py wrote with the code before chunks, at a new URL of
-    `any_store_url`'s backend."""
+async def restore_old_store(any_store_url: str, schema: int = 7) -> str:
+    """A store tests/old_stores.py wrote with the code of `schema` (7: the last before chunks),
+    at a new URL of `any_store_url`'s backend."""
     if any_store_url.startswith("sqlite"):
-        unpack("schema7.sqlite.gz", Path(any_store_url.removeprefix("sqlite:///")))
+        unpack(f"schema{schema}.sqlite.gz", Path(any_store_url.removeprefix("sqlite:///")))
         return any_store_url
-    dump = unpack("schema7.pg.sql.gz").decode()
+    dump = unpack(f"schema{schema}.pg.sql.gz").decode()
     # pg_dump's \restrict lines are psql's, not SQL.
     script = "\n".join(line for line in dump.splitlines() if not line.startswith("\\"))
     con = await asyncpg.connect(any_store_url)

@@ -320,6 +320,43 @@ async def slots_used(url: str) -> int:
         await con.close()
 
 
+async def test_a_series_past_its_first_wide_block_keeps_every_bucket(open_stores: OpenStore) -> None:
+    """A series whose steps cross 131,072 has wider buckets in two wide blocks: a read of a range
+    over both gets them all."""
+    store = await open_stores()
+    steps = [*range(0, 3000, 7), *range(130_500, 131_900, 5)]
+    events = [start("far", "rank0", 1)] + [
+        metric("far", "rank0", 1, n + 2, {"loss": n / 8}, step, T0 + n) for n, step in enumerate(steps)
+    ]
+    for first in range(0, len(events), 97):
+        await store.write(events[first : first + 97])
+    await assert_rollups_recompute(store, "far")
+
+
+async def test_an_ended_label_keeps_its_open_buckets_in_blocks(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A running label's open buckets are label_open rows; the batch that ends it moves them into
+    their blocks (the keys it brings values of, and the others); a late value after that goes
+    into the blocks too."""
+    store = await open_stores()
+    events = [start("end", "rank0", 1)]
+    for s in range(300):
+        events.append(
+            metric("end", "rank0", 1, s + 2, {"loss": s / 4, **({"lr": s / 8} if s < 200 else {})}, s, T0 + s)
+        )
+    for first in range(0, 290, 10):
+        await store.write(events[first : first + 10])
+    assert await open_rows_by_run(any_store_url) == {"end": 2}
+    finish = Event("end", "rank0", "finish", 1, 302, T0 + 301, {"exit_code": 0}, None)
+    await store.write([*events[290:], finish])
+    assert await open_rows_by_run(any_store_url) == {}
+    await assert_rollups_recompute(store, "end")
+    await store.write([metric("end", "rank0", 1, 303, {"loss": 1.25, "lr": 0.5}, 400, T0 + 302)])
+    assert await open_rows_by_run(any_store_url) == {}
+    await assert_rollups_recompute(store, "end")
+
+
 async def test_writers_one_after_another_share_a_slot(open_stores: OpenStore, any_store_url: str) -> None:
     """A restarted worker takes the lowest free slot again: a run's rows do not spread over a
     slot per restart (a chart merges every slot's row of a bucket)."""
@@ -998,6 +1035,76 @@ async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
     await assert_rollups_recompute(store, "live", exact=False)
     tables = await table_names(url)
     assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
+
+
+async def test_a_store_of_schema_10_keeps_every_bucket_bit_for_bit(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A store of schema 10 (tests/data: an open row per series; migration 11 moves the ended
+    labels' open rows into their fine blocks) holds every bucket it held, bit for bit; its live
+    label keeps its open rows and goes on, until it ends."""
+    url = await restore_old_store(any_store_url, schema=10)
+    before = await stored_label_buckets(url)
+    assert before and any(width == rollups.FINE_WIDTH for _, width, *_ in before)
+    store = await open_stores(url)
+    assert await stored_label_buckets(url) == before
+    assert set(await open_rows_by_run(url)) == {"live"}
+    for run in ("done", "live"):
+        await assert_rollups_recompute(store, run, exact=False)
+    last = max(e.seq for e in old_stores.events() if e.run == "live")
+    step = max(e.step for e in old_stores.events() if e.run == "live" and e.step is not None)
+    ts = max(e.ts for e in old_stores.events() if e.run == "live")
+    await store.write(
+        [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
+    )
+    await assert_rollups_recompute(store, "live", exact=False)
+    # A finish alone: the label's open buckets go into their blocks all the same.
+    await store.write([Event("live", "rank0", "finish", 1, last + 300, ts + 300, {"exit_code": 0}, None)])
+    assert await open_rows_by_run(url) == {}
+    await assert_rollups_recompute(store, "live", exact=False)
+
+
+async def open_rows_by_run(url: str) -> dict[str, int]:
+    """How many label_open rows each run's labels have."""
+    query = "SELECT l.run_id, count(*) FROM label_open o JOIN labels l ON l.id = o.label_id GROUP BY l.run_id"
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            return dict(con.execute(query).fetchall())
+    con = await asyncpg.connect(url)
+    try:
+        return {row[0]: row[1] for row in await con.fetch(query)}
+    finally:
+        await con.close()
+
+
+async def stored_label_buckets(url: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Every label bucket a store holds, read from its tables: (key id, width, axis, label id,
+    epoch, bucket) -> its fields, floats as their bits."""
+    blocks = f"SELECT {rollup_blocks.BLOCK_COLUMNS} FROM label_blocks"
+    opens = f"SELECT {rollup_blocks.OPEN_COLUMNS} FROM label_open"
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            block_rows = con.execute(blocks).fetchall()
+            open_rows = con.execute(opens).fetchall()
+    else:
+        con = await asyncpg.connect(url)
+        try:
+            block_rows = await con.fetch(blocks)
+            open_rows = await con.fetch(opens)
+        finally:
+            await con.close()
+    found = {}
+    for block, places in rollup_blocks.decoded(block_rows).items():
+        found.update(rollup_blocks.stored_rows(block, places))
+    for row in open_rows:
+        key = (row[0], rollups.FINE_WIDTH, *row[1:5])
+        assert key not in found
+        found[key] = rollup_blocks.open_part(row[5:])
+    return {key: tuple(as_bits(value) for value in part) for key, part in found.items()}
+
+
+def as_bits(value: Any) -> Any:
+    return struct.pack("<d", value) if isinstance(value, float) else value
 
 
 async def table_names(url: str) -> set[str]:
