@@ -1099,7 +1099,7 @@ class Worker:
     async def _ack(self, entries: Entries) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for key, items in entries:
-            pipe.xack(key, self.settings.group, *[entry_id for entry_id, _ in items])
+            pipe.xack(key, self.settings.group, *map(_ID, items))
         for (key, _), reply in zip(entries, await pipe.execute(raise_on_error=False), strict=True):
             if isinstance(reply, ResponseError):  # deleted or replaced meanwhile: nothing to keep
                 log.warning("could not acknowledge entries of %s: %s", key, reply)
