@@ -553,9 +553,8 @@ class Worker:
         pending_first = True
         # New entries are read, decoded and screened by the fence while the previous batch is
         # written (in the store's thread), and written while the one before is acknowledged
-        # (Commits). After a batch of
-        # new entries the next is asked for at once (read_ahead), so Redis serves it while this
-        # one is decoded instead of after.
+        # (Commits). After a batch of new entries the next is asked for at once (read_ahead), so
+        # Redis serves it while this one is decoded instead of after.
         commits = Commits()
         read_ahead: asyncio.Task[Entries | None] | None = None
         finished = False
