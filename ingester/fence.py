@@ -27,7 +27,7 @@ FENCES_REMEMBERED = 65536
 # Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
 Source = tuple[str, bytes, dict[bytes, bytes] | wire.FlatEntry]
 LabelKey = tuple[str, str]
-_RUN, _LABEL, _EPOCH = attrgetter("run"), attrgetter("label"), attrgetter("epoch")
+_EPOCH = attrgetter("epoch")
 _KEY, _FIELDS = itemgetter(0), itemgetter(2)
 _LISTS = frozenset({list})
 _NUL = b"\0"
@@ -61,17 +61,19 @@ class Fences:
     ) -> tuple[list[wire.Event], list[Source]]:
         """The events (and their sources) their epochs' lease holders wrote; the others join
         `dead` with the reason."""
-        places = set(zip(map(_RUN, events), map(_LABEL, events), map(_EPOCH, events), strict=True))
+        stretches = _stretches(sources)
+        # A stretch's events are of its stream's run and label (the decoders check): its epochs
+        # are what is looked up, not a tuple per event.
         unknown = {
             (run, label)
-            for run, label, epoch in places
-            if (fence := self._known.get((run, label))) is None or not fence.knows(epoch)
+            for run, label, epochs in map(_places, (events[stretch] for stretch in stretches))
+            if (fence := self._known.get((run, label))) is None or not all(map(fence.knows, epochs))
         }
         if unknown:
             await self._read(redis, unknown)
         kept: list[wire.Event] = []
         kept_sources: list[Source] = []
-        for stretch in _stretches(sources):
+        for stretch in stretches:
             mine, theirs = events[stretch], sources[stretch]
             if self._all_sealed(mine, theirs):
                 kept += mine
@@ -174,6 +176,11 @@ def _stretches(sources: list[Source]) -> list[slice]:
         stretches.append(slice(start, end))
         start = end
     return stretches
+
+
+def _places(events: list[wire.Event]) -> tuple[str, str, set[int]]:
+    """The run, label and epochs of one stream's events."""
+    return events[0].run, events[0].label, set(map(_EPOCH, events))
 
 
 def _as_dict(fields: dict[bytes, bytes] | wire.FlatEntry) -> dict[bytes, bytes]:

@@ -15,6 +15,8 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import compress, repeat
+from operator import attrgetter, eq
 from typing import Any
 
 import orjson
@@ -37,6 +39,7 @@ STORE_FAILING_WAIT, STORE_FAILING_WAIT_MAX = 5.0, 60.0
 # stragglers' key before the interval is up: at 0.13 s steps a 1 s interval is up to 8 steps
 # late, and a slow rank is named within 20 steps of the run's start (bench/stragglers.py).
 SOONEST = 0.25
+_KIND = attrgetter("kind")
 
 
 def process_state(pid: object) -> str | None:
@@ -92,7 +95,7 @@ class HealthKeeper:
         brought steps of a run's stragglers' key, check that run's health soon."""
         if self.findings.note(events):
             self._steps_arrived.set()
-        beats = [event for event in events if event.kind == "heartbeat"]
+        beats = list(compress(events, map(eq, map(_KIND, events), repeat("heartbeat"))))
         if not beats:
             return
         try:

@@ -17,7 +17,7 @@ import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -325,8 +325,10 @@ class Worker:
         self._fences = Fences(self.settings.require_seal)
         # The entries this worker has read and not yet acknowledged or given up, by stream: its
         # batches, the one read ahead, what it claimed. Kept alive (_keep_alive), never claimed
-        # (_claim): XAUTOCLAIM would hand them back to it, to be written twice.
-        self._in_flight: dict[str, set[bytes]] = {}
+        # (_claim): XAUTOCLAIM would hand them back to it, to be written twice. Kept as the
+        # lists read (one per stream and read), not as sets of ids: a set costs a hash and an
+        # insertion per entry, held and let go, where the ids are wanted only every few seconds.
+        self._in_flight: dict[str, list[StreamItems]] = {}
         self.health = HealthKeeper(
             self.store, self.settings.health, self.settings.health_interval, self.settings.on_alert
         )
@@ -549,10 +551,10 @@ class Worker:
         due = _Due(now, now + settings.maintenance_interval, now + STATS_INTERVAL)
         # Our own pending entries first (a restart under the same consumer name), then new ones.
         pending_first = True
-        # New entries are read and decoded while the previous batch is written (in the store's
-        # thread), and written while the one before is acknowledged (Commits). After a batch of
-        # new entries the next is asked for at once (read_ahead), so Redis serves it while this
-        # one is decoded instead of after.
+        # New entries are read, decoded and screened by the fence while the previous batch is
+        # written (in the store's thread), and written while the one before is acknowledged
+        # (Commits). After a batch of new entries the next is asked for at once (read_ahead), so
+        # Redis serves it while this one is decoded instead of after.
         commits = Commits()
         read_ahead: asyncio.Task[Entries | None] | None = None
         finished = False
@@ -575,9 +577,13 @@ class Worker:
                     entries, read_ahead = await read_ahead, None
                 if entries:
                     read_ahead = self._read_new_ahead()
+                    # A turn of the event loop: the read's command goes out now, and Redis makes
+                    # its reply while this batch is decoded, not after.
+                    await asyncio.sleep(0)
                     started = time.monotonic()
-                    decoded = decode_batch(entries, None, settings.max_deliveries)
-                    await commits.start(functools.partial(self._commit, entries, *decoded, started))
+                    screened = await self._screened(entries)
+                    if screened is not None:
+                        await commits.start(functools.partial(self._commit, entries, *screened, started))
                 else:
                     await commits.settle()
                     if entries is not None and settings.burst:
@@ -691,7 +697,7 @@ class Worker:
                 key, self.settings.group, min=start, max="+", count=size, idle=idle_ms
             )
             pending = pending_entries(reply)
-            held = self._in_flight.get(key, ())
+            held = self._held_ids(key)
             found += [p["message_id"] for p in pending if p["message_id"] not in held]
             if len(pending) < size:
                 break
@@ -737,16 +743,22 @@ class Worker:
     def _hold(self, entries: Entries) -> None:
         """`entries` were delivered to this worker: in flight until _let_go."""
         for key, items in entries:
-            self._in_flight.setdefault(key, set()).update(map(_ID, items))
+            self._in_flight.setdefault(key, []).append(items)
 
     def _let_go(self, entries: Entries) -> None:
         """`entries` are acknowledged, or left pending for another worker."""
         for key, items in entries:
-            held = self._in_flight.get(key)
-            if held is not None:
-                held.difference_update(map(_ID, items))
+            held = self._in_flight.get(key, [])
+            # By identity: another read's list of the same entries (a redelivery) is not this one.
+            at = next((at for at, those in enumerate(held) if those is items), None)
+            if at is not None:
+                del held[at]
                 if not held:
                     del self._in_flight[key]
+
+    def _held_ids(self, key: str) -> set[bytes]:
+        """The ids of the entries of stream `key` held in flight."""
+        return set(map(_ID, chain.from_iterable(self._in_flight.get(key, ()))))
 
     async def _keep_alive(self, stop: asyncio.Event) -> None:
         """Every third of claim_idle until `stop`, reset the idle time of every entry held in
@@ -759,7 +771,7 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
                 return
-            held = [(key, list(ids)) for key, ids in self._in_flight.items()]
+            held = [(key, list(self._held_ids(key))) for key in list(self._in_flight)]
             if not held:
                 continue
             pipe = self._redis.pipeline(transaction=False)
@@ -891,8 +903,24 @@ class Worker:
     async def _process(self, entries: Entries, redelivered: bool = False) -> None:
         started = time.monotonic()
         deliveries = await self._with_redis(lambda: self._deliveries(entries)) if redelivered else None
+        screened = await self._screened(entries, deliveries)
+        if screened is not None:
+            await self._commit(entries, *screened, started)
+
+    async def _screened(
+        self, entries: Entries, deliveries: dict[bytes, int] | None = None
+    ) -> tuple[list[wire.Event], list[Source], list[DeadEntry]] | None:
+        """decode_batch's events (and their sources) that their epochs' lease holders wrote
+        (ingester/fence.py), and the dead entries, those the fence stopped included. None if a
+        stop gave up on Redis: then `entries` are let go, left pending for another worker."""
         events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
-        await self._commit(entries, events, sources, dead, started)
+        fenced = await self._with_redis(
+            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
+        )
+        if fenced is None:
+            self._let_go(entries)
+            return None
+        return *fenced, dead
 
     async def _commit(
         self,
@@ -903,15 +931,12 @@ class Worker:
         started: float,
         written: asyncio.Future[None] | None = None,
     ) -> None:
-        """Write a decoded batch, dead-letter what must be, then acknowledge it all; `written`
-        is done once the store write has returned (or failed)."""
+        """Write a screened batch (_screened), dead-letter what must be, then acknowledge it
+        all; `written` is done once the store write has returned (or failed)."""
         try:
             try:
-                fenced = await self._screen(events, sources, dead)
-                if fenced is not None:
-                    events, sources = fenced
                 invalid = len(dead)  # _write adds the events the store rejects
-                holders = None if fenced is None else await self._holders(events)
+                holders = await self._holders(events)
                 stored = None if holders is None else await self._write_sliced(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
@@ -947,15 +972,6 @@ class Worker:
             len(events) - stored - (len(dead) - invalid),
             len(dead),
             (time.monotonic() - started) * 1000,
-        )
-
-    async def _screen(
-        self, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
-    ) -> tuple[list[wire.Event], list[Source]] | None:
-        """The events their epochs' lease holders wrote (ingester/fence.py); the others join
-        `dead`. None if a stop gave up on Redis."""
-        return await self._with_redis(
-            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
         )
 
     async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:
@@ -1082,7 +1098,7 @@ class Worker:
     async def _ack(self, entries: Entries) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for key, items in entries:
-            pipe.xack(key, self.settings.group, *[entry_id for entry_id, _ in items])
+            pipe.xack(key, self.settings.group, *map(_ID, items))
         for (key, _), reply in zip(entries, await pipe.execute(raise_on_error=False), strict=True):
             if isinstance(reply, ResponseError):  # deleted or replaced meanwhile: nothing to keep
                 log.warning("could not acknowledge entries of %s: %s", key, reply)

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import compress
+from operator import attrgetter
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -47,6 +50,7 @@ DIRECT_EVENTS = 256
 CHUNK_POINTS = 4096
 # The kinds of event whose values the head and the chunks hold.
 VALUE_KINDS = frozenset({"metric", "system"})
+_KIND, _EPOCH = attrgetter("kind"), attrgetter("epoch")
 # The series id of a label epoch's clock: no `series` row has it (ids start at 1).
 CLOCK = 0
 
@@ -148,10 +152,10 @@ def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int,
     (label id, epoch): what each label epoch's head grows by."""
     counts: dict[tuple[int, int], int] = {}
     for label_id, events in fresh:
-        for event in events:
-            if event.kind in VALUE_KINDS:
-                key = (label_id, event.epoch)
-                counts[key] = counts.get(key, 0) + 1
+        # Counted in C (Counter over maps): a batch brings tens of thousands of events.
+        values = compress(events, map(VALUE_KINDS.__contains__, map(_KIND, events)))
+        for epoch, count in Counter(map(_EPOCH, values)).items():
+            counts[label_id, epoch] = counts.get((label_id, epoch), 0) + count
     return counts
 
 

@@ -634,3 +634,15 @@ async def test_a_step_range_reads_the_values_at_those_steps_and_only_their_chunk
             await store.values(RUN, steps=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="system samples have no steps"):
         await store.values(RUN, "system", steps=(1, 2))
+
+
+def test_a_batch_s_heads_grow_by_its_value_events_per_label_epoch() -> None:
+    from runbus.storage.chunking import head_events
+    from runbus.wire import Event
+
+    def event(kind: str, epoch: int, seq: int) -> Event:
+        return Event(RUN, "rank0", kind, epoch, seq, T0 + seq, {"x": 1.0}, None)
+
+    first = [event("metric", 1, 1), event("log", 1, 2), event("system", 1, 3), event("metric", 2, 1)]
+    second = [event("heartbeat", 1, 4), event("start", 3, 1)]
+    assert head_events([(7, first), (8, second), (9, [])]) == {(7, 1): 2, (7, 2): 1}

@@ -97,3 +97,22 @@ async def test_a_better_key_logged_later_is_read_from_the_batch_that_brings_it(s
     found = await reader.read(run_id, {})
     assert found.source == KEY and found.time_key
     assert [(s["label"], s["kind"], s["step"]) for s in found.stragglers] == [("rank1", "chronic", 30)]
+
+
+async def test_a_batch_is_noted_by_the_stepped_metrics_of_a_run_s_key_alone(store):
+    run_id, rng = "noted", random.Random(7)
+    await store.write(
+        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
+    )
+    await store.write(steps_of(run_id, 0, 9, rng))
+    reader = FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+    assert (await reader.read(run_id, {})).source == KEY
+    step = steps_of(run_id, 10, 10, rng)[0]
+    others = [
+        step._replace(kind="system"),  # not a metric, though it has the key and a step
+        step._replace(step=None),  # a metric at no step
+        step._replace(data={"loss": 1.0}),  # a step without the key
+        step._replace(run="another"),  # a run the reader does not know
+    ]
+    assert not reader.note(others)
+    assert reader.note([*others[:2], step, *others[2:]])

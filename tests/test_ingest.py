@@ -356,6 +356,23 @@ def test_a_failed_write_stops_the_next_batch_from_starting():
     asyncio.run(main())
 
 
+def test_entries_in_flight_are_let_go_read_by_read(tmp_path):
+    from runbus.ingester.worker import Worker, WorkerSettings
+
+    worker = Worker(WorkerSettings(store_url=f"sqlite:///{tmp_path}/runbus.db"))
+    first = [(b"1-0", [b"v", b"1"]), (b"2-0", [b"v", b"1"])]
+    again = [(b"2-0", [b"v", b"1"])]  # the same entry delivered again (claimed), in a read of its own
+    worker._hold([("s", first), ("t", [(b"5-0", None)])])
+    worker._hold([("s", again)])
+    assert worker._held_ids("s") == {b"1-0", b"2-0"}
+    worker._let_go([("s", first)])
+    assert worker._held_ids("s") == {b"2-0"}  # still in flight in the other read
+    worker._let_go([("s", list(again))])  # an equal list, not the one held: nothing let go
+    assert worker._held_ids("s") == {b"2-0"}
+    worker._let_go([("s", again), ("t", [])])
+    assert worker._held_ids("s") == set() and worker._held_ids("t") == {b"5-0"}
+
+
 def _events(label: str, count: int, keys: int) -> list[wire.Event]:
     data = {f"k{n}": 1.0 for n in range(keys)}
     return [wire.Event("r", label, "metric", 1, seq, 0.0, data, seq) for seq in range(count)]

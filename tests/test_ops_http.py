@@ -76,8 +76,8 @@ README_METRICS = (
 )
 # The line a worker process logs as it starts (ingester/process.py).
 SETUP_LINE = re.compile(
-    r"worker (\S+) in process (\d+): gc thresholds \(100000, 20, 100\), (\d+) start-up objects frozen; "
-    r"SIGTERM, SIGINT finish the batches in flight \(at most 10s\), then stop"
+    rf"worker (\S+) in process (\d+): gc thresholds {re.escape(str(GC_THRESHOLDS))}, (\d+) start-up "
+    r"objects frozen; SIGTERM, SIGINT finish the batches in flight \(at most 10s\), then stop"
 )
 
 
