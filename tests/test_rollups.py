@@ -1026,15 +1026,22 @@ async def test_a_store_of_rollup_rows_keeps_them_as_open_rows_and_blocks(
     store = await open_stores(url)
     for run in ("done", "live"):
         await assert_rollups_recompute(store, run, exact=False)
+    await _go_on_live(store)
+    await assert_rollups_recompute(store, "live", exact=False)
+    tables = await table_names(url)
+    assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
+
+
+async def _go_on_live(store: Store) -> tuple[int, float]:
+    """Write 299 more steps of the old store's live run (tests/old_stores) to rank0: its last
+    seq and timestamp before them."""
     last = max(e.seq for e in old_stores.events() if e.run == "live")
     step = max(e.step for e in old_stores.events() if e.run == "live" and e.step is not None)
     ts = max(e.ts for e in old_stores.events() if e.run == "live")
     await store.write(
         [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
     )
-    await assert_rollups_recompute(store, "live", exact=False)
-    tables = await table_names(url)
-    assert "label_rollups" not in tables and {"label_open", "label_blocks"} <= tables
+    return last, ts
 
 
 async def test_a_store_of_schema_10_keeps_every_bucket_bit_for_bit(
@@ -1051,12 +1058,7 @@ async def test_a_store_of_schema_10_keeps_every_bucket_bit_for_bit(
     assert set(await open_rows_by_run(url)) == {"live"}
     for run in ("done", "live"):
         await assert_rollups_recompute(store, run, exact=False)
-    last = max(e.seq for e in old_stores.events() if e.run == "live")
-    step = max(e.step for e in old_stores.events() if e.run == "live" and e.step is not None)
-    ts = max(e.ts for e in old_stores.events() if e.run == "live")
-    await store.write(
-        [metric("live", "rank0", 1, last + n, {"loss": 0.5 + n}, step + n, ts + n) for n in range(1, 300)]
-    )
+    last, ts = await _go_on_live(store)
     await assert_rollups_recompute(store, "live", exact=False)
     # A finish alone: the label's open buckets go into their blocks all the same.
     await store.write([Event("live", "rank0", "finish", 1, last + 300, ts + 300, {"exit_code": 0}, None)])
