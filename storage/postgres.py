@@ -356,12 +356,7 @@ async def _fold_open_rows(con: asyncpg.Connection, labels: Sequence[int]) -> Non
 
 
 # label_open rows of some labels ($1, by label_open_by_label), each with its bucket's fine block.
-_FOLDED = (
-    f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
-    f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
-    "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
-    f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id = ANY($1::int8[])"
-)
+_FOLDED = f"{rollup_blocks.FOLDED_ROWS} = ANY($1::int8[])"
 
 
 async def _series_of(found: Any) -> AsyncIterator[list[asyncpg.Record]]:

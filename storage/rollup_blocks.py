@@ -85,6 +85,15 @@ _NULLABLE = (LO, HI, LAST)  # None where a bucket has no such value (lo/hi: no v
 CONVERTED_ORDER = "key_id, axis, label_id, epoch, width, bucket"
 OPEN_COLUMNS = f"key_id, axis, label_id, epoch, bucket, {rollups.LABEL_VALUE_COLUMNS}"
 BLOCK_COLUMNS = "key_id, kind, axis, label_id, epoch, block, data"
+# The rows `folded` takes: label_open rows, each with the data of the fine block its bucket
+# falls in (NULL where there is none yet), of the labels a backend's condition on o.label_id
+# names (appended to this).
+FOLDED_ROWS = (
+    f"SELECT o.{OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
+    f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {FINE} "
+    "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
+    f"AND b.block = o.bucket >> {FINE_BITS} WHERE o.label_id"
+)
 
 
 def place_of(key: LabelRowKey) -> tuple[BlockKey, int]:
@@ -411,12 +420,14 @@ def opened(
 def folded(rows: Iterable[Sequence[Any]]) -> Iterator[tuple[Any, ...]]:
     """label_open rows (OPEN_COLUMNS, then the data of the fine block their bucket falls in, or
     None where it has none) as label_blocks rows, each open bucket in its block: how the open
-    buckets of a label that has ended go into its blocks."""
+    buckets of a label that has ended go into its blocks. The blocks are decoded together
+    (decode_many): the batch that ends a large job's labels folds thousands of series."""
+    rows = list(rows)
+    stored = iter(decode_many([row[-1] for row in rows if row[-1] is not None]))
     for row in rows:
         kid, axis, label_id, epoch, bucket = row[:5]
         block, place = place_of((kid, FINE_WIDTH, axis, label_id, epoch, bucket))
-        data = row[-1]
-        places = {} if data is None else decode_many([data])[0]
+        places = {} if row[-1] is None else next(stored)
         places[place] = open_part(row[5:-1])
         yield (*block, encode(places))
 

@@ -456,13 +456,7 @@ def _fold_open_rows(con: sqlite3.Connection, labels: Sequence[int]) -> None:
     row, and it one block: no block is read twice."""
     for chunk in _chunks(list(labels), MAX_LABELS_PER_STATEMENT):
         chosen = _rows_sql(1, len(chunk))
-        found = con.execute(
-            f"SELECT o.{rollup_blocks.OPEN_COLUMNS.replace(', ', ', o.')}, b.data FROM label_open o "
-            f"LEFT JOIN label_blocks b ON b.key_id = o.key_id AND b.kind = {rollup_blocks.FINE} "
-            "AND b.axis = o.axis AND b.label_id = o.label_id AND b.epoch = o.epoch "
-            f"AND b.block = o.bucket >> {rollup_blocks.FINE_BITS} WHERE o.label_id IN ({chosen})",
-            chunk,
-        ).fetchall()
+        found = con.execute(f"{rollup_blocks.FOLDED_ROWS} IN ({chosen})", chunk).fetchall()
         if found:
             _insert(con, "label_blocks", 7, list(rollup_blocks.folded(found)), verb="INSERT OR REPLACE")
             con.execute(f"DELETE FROM label_open WHERE label_id IN ({chosen})", chunk)
