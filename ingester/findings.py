@@ -29,7 +29,7 @@ from runbus.storage.base import Store
 from runbus.storage.outliers import band_leavers
 from runbus.storage.rollups import LAST, TS_AXIS
 from runbus.storage.stragglers import WINDOW, StepTimes, Tally, find, latest
-from runbus.wire import Event
+from runbus.wire import Event, of_kind
 
 log = logging.getLogger("runbus.ingester")
 
@@ -41,7 +41,7 @@ DERIVED_FROM = "loss"
 # by the end of their key: its GPUs' utilisation, clock, power and temperature, its process's CPU.
 FIGURES = (".util", ".sm_clock_mhz", ".power_w", ".temp_c", "proc.cpu_percent")
 FIGURED = 5  # stragglers given figures at most, the first
-_KIND, _RUN, _STEP, _DATA = attrgetter("kind"), attrgetter("run"), attrgetter("step"), attrgetter("data")
+_RUN, _STEP, _DATA = attrgetter("run"), attrgetter("step"), attrgetter("data")
 
 
 @dataclass(slots=True)
@@ -111,7 +111,7 @@ class FindingsReader:
             return False
         # Filtered in C: this runs for every stored batch, where a loop in Python over its events
         # took a twentieth of a worker's CPU (bench/ingest.py).
-        metrics = list(compress(events, map(eq, map(_KIND, events), repeat("metric"))))
+        metrics = of_kind(events, "metric")
         stepped = list(compress(metrics, map(is_not, map(_STEP, metrics), repeat(None))))
         best = TIME_KEYS[0]
         runs = [

@@ -15,8 +15,6 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from itertools import compress, repeat
-from operator import attrgetter, eq
 from typing import Any
 
 import orjson
@@ -27,7 +25,7 @@ from runbus.storage.base import Store
 from runbus.storage.beats import RunVitals
 from runbus.storage.health import ALERTING, HealthSettings, LabelVitals, judge, redacted, silent_after
 from runbus.storage.postmortem import judge_ended
-from runbus.wire import Event
+from runbus.wire import Event, of_kind
 
 log = logging.getLogger("runbus.ingester")
 
@@ -39,7 +37,6 @@ STORE_FAILING_WAIT, STORE_FAILING_WAIT_MAX = 5.0, 60.0
 # stragglers' key before the interval is up: at 0.13 s steps a 1 s interval is up to 8 steps
 # late, and a slow rank is named within 20 steps of the run's start (bench/stragglers.py).
 SOONEST = 0.25
-_KIND = attrgetter("kind")
 
 
 def process_state(pid: object) -> str | None:
@@ -95,7 +92,7 @@ class HealthKeeper:
         brought steps of a run's stragglers' key, check that run's health soon."""
         if self.findings.note(events):
             self._steps_arrived.set()
-        beats = list(compress(events, map(eq, map(_KIND, events), repeat("heartbeat"))))
+        beats = of_kind(events, "heartbeat")
         if not beats:
             return
         try:

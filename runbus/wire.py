@@ -16,7 +16,9 @@ import re
 import secrets
 import time
 import unicodedata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, eq
 from typing import Any, NamedTuple
 
 import orjson
@@ -244,6 +246,15 @@ class Event(NamedTuple):
     def position(self) -> tuple[int, int]:
         """Where this event stands in its label's history: (epoch, seq)."""
         return (self.epoch, self.seq)
+
+
+_KIND = attrgetter("kind")
+
+
+def of_kind(events: Sequence[Event], kind: str) -> list[Event]:
+    """The events of `kind`, in order, picked out in C (compress over maps): the ingester filters
+    every stored batch so, where a loop in Python over its events cost a share of its CPU."""
+    return list(compress(events, map(eq, map(_KIND, events), repeat(kind))))
 
 
 def encode_fields(
