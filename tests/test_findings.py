@@ -30,13 +30,23 @@ def steps_of(run_id: str, first: int, last: int, rng: random.Random) -> list[Eve
     ]
 
 
-async def test_the_stragglers_are_re_read_as_their_steps_arrive_and_counted_from_the_last(store):
-    run_id, rng = "arrive", random.Random(5)
+async def start(store, run_id: str) -> None:
+    """Each label's start, rank0 the primary."""
     await store.write(
         [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
     )
+
+
+def idle_reader(store) -> FindingsReader:
+    """A reader that re-reads nothing on its own within a test: only a noted batch makes it."""
+    return FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+
+
+async def test_the_stragglers_are_re_read_as_their_steps_arrive_and_counted_from_the_last(store):
+    run_id, rng = "arrive", random.Random(5)
+    await start(store, run_id)
     await store.write(steps_of(run_id, 0, 29, rng))
-    reader = FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+    reader = idle_reader(store)
     found = await reader.read(run_id, {})
     assert found.source == KEY and found.tally.done == 29
     assert [(s["label"], s["kind"]) for s in found.stragglers] == [("rank1", "chronic")]
@@ -57,9 +67,7 @@ async def test_the_stragglers_are_re_read_as_their_steps_arrive_and_counted_from
 
 async def test_the_detector_checks_a_run_soon_after_a_batch_brings_steps_not_at_its_interval(store):
     run_id, rng = "soon", random.Random(6)
-    await store.write(
-        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
-    )
+    await start(store, run_id)
     await store.write(steps_of(run_id, 0, 4, rng))  # too few steps to name anyone
     keeper = HealthKeeper(store, interval=600.0)  # without the steps, no check for 10 minutes
     stop = asyncio.Event()
@@ -85,11 +93,9 @@ async def named(store, run_id: str) -> list[tuple[str, str, int]]:
 async def test_a_better_key_logged_later_is_read_from_the_batch_that_brings_it(store):
     # watch() logs perf/compute_s from a run's second step on: a first read may find the loss only.
     run_id, rng = "better", random.Random(7)
-    await store.write(
-        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
-    )
+    await start(store, run_id)
     await store.write([Event(run_id, label, "metric", 1, 2, NOW, {"loss": 1.0}, 0) for label in LABELS])
-    reader = FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+    reader = idle_reader(store)
     assert (await reader.read(run_id, {})).source == "loss"
     later = steps_of(run_id, 1, 30, rng)
     await store.write(later)
@@ -101,11 +107,9 @@ async def test_a_better_key_logged_later_is_read_from_the_batch_that_brings_it(s
 
 async def test_a_batch_is_noted_by_the_stepped_metrics_of_a_run_s_key_alone(store):
     run_id, rng = "noted", random.Random(7)
-    await store.write(
-        [Event(run_id, label, "start", 1, 1, NOW, {"primary": label == "rank0"}) for label in LABELS]
-    )
+    await start(store, run_id)
     await store.write(steps_of(run_id, 0, 9, rng))
-    reader = FindingsReader(store, every=3600.0, band_every=3600.0, steps_every=3600.0)
+    reader = idle_reader(store)
     assert (await reader.read(run_id, {})).source == KEY
     step = steps_of(run_id, 10, 10, rng)[0]
     others = [
