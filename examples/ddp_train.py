@@ -1,7 +1,7 @@
 r"""A small DDP job that logs every rank into one runbus run.
 
     torchrun --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --rdzv-id myjob \
-        examples/ddp_train.py                                     # gloo on CPU, NCCL on GPUs
+        examples/ddp_train.py              # NCCL with a GPU per rank, else gloo on the CPU
     torchrun --standalone --nproc-per-node 4 examples/ddp_train.py     # a random run id
     RUNBUS_RUN_ID=myjob torchrun --nproc-per-node 4 examples/ddp_train.py
 
@@ -56,8 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # NCCL takes a GPU per rank: more ranks on a machine than it has GPUs train on the CPU.
+    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
