@@ -8,8 +8,9 @@ come from a clock ticking each step with jitter (µs). Each (label, key) is enco
 256, 1,024 and 4,096 points (a label's 2,000 points fit one 4,096 chunk).
 
 Reported: bytes per point for each column and in all (headers included), the values column per
-kind of key under each float scheme (the codec's choice, XOR + shuffle + zlib, shuffle + zlib,
-XOR + zlib without the shuffle, zlib alone, Gorilla's bit packing, XOR + shuffle + lzma),
+kind of key under each float scheme (format 2's pcodec column, format 1's choice and its XOR and
+plain encodings, XOR + shuffle + zlib, shuffle + zlib, XOR + zlib without the shuffle, zlib alone,
+Gorilla's bit packing, XOR + shuffle + lzma),
 timestamps once per key against once per event, and points encoded and decoded per second by
 the numpy path (chunk by chunk with decode_arrays, and a key's chunks across its labels at
 once with decode_many) and by the reference (on 4 labels' share: it is the readable one).
@@ -130,9 +131,11 @@ def _xor(values: np.ndarray) -> np.ndarray:
 
 
 SCHEMES: dict[str, Callable[[np.ndarray], int]] = {
-    "chosen": lambda v: len(columns_numpy._values_column(v)[1]),
-    # The codec's own XOR and plain encodings, each alone (byte planes: zeros left out, noise
-    # stored as it is, the rest through zlib).
+    # Format 2's column (pcodec), as the stores write it: int64 where logged as ints.
+    "chosen": lambda v: len(columns.pco_payload(np.ascontiguousarray(v))),
+    # Format 1's choice, and its XOR and plain encodings each alone (byte planes: zeros left
+    # out, noise stored as it is, the rest through zlib).
+    "format1_chosen": lambda v: len(columns_numpy._values_column(v)[1]),
     "codec_xor": lambda v: len(columns_numpy.float_payload(v, columns.FLOAT_XOR) or b""),
     "codec_plain": lambda v: len(columns_numpy.float_payload(v, columns.FLOAT_PLAIN) or b""),
     "xor_shuffle_zlib": lambda v: len(zlib.compress(_shuffled(_xor(v)), 6)),
@@ -142,6 +145,10 @@ SCHEMES: dict[str, Callable[[np.ndarray], int]] = {
     "gorilla": lambda v: (gorilla_bits(v) + 7) // 8,
     "xor_shuffle_lzma": lambda v: len(lzma.compress(_shuffled(_xor(v)), preset=6)),
 }
+
+
+# The schemes that keep ints logged as ints (the others see every value as a float64).
+AS_LOGGED = ("chosen", "format1_chosen")
 
 
 def chunks_of(labels: list, size: int) -> list[tuple[str, Arrays]]:
@@ -202,14 +209,15 @@ def schemes_by_kind(chunks: list[tuple[str, Arrays]]) -> dict[str, dict[str, flo
         points = sum(len(values) for values in mine)
         floats = [values.astype(np.float64) for values in mine]
         result[kind] = {
-            scheme: round(sum(measure(v) for v in (mine if scheme == "chosen" else floats)) / points, 3)
+            scheme: round(sum(measure(v) for v in (mine if scheme in AS_LOGGED else floats)) / points, 3)
             for scheme, measure in SCHEMES.items()
         }
     every = [arrays.values for _, arrays in chunks]
     points = sum(len(values) for values in every)
     result["all"] = {
         scheme: round(
-            sum(SCHEMES[scheme](v if scheme == "chosen" else v.astype(np.float64)) for v in every) / points, 3
+            sum(SCHEMES[scheme](v if scheme in AS_LOGGED else v.astype(np.float64)) for v in every) / points,
+            3,
         )
         for scheme in SCHEMES
     }
@@ -219,7 +227,7 @@ def schemes_by_kind(chunks: list[tuple[str, Arrays]]) -> dict[str, dict[str, flo
 def timestamps_per_event(labels: list, size: int) -> float:
     """Bytes per point of the timestamps kept once per event (shared by its 20 keys)."""
     total = sum(
-        columns.COLUMN.size + len(columns_numpy.pack_ints(ts[part]))
+        columns.COLUMN.size + len(columns.pco_payload(np.ascontiguousarray(ts[part])))
         for _, ts, _ in labels
         for part in chunked(len(ts), size)
     )
@@ -237,6 +245,10 @@ def rates(chunks: list[tuple[str, Arrays]], labels_for_reference: int, repeat: i
     per_key = len(blobs) // sum(KINDS.values())
     keys = [blobs[start : start + per_key] for start in range(0, len(blobs), per_key)]
     many = best_seconds(lambda: [columns_numpy.decode_many(key) for key in keys], repeat)
+    # The same chunks in format 1, as stores written before format 2 hold them.
+    old = [columns_numpy.encode_arrays_v1(a) for a in arrays]
+    old_keys = [old[start : start + per_key] for start in range(0, len(old), per_key)]
+    many_v1 = best_seconds(lambda: [columns_numpy.decode_many(key) for key in old_keys], repeat)
     # The reference on a slice of the chunks (a label's share of them): it is slow by design.
     share = max(1, len(arrays) * labels_for_reference // 64)
     lists = [columns_numpy.chunk_of(a) for a in arrays[:share]]
@@ -248,6 +260,7 @@ def rates(chunks: list[tuple[str, Arrays]], labels_for_reference: int, repeat: i
         "numpy_encode_points_per_s": round(points / encode),
         "numpy_decode_points_per_s": round(points / decode),
         "numpy_decode_many_by_key_points_per_s": round(points / many),
+        "format1_decode_many_by_key_points_per_s": round(points / many_v1),
         "reference_encode_points_per_s": round(ref_points / ref_encode),
         "reference_decode_points_per_s": round(ref_points / ref_decode),
     }

@@ -5,12 +5,15 @@ Python. runbus.storage.columns_numpy gives the same bytes and values a column at
 `encode_chunk` and `decode_chunk` are the path in use: numpy's where it imports, else this one
 (`use()` switches; the tests run both and compare them bit for bit).
 
-A chunk holds the consecutive points of one (run, label, key, epoch). Integers (seqs, steps,
-timestamps, values logged as ints) are kept as delta-of-delta, zigzagged and byte-shuffled;
-floats as the smallest of three encodings (XOR with the previous value, plain, or integral values
-as integers), byte-shuffled. Of the shuffled planes, those of zeros are left out, noise is stored as
-it is and the rest is compressed with zlib. Every float64 comes back bit for bit (NaN payloads,
--0.0, ±inf); steps never given stay None.
+A chunk holds the consecutive points of one (run, label, key, epoch). Format 2, which the stores
+write, keeps each column (seqs, steps, timestamps, values) as one pcodec chunk (`PCO`): pcodec
+finds each column's delta order and bins, and decodes at hundreds of millions of values a second
+in C. Format 1, which stores written before it hold, kept integers as delta-of-delta, zigzagged and
+byte-shuffled, and floats as the smallest of three encodings (XOR with the previous value, plain,
+or integral values as integers), byte-shuffled, the planes of zeros left out, noise stored as it
+is and the rest compressed with zlib; both paths still decode it, and `encode_v1_reference`
+writes it for the tests. Every float64 comes back bit for bit (NaN payloads, -0.0, ±inf); steps
+never given stay None.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
-VERSION = 1
+import numpy as np
+from pcodec import ChunkConfig, DeltaSpec, standalone
+
+# The format written (2: pcodec columns), and those read (1: byte planes, as stores written before
+# format 2 hold them).
+VERSION = 2
+V1 = 1
+VERSIONS = (V1, VERSION)
 
 # The header: version, flags, count, then the chunk's bounds (first/last seq, min/max step,
 # first/last ts) as little-endian int64s.
@@ -40,6 +50,7 @@ FLOAT_PLAIN = 2  # float64 bits as byte planes
 FLOAT_XOR = 3  # float64 bits XOR the previous value's (the first XOR 0), as byte planes
 FLOAT_INTEGRAL = 4  # float64 that are all integers (no -0.0): as int64, then as INT_DOD
 NULL_MASK = 5  # one bit a point, least significant bit first, 1 where the step is null; zlib
+PCO = 6  # format 2: the column as one pcodec standalone chunk of int64 (float64 for float values)
 
 # Tried in this order; the smallest payload wins, the earlier on a tie.
 FLOAT_CHOICES = (FLOAT_XOR, FLOAT_PLAIN, FLOAT_INTEGRAL)
@@ -83,8 +94,8 @@ class Chunk(NamedTuple):
 
 def bounds(blob: bytes) -> Bounds:
     """The bounds of an encoded chunk, from its header."""
-    if len(blob) < HEADER.size or blob[0] != VERSION:
-        raise FormatError(f"not a version {VERSION} column chunk")
+    if len(blob) < HEADER.size or blob[0] not in VERSIONS:
+        raise FormatError(f"not a column chunk of version {' or '.join(map(str, VERSIONS))}")
     _, flags, count, first_seq, last_seq, min_step, max_step, first_ts, last_ts = HEADER.unpack_from(blob)
     if count > MAX_COUNT:
         raise FormatError(f"a column chunk of {count} points, over the limit of {MAX_COUNT}")
@@ -111,12 +122,19 @@ def checked_count(*lengths: int) -> int:
     return lengths[0]
 
 
-def header(count: int, seqs: Sequence[int], steps: Sequence[int], ts: Sequence[int], flags: int) -> bytes:
+def header(
+    count: int,
+    seqs: Sequence[int],
+    steps: Sequence[int],
+    ts: Sequence[int],
+    flags: int,
+    version: int = VERSION,
+) -> bytes:
     """The header of a chunk of `count` points; `steps` are the non-null steps only."""
     if not count:
-        return HEADER.pack(VERSION, flags, 0, 0, 0, 0, 0, 0, 0)
+        return HEADER.pack(version, flags, 0, 0, 0, 0, 0, 0, 0)
     low, high = (min(steps), max(steps)) if len(steps) else (0, 0)
-    return HEADER.pack(VERSION, flags, count, seqs[0], seqs[-1], low, high, ts[0], ts[-1])
+    return HEADER.pack(version, flags, count, seqs[0], seqs[-1], low, high, ts[0], ts[-1])
 
 
 def column(encoding: int, payload: bytes) -> bytes:
@@ -152,7 +170,15 @@ def _columns(blob: bytes, data: B) -> tuple[Bounds, list[tuple[int, B]]]:
     expected = 3 + bool(found.has_steps) + bool(blob[1] & FLAG_STEP_NULLS)
     if len(parts) != expected:
         raise FormatError(f"a column chunk with {len(parts)} columns where its flags say {expected}")
+    allowed = _ENCODINGS[blob[0]]
+    for encoding, _ in parts:
+        if encoding not in allowed:
+            raise FormatError(f"a version {blob[0]} column chunk with a column of encoding {encoding}")
     return found, parts
+
+
+# The encodings each version's columns may have.
+_ENCODINGS = {V1: frozenset(range(NULL_MASK + 1)), VERSION: frozenset({PCO, NULL_MASK})}
 
 
 def seqs_column(blob: bytes) -> bytes:
@@ -168,6 +194,46 @@ def seqs_column(blob: bytes) -> bytes:
 def smallest(candidates: Sequence[tuple[int, bytes]]) -> tuple[int, bytes]:
     """The (encoding, payload) with the fewest bytes, the earliest of equals."""
     return min(candidates, key=lambda candidate: len(candidate[1]))
+
+
+# pcodec's compression level for format 2's columns: 6 finds a schedule's second-order deltas (a
+# warmup + cosine learning rate: 1.6 bytes a value, 5.9 at level 4) at twice level 8's encoding
+# speed, within 1% of its bytes on bench/columns.py's mix.
+PCO_LEVEL = 6
+_PCO_CONFIG = ChunkConfig(compression_level=PCO_LEVEL)
+# Integers also tried as first differences: pcodec's own guess keeps a counter that steps now and
+# then (an epoch number: 0, 0, ..., 1, 1, ...) undifferenced, at 2 bits a value instead of ~0.
+_PCO_DELTAS = ChunkConfig(compression_level=PCO_LEVEL, delta_spec=DeltaSpec.try_consecutive(1))
+
+
+def pco_payload(values: Any) -> bytes:
+    """A format 2 column's payload: `values` (an int64 or float64 array) as one pcodec chunk;
+    integers as the smaller of pcodec's own choice and their first differences."""
+    payload = bytes(standalone.simple_compress(values, _PCO_CONFIG))
+    if values.dtype != np.int64:
+        return payload
+    differenced = bytes(standalone.simple_compress(values, _PCO_DELTAS))
+    return differenced if len(differenced) < len(payload) else payload
+
+
+def pco_into(payload: bytes | memoryview, out: Any) -> None:
+    """A format 2 column's payload decoded into `out` (int64 or float64, as the column was
+    written), which it must fill exactly."""
+    try:
+        # pcodec takes bytes alone: a view is copied (a chunk's columns are a few kB).
+        progress = standalone.simple_decompress_into(bytes(payload), out)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise FormatError(f"a pcodec column does not decode: {error}") from None
+    if progress.n_processed != len(out) or not progress.finished:
+        raise FormatError(f"a pcodec column does not hold the {len(out)} values its chunk says")
+
+
+def pco_values(payload: bytes | memoryview, count: int, dtype: type[np.generic]) -> Any:
+    """A format 2 column's `count` values as a new array of `dtype` (int64 or float64)."""
+    out = np.empty(count, dtype)
+    if count:
+        pco_into(payload, out)
+    return out
 
 
 def inflate(payload: bytes | memoryview, size: int) -> bytes:
@@ -347,6 +413,8 @@ def float_payload_reference(values: Sequence[float], encoding: int) -> bytes | N
 
 
 def _unpack_floats(encoding: int, payload: bytes, count: int) -> list[float]:
+    if encoding == PCO:
+        return cast(list[float], pco_values(payload, count, np.float64).tolist())
     if encoding == FLOAT_INTEGRAL:
         return [float(value) for value in _unpack_ints(payload, count)]
     if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
@@ -368,7 +436,7 @@ def _mask_bytes(nulls: Sequence[bool]) -> bytes:
 
 def _values_column(values: list[float] | list[int]) -> tuple[int, bytes, bool]:
     """(encoding, payload, ints): ints when every value is an int (bools are not), else floats."""
-    if values and all(type(value) is int for value in values):
+    if _logged_ints(values):
         return INT_DOD, _pack_ints(cast(list[int], values)), True
     floats = [float(value) for value in values]
     tried = [(code, float_payload_reference(floats, code)) for code in FLOAT_CHOICES]
@@ -390,8 +458,9 @@ def _steps_columns(seqs: list[int], steps: list[int | None]) -> tuple[int, list[
     return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
 
 
-def encode_reference(chunk: Chunk) -> bytes:
-    """A chunk's bytes, point by point in Python: the contract the numpy path follows."""
+def encode_v1_reference(chunk: Chunk) -> bytes:
+    """A chunk's bytes in format 1, point by point in Python: what stores written before format 2
+    hold, which the decoders still read (the tests write such chunks with it)."""
     seqs, steps, ts, values = chunk
     count = checked_count(len(seqs), len(steps), len(ts), len(values))
     step_flags, step_parts, given = _steps_columns(seqs, steps)
@@ -399,7 +468,7 @@ def encode_reference(chunk: Chunk) -> bytes:
     flags = step_flags | (FLAG_INTS if ints else 0)
     return b"".join(
         [
-            header(count, seqs, given, ts, flags),
+            header(count, seqs, given, ts, flags, V1),
             column(INT_DOD, _pack_ints(seqs)),
             *step_parts,
             column(INT_DOD, _pack_ints(ts)),
@@ -408,8 +477,40 @@ def encode_reference(chunk: Chunk) -> bytes:
     )
 
 
+def _logged_ints(values: list[float] | list[int]) -> bool:
+    """Whether a chunk's values are kept as ints: every one an int (bools are not)."""
+    return bool(values) and all(type(value) is int for value in values)
+
+
+def encode_reference(chunk: Chunk) -> bytes:
+    """A chunk's bytes in format 2 from Python lists: each column one pcodec chunk."""
+    seqs, steps, ts, values = chunk
+    count = checked_count(len(seqs), len(steps), len(ts), len(values))
+    given = [step for step in steps if step is not None]
+    ints = _logged_ints(values)
+    flags = (FLAG_STEPS if given else 0) | (FLAG_INTS if ints else 0)
+    step_parts = []
+    if given:
+        step_parts.append(column(PCO, pco_payload(np.array([step or 0 for step in steps], np.int64))))
+        if len(given) != count:
+            flags |= FLAG_STEP_NULLS
+            step_parts.append(column(NULL_MASK, deflate(_mask_bytes([s is None for s in steps]), ZLIB_LEVEL)))
+    kept = np.array(values, np.int64) if ints else np.array([float(value) for value in values], np.float64)
+    return b"".join(
+        [
+            header(count, seqs, given, ts, flags),
+            column(PCO, pco_payload(np.array(seqs, np.int64))),
+            *step_parts,
+            column(PCO, pco_payload(np.array(ts, np.int64))),
+            column(PCO, pco_payload(kept)),
+        ]
+    )
+
+
 def _int_column(part: tuple[int, bytes], count: int) -> list[int]:
     encoding, payload = part
+    if encoding == PCO:
+        return cast(list[int], pco_values(payload, count, np.int64).tolist())
     if encoding != INT_DOD:
         raise FormatError(f"unknown integer column encoding {encoding}")
     return _unpack_ints(payload, count)
@@ -419,9 +520,9 @@ def _decode_steps(
     parts: list[tuple[int, bytes]], seqs: list[int], count: int, nulls: bool
 ) -> list[int | None]:
     encoding, payload = parts[0]
-    if encoding not in STEP_CHOICES:
+    if encoding not in (*STEP_CHOICES, PCO):
         raise FormatError(f"unknown steps column encoding {encoding}")
-    steps = _unpack_ints(payload, count)
+    steps = _int_column((PCO, payload), count) if encoding == PCO else _unpack_ints(payload, count)
     if encoding == INT_DOD_FROM_SEQS:
         steps = [_signed((step + seq) & MASK) for step, seq in zip(steps, seqs, strict=True)]
     if not nulls:

@@ -2,13 +2,16 @@
 
 `encode_arrays` and `decode_arrays` work on numpy arrays (what the store's reads build tables
 from); `encode_chunk` and `decode_chunk` take and give the reference's lists, for the switch in
-runbus.storage.columns and the tests that compare the two paths bit for bit.
+runbus.storage.columns and the tests that compare the two paths bit for bit. `decode_many`
+decodes many chunks into one set of arrays: format 2's pcodec columns straight into their place,
+format 1's byte planes gathered over the chunks and undone together. `encode_arrays_v1` writes
+format 1, for the tests and bench/columns.py's comparison.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
+from itertools import groupby, pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,11 +29,15 @@ from runbus.storage.columns import (
     INT_DOD_FROM_SEQS,
     NOISE_DISTINCT,
     NULL_MASK,
+    PCO,
     SAMPLE,
     STEP_CHOICES,
+    V1,
     ZLIB_LEVEL,
+    Bounds,
     Chunk,
     FormatError,
+    bounds,
     checked_count,
     column,
     column_views,
@@ -39,6 +46,9 @@ from runbus.storage.columns import (
     header,
     inflate,
     pack_planes,
+    pco_into,
+    pco_payload,
+    pco_values,
     smallest,
 )
 
@@ -143,6 +153,9 @@ def float_payload(values: Floats, encoding: int) -> bytes | None:
 
 
 def unpack_floats(encoding: int, payload: bytes, count: int) -> Floats:
+    if encoding == PCO:
+        floats: Floats = pco_values(payload, count, np.float64)
+        return floats
     if encoding == FLOAT_INTEGRAL:
         return unpack_ints(payload, count).astype(np.float64)
     if encoding not in (FLOAT_PLAIN, FLOAT_XOR):
@@ -176,7 +189,42 @@ def _steps_columns(seqs: Ints, steps: Ints, nulls: Mask | None) -> tuple[int, li
 
 
 def encode_arrays(arrays: Arrays) -> bytes:
-    """A chunk's bytes from its arrays: the same bytes as the reference's for the same points."""
+    """A chunk's bytes (format 2) from its arrays: the same bytes as the reference's for the
+    same points."""
+    seqs = np.ascontiguousarray(arrays.seqs, np.int64)
+    steps = np.ascontiguousarray(arrays.steps, np.int64)
+    ts = np.ascontiguousarray(arrays.ts, np.int64)
+    nulls = arrays.step_nulls
+    lengths = (len(seqs), len(steps), len(ts), len(arrays.values))
+    count = checked_count(*lengths, *(() if nulls is None else (len(nulls),)))
+    ints = arrays.values.dtype == np.int64 and count > 0
+    values = np.ascontiguousarray(arrays.values, np.int64 if ints else np.float64)
+    given = steps if nulls is None else steps[~nulls]
+    flags = (FLAG_STEPS if len(given) else 0) | (FLAG_INTS if ints else 0)
+    step_parts = []
+    if len(given):
+        filled = steps if nulls is None else np.where(nulls, 0, steps)
+        step_parts.append(column(PCO, pco_payload(filled)))
+        if nulls is not None and nulls.any():
+            flags |= FLAG_STEP_NULLS
+            mask = deflate(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
+            step_parts.append(column(NULL_MASK, mask))
+    # The header's bounds as Python ints: numpy scalars would pack the same, at more cost.
+    ends = (seqs[[0, -1]].tolist(), ts[[0, -1]].tolist()) if count else ([], [])
+    bounds = [int(given.min()), int(given.max())] if len(given) else []
+    return b"".join(
+        [
+            header(count, ends[0], bounds, ends[1], flags),
+            column(PCO, pco_payload(seqs)),
+            *step_parts,
+            column(PCO, pco_payload(ts)),
+            column(PCO, pco_payload(values)),
+        ]
+    )
+
+
+def encode_arrays_v1(arrays: Arrays) -> bytes:
+    """A chunk's bytes in format 1 from its arrays: the same bytes as encode_v1_reference's."""
     seqs = np.ascontiguousarray(arrays.seqs, np.int64)
     steps = np.ascontiguousarray(arrays.steps, np.int64)
     ts = np.ascontiguousarray(arrays.ts, np.int64)
@@ -190,7 +238,7 @@ def encode_arrays(arrays: Arrays) -> bytes:
     bounds = [int(given.min()), int(given.max())] if len(given) else []
     return b"".join(
         [
-            header(count, ends[0], bounds, ends[1], flags),
+            header(count, ends[0], bounds, ends[1], flags, V1),
             column(INT_DOD, pack_ints(seqs)),
             *step_parts,
             column(INT_DOD, pack_ints(ts)),
@@ -207,6 +255,9 @@ def _int_words(part: tuple[int, bytes], count: int) -> Words:
 
 
 def _int_column(part: tuple[int, bytes], count: int) -> Ints:
+    if part[0] == PCO:
+        ints: Ints = pco_values(part[1], count, np.int64)
+        return ints
     return _undod_words(_int_words(part, count))
 
 
@@ -223,9 +274,9 @@ def _decode_steps(
     if not flags & FLAG_STEPS:
         return np.zeros(count, np.int64), np.ones(count, np.bool_)
     encoding, payload = parts[1]
-    if encoding not in STEP_CHOICES:
+    if encoding not in (*STEP_CHOICES, PCO):
         raise FormatError(f"unknown steps column encoding {encoding}")
-    steps = unpack_ints(payload, count)
+    steps = _int_column(parts[1], count) if encoding == PCO else unpack_ints(payload, count)
     if encoding == INT_DOD_FROM_SEQS:
         steps = (steps.view(np.uint64) + seqs.view(np.uint64)).view(np.int64)
     if not flags & FLAG_STEP_NULLS:
@@ -577,6 +628,74 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
 
     `into`: arrays of as many points as the chunks hold (a step_nulls array, float64 values)
     where the columns are decoded in place, with no copy: the arrays returned are those."""
+    if all(blob[0] == V1 for blob in blobs):  # a store written before format 2
+        return _many_v1(blobs, times, into)
+    chunks = _with_points(blobs)
+    total = sum(head.points for _, head in chunks)
+    into = into or _columns_for(total, times, bool(chunks) and all(head.ints for _, head in chunks))
+    nulls = np.empty(total, np.bool_) if into.step_nulls is None else into.step_nulls
+    at = 0
+    for version, run in groupby(chunks, key=lambda chunk: chunk[0][0]):
+        found = list(run)
+        end = at + sum(head.points for _, head in found)
+        part = _part(into, nulls, at, end)
+        if version == V1:
+            _many_v1([blob for blob, _ in found], times, part)
+        else:
+            _many_v2(found, times, part, nulls[at:end])
+        at = end
+    return into._replace(
+        step_nulls=nulls if nulls.any() else None,
+        ts=into.ts if times else np.zeros(0, np.int64),
+    )
+
+
+def _part(into: Arrays, nulls: Mask, at: int, end: int) -> Arrays:
+    """Points at:end of `into` (its step nulls in `nulls`), as views."""
+    return Arrays(into.seqs[at:end], into.steps[at:end], nulls[at:end], into.ts[at:end], into.values[at:end])
+
+
+def _columns_for(total: int, times: bool, ints: bool) -> Arrays:
+    """decode_many's arrays for `total` points (ts only with `times`; int64 values if `ints`)."""
+    values: Floats | Ints = np.empty(total, np.int64) if ints else np.empty(total, np.float64)
+    ts = np.empty(total if times else 0, np.int64)
+    return Arrays(np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.bool_), ts, values)
+
+
+def _with_points(blobs: Sequence[bytes]) -> list[tuple[bytes, Bounds]]:
+    """Each chunk that holds points, with its bounds (decode_many leaves empty chunks out)."""
+    found = [(blob, bounds(blob)) for blob in blobs]
+    return [(blob, head) for blob, head in found if head.points]
+
+
+def _many_v2(chunks: list[tuple[bytes, Bounds]], times: bool, into: Arrays, nulls: Mask) -> None:
+    """Format 2 chunks decoded into `into` (`nulls`: its step_nulls), each column of each chunk
+    straight into its place."""
+    at = 0
+    for blob, head in chunks:
+        _, encoded = columns(blob)
+        end, flags = at + head.points, blob[1]
+        pco_into(encoded[0][1], into.seqs[at:end])
+        steps, no_step = into.steps[at:end], nulls[at:end]
+        if not flags & FLAG_STEPS:
+            steps.fill(0)
+            no_step.fill(True)
+        else:
+            pco_into(encoded[1][1], steps)  # a null's step is written as 0
+            no_step[:] = _nulls(encoded, head.points) if flags & FLAG_STEP_NULLS else False
+        if times:
+            pco_into(encoded[-2][1], into.ts[at:end])
+        values = into.values[at:end]
+        if flags & FLAG_INTS and values.dtype != np.int64:  # logged as ints, kept as float64
+            values[:] = pco_values(encoded[-1][1], head.points, np.int64)
+        else:
+            pco_into(encoded[-1][1], values)
+        at = end
+
+
+def _many_v1(blobs: Sequence[bytes], times: bool, into: Arrays | None) -> Arrays:
+    """Format 1 chunks decoded together: their byte planes gathered over the chunks, then each
+    column's running sums or XORs undone over all of them at once."""
     gathered = _gather(blobs, times, into)
     counts = gathered.counts
     if not len(counts):
@@ -606,6 +725,26 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
 def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     """The ts column alone of many chunks, one chunk after another (decode_many's `ts`): a
     clock's timestamps, where a read has its seqs already; decoded in `into` where given."""
+    if all(blob[0] == V1 for blob in blobs):
+        return _times_v1(blobs, into)
+    chunks = _with_points(blobs)
+    total = sum(head.points for _, head in chunks)
+    out: Ints = np.empty(total, np.int64) if into is None else into
+    at = 0
+    for version, run in groupby(chunks, key=lambda chunk: chunk[0][0]):
+        found = list(run)
+        end = at + sum(head.points for _, head in found)
+        if version == V1:
+            _times_v1([blob for blob, _ in found], out[at:end])
+        else:
+            for blob, head in found:
+                pco_into(columns(blob)[1][-2][1], out[at : at + head.points])
+                at += head.points
+        at = end
+    return out
+
+
+def _times_v1(blobs: Sequence[bytes], into: Ints | None) -> Ints:
     found = _parsed(blobs)
     sizes = [count for count, _, _ in found]
     counts = np.array(sizes, np.int64)
@@ -613,6 +752,7 @@ def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     if not words.any():
         return words.view(np.int64)
     return _undod_segments(words, np.cumsum(counts) - counts, counts)
+
 
 
 def arrays_of(chunk: Chunk) -> Arrays:

@@ -1,5 +1,7 @@
 """Column chunks (runbus.storage.columns): every point comes back bit for bit, and the numpy path
-writes the reference's bytes and reads back its points, on arbitrary arrays as on training-like ones."""
+writes the reference's bytes and reads back its points, on arbitrary arrays as on training-like ones,
+in format 2 (pcodec columns, what the stores write) and format 1 (byte planes, what stores written
+before it hold), and in reads that meet both."""
 
 from __future__ import annotations
 
@@ -37,6 +39,17 @@ SMOOTH = st.builds(
     st.integers(-1000, 1000),
     st.lists(st.integers(-3, 3), max_size=80),
 )
+
+
+# Each format's writers: the reference's, and the numpy path's (from the reference's lists).
+FORMATS = {
+    1: (columns.encode_v1_reference, lambda c: columns_numpy.encode_arrays_v1(columns_numpy.arrays_of(c))),
+    2: (columns.encode_reference, columns_numpy.encode_chunk),
+}
+
+
+def encoded(chunk: Chunk, version: int) -> bytes:
+    return FORMATS[version][0](chunk)
 
 
 def bits(values: list[float] | list[int]) -> list[tuple[type, int]]:
@@ -83,9 +96,11 @@ def chunks(draw: st.DrawFn) -> Chunk:
 
 @settings(max_examples=400, deadline=None)
 @given(chunks())
-def test_both_paths_write_the_same_bytes_and_read_back_every_bit(chunk: Chunk) -> None:
-    blob = columns.encode_reference(chunk)
-    assert columns_numpy.encode_chunk(chunk) == blob
+@pytest.mark.parametrize("version", FORMATS)
+def test_both_paths_write_the_same_bytes_and_read_back_every_bit(version: int, chunk: Chunk) -> None:
+    reference, fast = FORMATS[version]
+    blob = reference(chunk)
+    assert blob[0] == version and fast(chunk) == blob
     assert same(columns.decode_reference(blob), chunk)
     assert same(columns_numpy.decode_chunk(blob), chunk)
     found = columns.bounds(blob)
@@ -126,29 +141,34 @@ def test_special_values_and_null_steps_round_trip_on_both_paths() -> None:
             assert same(columns.decode_chunk(columns.encode_chunk(chunk)), chunk)
         finally:
             columns.use("numpy")
-    blob = columns.encode_reference(chunk)
-    assert blob[1] & columns.FLAG_STEP_NULLS
-    arrays = columns_numpy.decode_arrays(blob)
-    assert arrays.step_nulls is not None and arrays.step_nulls.tolist() == [True, False, True, False, False]
-    assert arrays.values.view(np.uint64).tolist()[0] == 0xFFF4_0000_DEAD_BEEF
+    for version in FORMATS:
+        blob = encoded(chunk, version)
+        assert blob[1] & columns.FLAG_STEP_NULLS
+        arrays = columns_numpy.decode_arrays(blob)
+        assert arrays.step_nulls is not None
+        assert arrays.step_nulls.tolist() == [True, False, True, False, False]
+        assert arrays.values.view(np.uint64).tolist()[0] == 0xFFF4_0000_DEAD_BEEF
 
 
-def test_ints_as_logged_come_back_as_ints_and_integral_floats_as_floats() -> None:
+@pytest.mark.parametrize("version", FORMATS)
+def test_ints_as_logged_come_back_as_ints_and_integral_floats_as_floats(version: int) -> None:
     counter = list(range(2**53, 2**53 + 100))  # past float64's exact integers
-    as_ints = columns_numpy.decode_arrays(columns.encode_reference(Chunk(counter, counter, counter, counter)))
+    as_ints = columns_numpy.decode_arrays(encoded(Chunk(counter, counter, counter, counter), version))
     assert as_ints.values.dtype == np.int64 and as_ints.values.tolist() == counter
     floats = [float(step) for step in range(100)]
-    blob = columns.encode_reference(Chunk(list(range(100)), [None] * 100, list(range(100)), floats))
+    blob = encoded(Chunk(list(range(100)), [None] * 100, list(range(100)), floats), version)
     assert not columns.bounds(blob).ints
     back = columns.decode_reference(blob).values
     assert all(type(value) is float for value in back) and back == floats
 
 
-def test_integers_as_floats_keep_their_bits_and_minus_zero_stays_a_float() -> None:
+@pytest.mark.parametrize("version", FORMATS)
+def test_integers_as_floats_keep_their_bits_and_minus_zero_stays_a_float(version: int) -> None:
+    reference, fast = FORMATS[version]
     for values in ([0.0, -0.0, 1.0], [-0.0], [3.0, 2.0**63], [-(2.0**63), 1.0], [2.0**62, 7.0]):
         chunk = Chunk(list(range(len(values))), [None] * len(values), [0] * len(values), values)
-        blob = columns.encode_reference(chunk)
-        assert columns_numpy.encode_chunk(chunk) == blob
+        blob = reference(chunk)
+        assert fast(chunk) == blob
         assert same(columns.decode_reference(blob), chunk) and same(columns_numpy.decode_chunk(blob), chunk)
         assert same(
             columns_numpy.chunk_of(columns_numpy.decode_many([blob, blob])),
@@ -190,29 +210,53 @@ def test_the_path_in_use_is_numpy_and_use_switches_it() -> None:
         columns.use("c")
 
 
-def test_damaged_or_foreign_bytes_are_refused_with_a_format_error() -> None:
-    blob = columns.encode_reference(Chunk([1, 2, 3], [1, 2, 3], [1, 2, 3], [0.5, 0.25, 0.125]))
+def with_last_column(blob: bytes, encoding: int, payload: bytes) -> bytes:
+    """`blob` with its values column replaced."""
+    at = len(blob) - len(columns.columns(blob)[1][-1][1]) - columns.COLUMN.size
+    return blob[:at] + columns.column(encoding, payload)
+
+
+@pytest.mark.parametrize("version", FORMATS)
+def test_damaged_or_foreign_bytes_are_refused_with_a_format_error(version: int) -> None:
+    chunk = Chunk([1, 2, 3], [1, 2, 3], [1, 2, 3], [0.5, 0.25, 0.125])
+    blob = encoded(chunk, version)
+    other = 2 if version == 1 else 1
+    values = columns.columns(blob)[1][-1][1]
     damaged = [
         b"",
-        b"\x02" + blob[1:],  # a version this code does not know
+        b"\x03" + blob[1:],  # a version this code does not know
+        bytes([other]) + blob[1:],  # the other version's header over this one's columns
         blob[:-3],  # cut inside the last column
         blob[: columns.HEADER.size + 2],  # cut inside a column's header
         blob + columns.column(columns.INT_DOD, zlib.compress(b"")),  # a column too many
+        with_last_column(blob, 99, values),  # an unknown encoding
+        with_last_column(blob, columns.PCO, b"pco!" + bytes(40)),  # a pcodec column of garbage
+        # pcodec columns of the wrong length or type: 2 values, ints where floats are flagged.
+        with_last_column(blob, columns.PCO, columns.pco_payload(np.array([0.5, 0.25]))),
+        with_last_column(blob, columns.PCO, columns.pco_payload(np.array([1, 2, 3], np.int64))),
     ]
-    at = len(blob) - len(columns.columns(blob)[1][-1][1]) - columns.COLUMN.size
-    damaged.append(blob[:at] + bytes([99]) + blob[at + 1 :])  # an unknown encoding
     # A count past the limit: refused from the header, before 8 bytes a point are allocated.
     damaged.append(blob[:2] + (columns.MAX_COUNT + 1).to_bytes(4, "little") + blob[6:])
+    good = encoded(chunk, 2)
     for bad in damaged:
-        for decode in (columns.decode_reference, columns_numpy.decode_arrays):
+        for decode in (
+            columns.decode_reference,
+            columns_numpy.decode_arrays,
+            lambda bad: columns_numpy.decode_many([good, bad]),
+        ):
             with pytest.raises(FormatError):
                 decode(bad)
 
 
+# Chunks each in a format: a store written before format 2 and read after holds both, in runs.
+MIXED = st.lists(st.tuples(chunks(), st.sampled_from(sorted(FORMATS))), max_size=6)
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(chunks(), max_size=6))
-def test_many_chunks_decode_at_once_as_one_by_one(chunks_: list[Chunk]) -> None:
-    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+@given(MIXED)
+def test_many_chunks_decode_at_once_as_one_by_one(mixed: list[tuple[Chunk, int]]) -> None:
+    chunks_ = [chunk for chunk, _ in mixed]
+    blobs = [encoded(chunk, version) for chunk, version in mixed]
     together = columns_numpy.decode_many(blobs)
     points = [point for chunk in chunks_ for point in zip(*chunk, strict=True)]
     assert together.seqs.tolist() == [point[0] for point in points]
@@ -242,9 +286,9 @@ def garbage_arrays(count: int) -> columns_numpy.Arrays:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(chunks(), max_size=6))
-def test_decoding_in_place_and_the_times_alone_give_the_same_columns(chunks_: list[Chunk]) -> None:
-    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+@given(MIXED)
+def test_decoding_in_place_and_the_times_alone_give_the_same_columns(mixed: list[tuple[Chunk, int]]) -> None:
+    blobs = [encoded(chunk, version) for chunk, version in mixed]
     together = columns_numpy.decode_many(blobs)
     into = garbage_arrays(len(together.seqs))
     found = columns_numpy.decode_many(blobs, times=False, into=into)
@@ -280,7 +324,7 @@ def test_columns_of_runs_decode_as_the_reference_does(columns_: list[tuple[int, 
         for delta in deltas:
             seqs.append((seqs[-1] + delta + 2**63) % 2**64 - 2**63)  # int64 wraps
         chunks_.append(Chunk(seqs, [None] * len(seqs), [0] * len(seqs), list(seqs)))
-    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    blobs = [columns.encode_v1_reference(chunk) for chunk in chunks_]  # format 1's running sums
     found = columns_numpy.decode_many(blobs)
     expected = [seq for chunk in chunks_ for seq in chunk.seqs]
     assert found.seqs.tolist() == expected and found.values.tolist() == expected
@@ -303,7 +347,7 @@ def test_chunks_of_one_delta_each_decode_as_the_reference_does(
     if bent:
         seqs = [0, 1, 2, 10, 11] + [12] * 200
         chunks_.append(Chunk(seqs, [None] * len(seqs), [0] * len(seqs), list(seqs)))
-    blobs = [columns.encode_reference(chunk) for chunk in chunks_]
+    blobs = [columns.encode_v1_reference(chunk) for chunk in chunks_]  # format 1's lines
     found = columns_numpy.decode_many(blobs)
     expected = [seq for chunk in chunks_ for seq in chunk.seqs]
     assert found.seqs.tolist() == expected and found.values.tolist() == expected
