@@ -14,6 +14,7 @@ import struct
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import cast
 
@@ -311,6 +312,53 @@ async def test_a_store_written_before_chunks_is_migrated_and_compacted_resumably
     await store.write([metric(last + 1, {"loss": 0.5}, step=last + 1, run="live")])
     loss = (await store.values("live", keys=["loss"])).seq.tolist()
     assert loss == sorted(loss) and loss[-1] == last + 1
+
+
+async def chunk_formats(url: str) -> dict[str, set[int]]:
+    """The chunk formats (their header's version byte) each run's stored chunks are in."""
+    query = "SELECT l.run_id, c.data FROM chunks c JOIN labels l ON l.id = c.label_id"
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            rows = con.execute(query).fetchall()
+    else:
+        con = await asyncpg.connect(url)
+        try:
+            rows = await con.fetch(query)
+        finally:
+            await con.close()
+    found: dict[str, set[int]] = {}
+    for run, data in rows:
+        found.setdefault(run, set()).add(bytes(data)[0])
+    return found
+
+
+async def test_chunks_written_before_pcodec_read_as_they_were_and_beside_those_written_after(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A store of schema 10 (tests/data: its chunks in format 1, byte planes) read by this code:
+    every value as its writer stored it; the live label's next values, written in format 2
+    (pcodec), read in one read with the format 1 chunks before them, in order, bit for bit."""
+    url = await restore_old_store(any_store_url, schema=10)
+    want = {table: expected_points(table) for table in ("metrics", "system")}
+    store = await open_stores(url)
+    assert await chunk_formats(url) == {"done": {1}, "live": {1}}
+    assert {t: await stored_points(store, t) for t in want} == want
+    last = max(e.seq for e in old_stores.events() if e.run == "live")
+    ts = max(e.ts for e in old_stores.events() if e.run == "live")
+    new = [
+        metric(last + n, {"loss": math.sin(n) / 3, "tokens": n * 4096}, step=last + n, run="live", ts=ts + n)
+        for n in range(1, 400)  # a batch of its own chunks (chunking.DIRECT_EVENTS), with the head
+    ]
+    await store.write(new)
+    assert await chunk_formats(url) == {"done": {1}, "live": {1, 2}}
+    found = await store.values("live", keys=["loss"])
+    old = sorted((p for p in want["metrics"] if p[0] == "live" and p[2] == "loss"), key=lambda p: p[5])
+    expected = [(p[5], p[3], p[6], p[7]) for p in old] + [
+        (e.seq, e.step, bits(e.ts), plain(e.data["loss"])) for e in new
+    ]
+    assert [(p.seq, p.step, bits(p.ts), plain(p.value)) for p in found.points()] == expected
+    done = {t: {p for p in await stored_points(store, t) if p[0] == "done"} for t in want}
+    assert done == {t: {p for p in want[t] if p[0] == "done"} for t in want}
 
 
 def test_a_migration_shows_its_progress_on_a_terminal_and_logs_it_in_a_pipe(
