@@ -12,7 +12,9 @@ Reported, per store (SQLite and PostgreSQL):
 - bytes per point as the store stands after ingest, less an empty store's (SQLite: every file of
   the store's directory but -shm, after `PRAGMA wal_checkpoint(TRUNCATE)`; PostgreSQL: the sum of
   pg_total_relation_size over the tables of a fresh database, indexes and TOAST included); and
-  of a separate run of the same shape holding only constants and integer counters (7 keys);
+  of a separate run of the same shape holding only constants and integer counters (7 keys),
+  and what those 7 keys add to the main run (its bytes less the same run's without them, over
+  their points: the labels, clocks and log lines both runs hold left out);
 - history() of the whole run and of one key across every label (`keys="loss"`), each in a fresh
   subprocess: values/s (best of two calls) and the peak RSS it added (ru_maxrss after the first
   call less before it) per value returned;
@@ -342,6 +344,13 @@ def measure_store(backend: Backend, redis_url: str, args: argparse.Namespace) ->
         # The run's log lines (5% of its steps, as in the main run) are not its keys' points.
         counters["log_bytes_per_point"] = round(backend.log_bytes(url) / counters["points"], 2)
         found["constants_and_counters"] = counters
+    # What the constant and counter keys add to the main run: its bytes less those of the same run
+    # without them (the labels, their clocks and log lines are the same in both).
+    others = [key for key in key_specs(args.keys) if key.kind not in COUNTER_KINDS]
+    with backend.fresh("others") as url:
+        rest = ingest(redis_url, url, "bench-history", labels, steps, others)
+        added = (size - backend.size(url)) / (main["points"] - rest["points"])
+        counters["added_to_main_bytes_per_point"] = round(added, 2)
     for width in (2, args.wide_keys):
         with backend.fresh(f"keys{width}") as url:
             found[f"ingest_{width}_keys"] = ingest(
@@ -374,6 +383,7 @@ def table(results: dict) -> str:
         ("bytes/point", "main", "bytes_per_point", "{:.1f}"),
         ("bytes/point, constants+counters", "constants_and_counters", "bytes_per_point", "{:.2f}"),
         ("  of which their log lines", "constants_and_counters", "log_bytes_per_point", "{:.2f}"),
+        ("  added to the main run", "constants_and_counters", "added_to_main_bytes_per_point", "{:.2f}"),
         ("history() whole run, values/s", "history_whole_run", "values_per_s", "{:,}"),
         ("history() whole run, peak B/value", "history_whole_run", "peak_bytes_per_value", "{}"),
         ("history(keys='loss'), values/s", "history_one_key", "values_per_s", "{:,}"),
