@@ -33,6 +33,11 @@ VERSION = 2
 V1 = 1
 VERSIONS = (V1, VERSION)
 
+
+def is_v1(blob: bytes) -> bool:
+    """Whether a chunk's header says format 1 (a damaged or empty blob says no: its read raises)."""
+    return blob[:1] == b"\x01"
+
 # The header: version, flags, count, then the chunk's bounds (first/last seq, min/max step,
 # first/last ts) as little-endian int64s.
 HEADER = struct.Struct("<BBI6q")

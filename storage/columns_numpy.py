@@ -45,6 +45,7 @@ from runbus.storage.columns import (
     deflate,
     header,
     inflate,
+    is_v1,
     pack_planes,
     pco_into,
     pco_payload,
@@ -628,7 +629,7 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
 
     `into`: arrays of as many points as the chunks hold (a step_nulls array, float64 values)
     where the columns are decoded in place, with no copy: the arrays returned are those."""
-    if all(blob[0] == V1 for blob in blobs):  # a store written before format 2
+    if all(map(is_v1, blobs)):  # a store written before format 2
         return _many_v1(blobs, times, into)
     chunks = _with_points(blobs)
     total = sum(head.points for _, head in chunks)
@@ -725,7 +726,7 @@ def _many_v1(blobs: Sequence[bytes], times: bool, into: Arrays | None) -> Arrays
 def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     """The ts column alone of many chunks, one chunk after another (decode_many's `ts`): a
     clock's timestamps, where a read has its seqs already; decoded in `into` where given."""
-    if all(blob[0] == V1 for blob in blobs):
+    if all(map(is_v1, blobs)):
         return _times_v1(blobs, into)
     chunks = _with_points(blobs)
     total = sum(head.points for _, head in chunks)

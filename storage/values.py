@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
-from runbus.storage.columns import V1, Bounds, bounds, seqs_column
+from runbus.storage.columns import Bounds, bounds, is_v1, seqs_column
 from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_many, decode_times
 from runbus.storage.rules import natural_key
 
@@ -298,7 +298,7 @@ def _on_threads(blobs: Iterable[bytes]) -> bool:
     """Whether slices of these chunks are decoded on threads: where some are format 1 (zlib and
     numpy let go of the GIL). pcodec holds it while it decodes format 2, so threads would only
     take turns (a key's 128k values: 3.5 ms in one thread, 4.4 ms in two)."""
-    return any(blob[0] == V1 for blob in blobs)
+    return any(map(is_v1, blobs))
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -224,6 +224,7 @@ def test_damaged_or_foreign_bytes_are_refused_with_a_format_error(version: int) 
     values = columns.columns(blob)[1][-1][1]
     damaged = [
         b"",
+        b"\x01",  # a version byte alone
         b"\x03" + blob[1:],  # a version this code does not know
         bytes([other]) + blob[1:],  # the other version's header over this one's columns
         blob[:-3],  # cut inside the last column
@@ -242,6 +243,7 @@ def test_damaged_or_foreign_bytes_are_refused_with_a_format_error(version: int) 
         for decode in (
             columns.decode_reference,
             columns_numpy.decode_arrays,
+            lambda bad: columns_numpy.decode_many([bad]),
             lambda bad: columns_numpy.decode_many([good, bad]),
         ):
             with pytest.raises(FormatError):
