@@ -32,7 +32,7 @@ from runbus.errors import AccessDenied, GaveUp, InvalidEntry, StoreError, StoreR
 from runbus.ingester import decoding, maintenance
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
-from runbus.ingester.fence import Fences
+from runbus.ingester.fence import Fences, Stretch
 from runbus.ingester.health import HealthKeeper
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
@@ -179,8 +179,9 @@ class WorkerSettings:
 
 def decode_batch(
     entries: Entries, deliveries: dict[bytes, int] | None = None, max_deliveries: int = 0
-) -> tuple[list[wire.Event], list[Source], list[DeadEntry]]:
-    """Split raw entries into valid events (with where each came from) and dead entries.
+) -> tuple[list[wire.Event], list[Source], list[DeadEntry], list[Stretch]]:
+    """Split raw entries into valid events (with where each came from) and dead entries, and
+    the stretch of events each stream gave (with the decoder's Columns, for the fence).
 
     An entry delivered more than `max_deliveries` times (per `deliveries`) is poison: it is
     dead-lettered whatever it holds, since processing it keeps failing.
@@ -188,34 +189,45 @@ def decode_batch(
     events: list[wire.Event] = []
     sources: list[Source] = []
     dead: list[DeadEntry] = []
+    stretches: list[Stretch] = []
     for key, items in entries:
         if deliveries and max_deliveries:
-            kept = []
-            for entry_id, fields in items:
-                count = deliveries.get(entry_id, 1)
-                if count > max_deliveries:
-                    reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
-                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
-                else:
-                    kept.append((entry_id, fields))
-            items = kept
+            items = _not_poison(key, items, deliveries, max_deliveries, dead)
         if not items:
             continue
         ids, fieldses = zip(*items, strict=True)
         # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
         flats = fieldses if dict not in set(map(type, fieldses)) else list(map(_as_flat, fieldses))
-        decoded = decoding.decode_stream(key, flats)
-        if _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, without a loop in Python
+        decoded, columns = decoding.decode_with_columns(key, flats)
+        start = len(events)
+        if columns is not None or _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, in C
             events += cast("list[wire.Event]", decoded)
             sources += zip(repeat(key), ids, fieldses, strict=False)
-            continue
-        for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
-            if isinstance(event, InvalidEntry):
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
-            else:
-                events.append(event)
-                sources.append((key, entry_id, fields))
-    return events, sources, dead
+        else:
+            for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
+                if isinstance(event, InvalidEntry):
+                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
+                else:
+                    events.append(event)
+                    sources.append((key, entry_id, fields))
+        if len(events) > start:
+            stretches.append(Stretch(slice(start, len(events)), columns))
+    return events, sources, dead, stretches
+
+
+def _not_poison(
+    key: str, items: StreamItems, deliveries: dict[bytes, int], max_deliveries: int, dead: list[DeadEntry]
+) -> StreamItems:
+    """`items` delivered at most `max_deliveries` times; the others join `dead`."""
+    kept = []
+    for entry_id, fields in items:
+        count = deliveries.get(entry_id, 1)
+        if count > max_deliveries:
+            reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
+            dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
+        else:
+            kept.append((entry_id, fields))
+    return kept
 
 
 _ONLY_EVENTS = frozenset({wire.Event})
@@ -913,9 +925,9 @@ class Worker:
         """decode_batch's events (and their sources) that their epochs' lease holders wrote
         (ingester/fence.py), and the dead entries, those the fence stopped included. None if a
         stop gave up on Redis: then `entries` are let go, left pending for another worker."""
-        events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
+        events, sources, dead, stretches = decode_batch(entries, deliveries, self.settings.max_deliveries)
         fenced = await self._with_redis(
-            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
+            lambda: self._fences.screen(self._redis, events, sources, dead, stretches), drain=True
         )
         if fenced is None:
             self._let_go(entries)
