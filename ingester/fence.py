@@ -10,14 +10,14 @@ epoch the record cannot judge arrives. What fails is dead-lettered with the reas
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain, groupby
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, cast
 
 from runbus import wire
+from runbus.ingester.batch import Source, Stretch
 from runbus.ingester.deadletter import DeadEntry
-from runbus.ingester.decoding import Columns
 
 if TYPE_CHECKING:
     from runbus.redis import AsyncClient
@@ -25,18 +25,7 @@ if TYPE_CHECKING:
 # Labels whose fence a worker remembers at most (then it reads them again as needed).
 FENCES_REMEMBERED = 65536
 
-# Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
-Source = tuple[str, bytes, dict[bytes, bytes] | wire.FlatEntry]
 LabelKey = tuple[str, str]
-
-
-class Stretch(NamedTuple):
-    """Where one stream's events lie in a batch, and their Columns where the decoder made them."""
-
-    where: slice
-    columns: Columns | None
-
-
 _EPOCH = attrgetter("epoch")
 _KEY, _FIELDS = itemgetter(0), itemgetter(2)
 _LISTS = frozenset({list})
@@ -70,10 +59,10 @@ class Fences:
         self,
         redis: AsyncClient,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         stretches: list[Stretch] | None = None,
-    ) -> tuple[list[wire.Event], list[Source]]:
+    ) -> tuple[list[wire.Event], Sequence[Source]]:
         """The events (and their sources) their epochs' lease holders wrote; the others join
         `dead` with the reason. `stretches`: the batch's streams as decoded (else found from
         `sources`)."""
@@ -88,11 +77,14 @@ class Fences:
         }
         if unknown:
             await self._read(redis, unknown)
+        sealed = [self._all_sealed(events, sources, stretch) for stretch in stretches]
+        if all(sealed):  # the common case: the batch as it is
+            return events, sources
         kept: list[wire.Event] = []
         kept_sources: list[Source] = []
-        for where, columns in stretches:
+        for (where, _), all_sealed in zip(stretches, sealed, strict=True):
             mine, theirs = events[where], sources[where]
-            if self._all_sealed(mine, theirs, columns):
+            if all_sealed:
                 kept += mine
                 kept_sources += theirs
                 continue
@@ -106,27 +98,27 @@ class Fences:
                     dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
         return kept, kept_sources
 
-    def _all_sealed(
-        self, events: list[wire.Event], sources: list[Source], columns: Columns | None = None
-    ) -> bool:
-        """Whether one stream's events, all of one sealed epoch and in the producers' field
-        order, all carry their epoch's seal: checked a column at a time (the common case, and the
-        ingester's hot path), on the cells the decoder read where it gives them (`columns`).
-        False sends them one by one, which finds the reasons."""
-        epoch = events[0].epoch
-        fence = self._known.get((events[0].run, events[0].label))
-        secret = None if fence is None else fence.seals.get(epoch)
+    def _all_sealed(self, events: list[wire.Event], sources: Sequence[Source], stretch: Stretch) -> bool:
+        """Whether one stream's events (`stretch` of `events`), all of one sealed epoch and in the
+        producers' field order, all carry their epoch's seal: checked a column at a time (the
+        common case, and the ingester's hot path), on the cells the decoder read where it gives
+        them (the stretch's Columns). False sends them one by one, which finds the reasons."""
+        where, columns = stretch
+        first = events[where.start]
+        fence = self._known.get((first.run, first.label))
+        secret = None if fence is None else fence.seals.get(first.epoch)
         if secret is None:
             return False
-        if columns is not None and columns.seals is not None and columns.epoch == epoch:
+        if columns is not None and columns.seals is not None and columns.epoch == first.epoch:
             return _sealed_by(secret, columns.sealed, columns.seals)
-        if epoch != max(map(_EPOCH, events)) or epoch != min(map(_EPOCH, events)):
+        mine = events[where]
+        if first.epoch != max(map(_EPOCH, mine)) or first.epoch != min(map(_EPOCH, mine)):
             return False
-        found = _columns(list(map(_FIELDS, sources)))
+        found = _columns(list(map(_FIELDS, sources[where])))
         if found is None:
             return False
         width, cells = found
-        steps = cells[15::width] if width == _WITH_STEP else [b""] * len(events)
+        steps = cells[15::width] if width == _WITH_STEP else [b""] * len(mine)
         sealed = (
             cells[3::width],
             cells[9::width],
@@ -195,7 +187,7 @@ def _sealed_by(secret: bytes, sealed: tuple[list[bytes], ...], stamps: list[byte
     return hmac.compare_digest(computed, given)
 
 
-def _stretches(sources: list[Source]) -> list[slice]:
+def _stretches(sources: Sequence[Source]) -> list[slice]:
     """The stretches of `sources` from one stream each (a batch holds each stream's together)."""
     stretches, start = [], 0
     for _, group in groupby(map(_KEY, sources)):

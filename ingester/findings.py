@@ -102,16 +102,18 @@ class FindingsReader:
         self.steps_every = steps_every
         self._runs: dict[str, Findings] = {}
 
-    def note(self, events: Sequence[Event]) -> bool:
-        """Note the runs whose stragglers `events` (a stored batch) may change: steps of their
-        key, or of any key while they have none or a key worse than the best (it may have come
-        now); their stragglers are due. Whether there were any."""
+    def note(self, events: Sequence[Event], kinds: Mapping[str, int] | None = None) -> bool:
+        """Note the runs whose stragglers `events` (a stored batch, whose events of each kind
+        `kinds` counts where given) may change: steps of their key, or of any key while they
+        have none or a key worse than the best (it may have come now); their stragglers are due.
+        Whether there were any."""
         sources = {run_id: found.source for run_id, found in self._runs.items()}
         if not sources:
             return False
         # Filtered in C: this runs for every stored batch, where a loop in Python over its events
-        # took a twentieth of a worker's CPU (bench/ingest.py).
-        metrics = of_kind(events, "metric")
+        # took a twentieth of a worker's CPU (bench/ingest.py); not at all where all are metrics.
+        all_metrics = kinds is not None and kinds.get("metric") == len(events)
+        metrics = events if all_metrics else of_kind(events, "metric")
         stepped = list(compress(metrics, map(is_not, map(_STEP, metrics), repeat(None))))
         best = TIME_KEYS[0]
         runs = [

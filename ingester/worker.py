@@ -17,7 +17,7 @@ import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -28,11 +28,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import AccessDenied, GaveUp, InvalidEntry, StoreError, StoreRejected
+from runbus.errors import AccessDenied, GaveUp, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
+from runbus.ingester.batch import Entries, Source, StreamItems, as_dict, decode_batch
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
-from runbus.ingester.fence import Fences, Stretch
+from runbus.ingester.fence import Fences
 from runbus.ingester.health import HealthKeeper
 from runbus.ingester.process import STOP_SIGNALS, run_worker
 from runbus.ingester.stats import WorkerStats
@@ -49,18 +50,10 @@ T = TypeVar("T")
 
 log = logging.getLogger("runbus.ingester")
 
-# An entry's fields: XAUTOCLAIM's reply parses them into a dict; XREADGROUP's stays a flat
-# [name, value, ...] list (_raw_reply).
-Fields = dict[bytes, bytes] | wire.FlatEntry
-# Raw entries as redis-py returns them: (stream key, [(entry id, fields)]).
-StreamItems = list[tuple[bytes, Fields]]
-Entries = list[tuple[str, StreamItems]]
 # Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
 # An entry id as redis-py's commands take it.
 StreamId = int | bytes | str | memoryview
-# Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
-Source = tuple[str, bytes, Fields]
 # Entries one XREADGROUP may bring at most, over all its streams: a read names at most this many
 # over --batch-size streams (streams_per_read), so a worker's batch stays within bounds whatever
 # the batch size.
@@ -177,60 +170,6 @@ class WorkerSettings:
     on_alert: str | None = None
 
 
-def decode_batch(
-    entries: Entries, deliveries: dict[bytes, int] | None = None, max_deliveries: int = 0
-) -> tuple[list[wire.Event], list[Source], list[DeadEntry], list[Stretch]]:
-    """Split raw entries into valid events (with where each came from) and dead entries, and
-    the stretch of events each stream gave (with the decoder's Columns, for the fence).
-
-    An entry delivered more than `max_deliveries` times (per `deliveries`) is poison: it is
-    dead-lettered whatever it holds, since processing it keeps failing.
-    """
-    events: list[wire.Event] = []
-    sources: list[Source] = []
-    dead: list[DeadEntry] = []
-    stretches: list[Stretch] = []
-    for key, items in entries:
-        if deliveries and max_deliveries:
-            items = _not_poison(key, items, deliveries, max_deliveries, dead)
-        if not items:
-            continue
-        ids, fieldses = zip(*items, strict=True)
-        # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
-        flats = fieldses if dict not in set(map(type, fieldses)) else list(map(_as_flat, fieldses))
-        decoded, columns = decoding.decode_with_columns(key, flats)
-        start = len(events)
-        if columns is not None or _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, in C
-            events += cast("list[wire.Event]", decoded)
-            sources += zip(repeat(key), ids, fieldses, strict=False)
-        else:
-            for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
-                if isinstance(event, InvalidEntry):
-                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
-                else:
-                    events.append(event)
-                    sources.append((key, entry_id, fields))
-        if len(events) > start:
-            stretches.append(Stretch(slice(start, len(events)), columns))
-    return events, sources, dead, stretches
-
-
-def _not_poison(
-    key: str, items: StreamItems, deliveries: dict[bytes, int], max_deliveries: int, dead: list[DeadEntry]
-) -> StreamItems:
-    """`items` delivered at most `max_deliveries` times; the others join `dead`."""
-    kept = []
-    for entry_id, fields in items:
-        count = deliveries.get(entry_id, 1)
-        if count > max_deliveries:
-            reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
-            dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
-        else:
-            kept.append((entry_id, fields))
-    return kept
-
-
-_ONLY_EVENTS = frozenset({wire.Event})
 _KIND, _RUN, _DATA = attrgetter("kind"), attrgetter("run"), attrgetter("data")
 _ID = itemgetter(0)
 
@@ -258,14 +197,6 @@ def row_slices(events: Sequence[wire.Event], limit: int) -> list[tuple[int, int]
         label_rows += size
     slices.append((start, len(events)))
     return slices
-
-
-def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
-    return fields if isinstance(fields, dict) else wire.fields_dict(fields)
-
-
-def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | None:
-    return [item for pair in fields.items() for item in pair] if isinstance(fields, dict) else fields
 
 
 def _raw_reply(response: T, **options: object) -> T:
@@ -921,7 +852,7 @@ class Worker:
 
     async def _screened(
         self, entries: Entries, deliveries: dict[bytes, int] | None = None
-    ) -> tuple[list[wire.Event], list[Source], list[DeadEntry]] | None:
+    ) -> tuple[list[wire.Event], Sequence[Source], list[DeadEntry]] | None:
         """decode_batch's events (and their sources) that their epochs' lease holders wrote
         (ingester/fence.py), and the dead entries, those the fence stopped included. None if a
         stop gave up on Redis: then `entries` are let go, left pending for another worker."""
@@ -938,7 +869,7 @@ class Worker:
         self,
         entries: Entries,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         started: float,
         written: asyncio.Future[None] | None = None,
@@ -948,7 +879,9 @@ class Worker:
         try:
             try:
                 invalid = len(dead)  # _write adds the events the store rejects
-                holders = await self._holders(events)
+                # Counted once: what the claims, the health keeper and the stats look for.
+                kinds = Counter(map(_KIND, events))
+                holders = await self._holders(events, kinds)
                 stored = None if holders is None else await self._write_sliced(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
@@ -956,7 +889,7 @@ class Worker:
                     written.set_result(None)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
-            await self.health.note(events)
+            await self.health.note(events, kinds)
             # Stored already: keep trying through a drain, so a stop does not cause redelivery.
             await self._with_redis(lambda: self._dead_letter(dead), drain=True)
             await self._with_redis(lambda: self._ack(entries), drain=True)
@@ -971,7 +904,7 @@ class Worker:
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
-        for kind, n in Counter(map(_KIND, events)).items():
+        for kind, n in kinds.items():
             s.by_kind[kind] = s.by_kind.get(kind, 0) + n
         written_at = time.time()
         for run in set(map(_RUN, events)):
@@ -986,10 +919,11 @@ class Worker:
             (time.monotonic() - started) * 1000,
         )
 
-    async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:
-        """For each run with a primary claim among `events`: the label holding the producers'
-        live claim (wire.primary_key), read once per run; None if a stop gave up on Redis."""
-        if "start" not in map(_KIND, events):
+    async def _holders(self, events: list[wire.Event], kinds: Counter[str]) -> dict[str, str | None] | None:
+        """For each run with a primary claim among `events` (of `kinds`): the label holding the
+        producers' live claim (wire.primary_key), read once per run; None if a stop gave up on
+        Redis."""
+        if not kinds["start"]:
             return {}
         runs = {event.run for event in primary_claims(events)}
         unread = [run for run in runs if run not in self._claim_holders]
@@ -1013,7 +947,7 @@ class Worker:
     async def _write_sliced(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         holders: dict[str, str | None],
     ) -> int | None:
@@ -1033,7 +967,7 @@ class Worker:
     async def _write(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         holders: dict[str, str | None] | None = None,
     ) -> int | None:
@@ -1075,7 +1009,7 @@ class Worker:
     async def _isolate(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         exc: Exception,
         holders: dict[str, str | None] | None = None,
@@ -1090,7 +1024,7 @@ class Worker:
                 if isinstance(exc, StoreRejected)
                 else f"storage rejected it: {type(exc).__name__}: {exc}"
             )
-            dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
+            dead.append(DeadEntry(key, entry_id, as_dict(fields), reason))
             return 0
         half = len(events) // 2
         first = await self._write(events[:half], sources[:half], dead, holders)
