@@ -64,10 +64,15 @@ class Findings:
     beats: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def _brought(events: list[Event], run_id: str, key: str) -> bool:
-    """Whether any of `events` of run `run_id` holds a value of `key`."""
+def _brought(events: Sequence[Event], run_id: str, key: str | None) -> bool:
+    """Whether any of `events` of run `run_id` is at a step, and holds a value of `key` where
+    given: lazily, in C, so that a batch is not filtered whole where its first event answers."""
     mine = compress(events, map(eq, map(_RUN, events), repeat(run_id)))
-    return any(map(contains, map(_DATA, mine), repeat(key)))
+    if key is None:
+        return any(map(is_not, map(_STEP, mine), repeat(None)))
+    listed = list(mine)
+    stepped = compress(listed, map(is_not, map(_STEP, listed), repeat(None)))
+    return any(map(contains, map(_DATA, stepped), repeat(key)))
 
 
 def _source(keys: list[str]) -> tuple[str, bool] | None:
@@ -114,12 +119,11 @@ class FindingsReader:
         # took a twentieth of a worker's CPU (bench/ingest.py); not at all where all are metrics.
         all_metrics = kinds is not None and kinds.get("metric") == len(events)
         metrics = events if all_metrics else of_kind(events, "metric")
-        stepped = list(compress(metrics, map(is_not, map(_STEP, metrics), repeat(None))))
         best = TIME_KEYS[0]
         runs = [
             run_id
-            for run_id in set(map(_RUN, stepped)).intersection(sources)
-            if sources[run_id] != best or _brought(stepped, run_id, best)
+            for run_id in set(map(_RUN, metrics)).intersection(sources)
+            if _brought(metrics, run_id, best if sources[run_id] == best else None)
         ]
         for run_id in runs:
             self._runs[run_id].arrived = True
