@@ -57,10 +57,10 @@ class Sources(Sequence[Source]):
     @overload
     def __getitem__(self, at: int) -> Source: ...
     @overload
-    def __getitem__(self, at: slice) -> list[Source]: ...
-    def __getitem__(self, at: int | slice) -> Source | list[Source]:
+    def __getitem__(self, at: slice) -> Sources: ...
+    def __getitem__(self, at: int | slice) -> Source | Sources:
         if isinstance(at, slice):
-            return [self[i] for i in range(*at.indices(self._len))]
+            return self._part(*at.indices(self._len))
         if at < 0:
             at += self._len
         if not 0 <= at < self._len:
@@ -69,6 +69,20 @@ class Sources(Sequence[Source]):
         key, ids, fieldses = self._blocks[block]
         offset = at - self._starts[block]
         return key, ids[offset], fieldses[offset]
+
+    def _part(self, start: int, stop: int, step: int) -> Sources:
+        """The sources of events start to stop (by step), as slices of the streams' blocks: a
+        batch written in several transactions, or halved to isolate an event, is sliced so."""
+        part = Sources()
+        if step != 1:
+            for key, entry_id, fields in map(self.__getitem__, range(start, stop, step)):
+                part.add(key, (entry_id,), (fields,))
+            return part
+        for first, (key, ids, fieldses) in zip(self._starts, self._blocks, strict=True):
+            low, high = max(start - first, 0), min(stop - first, len(ids))
+            if low < high:
+                part.add(key, ids[low:high], fieldses[low:high])
+        return part
 
     def __iter__(self) -> Iterator[Source]:
         for key, ids, fieldses in self._blocks:

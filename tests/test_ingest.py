@@ -407,7 +407,9 @@ def test_sources_give_each_events_stream_id_and_fields_as_a_list_would():
     assert len(sources) == len(listed) == 8
     assert list(sources) == listed
     assert [sources[i] for i in range(-8, 8)] == listed + listed
-    for start, end in ((0, 8), (2, 5), (3, 3), (5, 100), (-3, None)):
-        assert sources[start:end] == listed[start:end]
+    for start, end, step in ((0, 8, 1), (2, 5, 1), (3, 3, 1), (5, 100, 1), (-3, None, 1), (1, 7, 2)):
+        part = sources[start:end:step]
+        assert list(part) == listed[start:end:step] and len(part) == len(listed[start:end:step])
+        assert part[:] is not part and list(part[1:][1:]) == listed[start:end:step][2:]
     with pytest.raises(IndexError):
         sources[8]
