@@ -16,7 +16,8 @@ import functools
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import chain, repeat
-from typing import Any, cast
+from operator import itemgetter
+from typing import Any, NamedTuple, cast
 
 import orjson
 
@@ -26,6 +27,8 @@ from runbus.wire import INT64, MAX_DATA_BYTES, TS_MAX, TS_MIN, Event, FlatEntry
 
 # Decodes the entries of one stream: in each entry's place its Event or the InvalidEntry saying why.
 Decoder = Callable[[str, Iterable[FlatEntry]], list[Event | InvalidEntry]]
+# The same, with the stream's Columns where it was decoded a column at a time.
+ColumnsDecoder = Callable[[str, Iterable[FlatEntry]], "tuple[list[Event | InvalidEntry], Columns | None]"]
 # A stream key's run and label, as text and as the bytes its entries hold.
 KeyNames = tuple[str, str, bytes, bytes]
 
@@ -55,20 +58,46 @@ _DICT = frozenset({dict})
 _INT = frozenset({int})
 _FLOAT = frozenset({float})
 _NUMBER_TYPES = frozenset({float, int})
+_EMPTY_NAME = b'""'
+_KIND_CELL = itemgetter(3)  # an entry's kind, flat in the producers' order
 # A NamedTuple's generated __new__ runs in Python; tuple.__new__ builds the same Event in C, at
 # a third of the cost (the ingester makes one per entry).
 _new_event = tuple.__new__
 
 
+class Columns(NamedTuple):
+    """A stream's entries of one shape decoded a column at a time: their Events, and the cells
+    their seals cover as read (wire.SEALED_FIELDS: kind, epoch, seq, ts, step, data; a column of
+    b"" for steps where they have none) with their seals, for the fence (ingester/fence.py) to
+    check without reading the entries again; `epoch` is the one epoch they all hold, else None."""
+
+    events: list[Event]
+    sealed: tuple[list[bytes], ...]
+    seals: list[bytes] | None  # None: the entries are not sealed
+    epoch: int | None
+
+
 def decode_stream_fast(key: str, flats: Iterable[FlatEntry]) -> list[Event | InvalidEntry]:
     """wire.decode_stream's results, errors and messages, faster."""
+    return decode_with_columns_fast(key, flats)[0]
+
+
+def decode_with_columns_fast(
+    key: str, flats: Iterable[FlatEntry]
+) -> tuple[list[Event | InvalidEntry], Columns | None]:
+    """decode_stream_fast's results, and their Columns where the stream's entries were all of
+    one shape and decoded a column at a time."""
     names = _key_names(key)
     flats = list(flats)
     if names is not None and len(flats) >= COLUMNS_FROM:
-        decoded = _decode_by_columns(key, names, flats)
+        decoded = _decoded_by_columns(key, names, flats)
         if decoded is not None:
             return decoded
-    return _decode_each(key, names, flats)
+    return _decode_each(key, names, flats), None
+
+
+def _decode_with_reference(key: str, flats: Iterable[FlatEntry]) -> tuple[list[Event | InvalidEntry], None]:
+    return wire.decode_stream(key, flats), None
 
 
 def _unsealed(flat: FlatEntry) -> FlatEntry:
@@ -80,16 +109,22 @@ def _unsealed(flat: FlatEntry) -> FlatEntry:
 
 
 DECODERS: dict[str, Decoder] = {"fast": decode_stream_fast, "reference": wire.decode_stream}
+# The same, with the Columns of a stream decoded a column at a time (the reference: never).
+_WITH_COLUMNS: dict[str, ColumnsDecoder] = {
+    "fast": decode_with_columns_fast,
+    "reference": _decode_with_reference,
+}
 decoder_in_use = config.decoder()
 decode_stream: Decoder = DECODERS[decoder_in_use]
+decode_with_columns: ColumnsDecoder = _WITH_COLUMNS[decoder_in_use]
 
 
 def use(name: str) -> None:
     """Decode with the path named `name`, 'fast' or 'reference', from now on."""
-    global decode_stream, decoder_in_use
+    global decode_stream, decode_with_columns, decoder_in_use
     if name not in DECODERS:
         raise ValueError(f"unknown decoder {name!r}: use one of {', '.join(DECODERS)}")
-    decode_stream, decoder_in_use = DECODERS[name], name
+    decode_stream, decode_with_columns, decoder_in_use = DECODERS[name], _WITH_COLUMNS[name], name
 
 
 @functools.lru_cache(maxsize=65536)
@@ -213,25 +248,43 @@ def _decode_by_columns(
     start, heartbeat, finish and meta events go one by one. None when an entry of the first two kinds
     is not plainly valid: then every entry goes one by one, and the reason is found.
     """
+    decoded = _decoded_by_columns(key, names, flats)
+    return None if decoded is None else decoded[0]
+
+
+def _decoded_by_columns(
+    key: str, names: KeyNames, flats: list[FlatEntry]
+) -> tuple[list[Event | InvalidEntry], Columns | None] | None:
+    """_decode_by_columns's results, with their Columns where the entries are all of one shape."""
     if None in flats:  # a deleted entry, among pending entries
         return None
     entries = cast("list[list[bytes]]", flats)
-    widths = list(map(len, entries))
-    if widths.count(_WITH_STEP + 2) == len(entries):  # the usual stream: sealed metrics at every step
-        return _decode_columns(names, entries, _SEALED_NAMES_WITH_STEP)
-    if widths.count(_WITH_STEP) == len(entries) and entries[0][-2] != wire.SEAL_FIELD:
-        return _decode_columns(names, entries, _NAMES_WITH_STEP)  # unsealed, as before seals
-    shapes = [_shape(flat, w) for flat, w in zip(entries, widths, strict=True)]
+    order = _uniform_order(entries)
+    if order is not None:  # the usual stream: sealed metrics at every step
+        columns = _decode_columns(names, entries, order)
+        return None if columns is None else (cast("list[Event | InvalidEntry]", columns.events), columns)
+    shapes = [_shape(flat, len(flat)) for flat in entries]
     decoded: dict[tuple[int, bool] | None, Iterator[Event | InvalidEntry]] = {}
     for shape, order in _COLUMN_ORDERS.items():
         mine = [flat for flat, its in zip(entries, shapes, strict=True) if its == shape]
-        by_columns = _decode_columns(names, mine, order) if mine else []
-        if by_columns is None:
+        by_columns = _decode_columns(names, mine, order) if mine else None
+        if mine and by_columns is None:
             return None
-        decoded[shape] = iter(by_columns)
+        decoded[shape] = iter(by_columns.events if by_columns is not None else ())
     others = [flat for flat, its in zip(entries, shapes, strict=True) if its is None]
     decoded[None] = iter(_decode_each(key, names, others))
-    return [next(decoded[shape]) for shape in shapes]
+    return [next(decoded[shape]) for shape in shapes], None
+
+
+def _uniform_order(entries: list[list[bytes]]) -> list[bytes] | None:
+    """The field order of entries that are all of one column shape (_shape), else None."""
+    width = len(entries[0])
+    order = _COLUMN_ORDERS.get((width, entries[0][-2] == wire.SEAL_FIELD))
+    if order is None or list(map(len, entries)).count(width) != len(entries):
+        return None
+    if b"step" not in order and sum(map(_TALLIED.__contains__, map(_KIND_CELL, entries))) != len(entries):
+        return None  # stepless, but not all tallies: by shapes (logs and the like one by one)
+    return order
 
 
 def _shape(flat: list[bytes], width: int) -> tuple[int, bool] | None:
@@ -244,40 +297,60 @@ def _shape(flat: list[bytes], width: int) -> tuple[int, bool] | None:
     return shape
 
 
-def _decode_columns(
-    names: KeyNames, flats: list[list[bytes]], order: list[bytes]
-) -> list[Event | InvalidEntry] | None:
+class _Places(NamedTuple):
+    """The entries' epochs, seqs, timestamps and steps (None without), and their cells as read."""
+
+    epochs: Iterable[int]
+    seqs: list[int]
+    stamps: list[float]
+    steps: list[int] | None
+    cells: tuple[list[bytes], list[bytes], list[bytes], list[bytes]]  # b"" for each step where none
+    epoch: int | None  # the one epoch all hold, else None
+
+
+def _decode_columns(names: KeyNames, flats: list[list[bytes]], order: list[bytes]) -> Columns | None:
     """Entries that all hold `order`'s fields, checked by the rules _decode_values applies
-    entry by entry: their Events, or None if any of them is not plainly valid."""
+    entry by entry: their Columns, or None if any of them is not plainly valid."""
     count, width = len(flats), len(order) * 2
     cells = list(chain.from_iterable(flats))
     if not _hold_fields(cells, names, order, count):
         return None
     with_step = b"step" in order
-    kinds = _kinds_column(cells[3::width], not with_step, count)
+    kinds_raw = cells[3::width]
+    kinds = _kinds_column(kinds_raw, not with_step, count)
     raws = cells[2 * order.index(b"data") + 1 :: width]
-    if kinds is None or max(map(len, raws)) > MAX_DATA_BYTES:
+    longest = max(map(len, raws))
+    if kinds is None or longest > MAX_DATA_BYTES:
         return None
-    places = _places_columns(cells, width, with_step)
-    datas = None if places is None else _data_column(raws)
+    places = _places_columns(cells, width, with_step, count)
+    datas = None if places is None else _data_column(raws, longest)
     if places is None or datas is None:
         return None
-    epochs, seqs, stamps, steps = places
-    run, label = names[0], names[1]
-    at_steps: Iterable[int | None] = repeat(None, count) if steps is None else steps
-    rows = zip(repeat(run), repeat(label), kinds, epochs, seqs, stamps, datas, at_steps, strict=False)
-    return list(map(_new_event, repeat(Event, count), rows))
+    at_steps: Iterable[int | None] = repeat(None, count) if places.steps is None else places.steps
+    rows = zip(
+        repeat(names[0]),
+        repeat(names[1]),
+        kinds,
+        places.epochs,
+        places.seqs,
+        places.stamps,
+        datas,
+        at_steps,
+        strict=False,
+    )
+    events = list(map(_new_event, repeat(Event, count), rows))
+    sealed = (kinds_raw, *places.cells, raws)
+    seals = cells[width - 1 :: width] if order[-1] == wire.SEAL_FIELD else None
+    return Columns(events, sealed, seals, places.epoch)
 
 
 def _hold_fields(cells: list[bytes], names: KeyNames, order: list[bytes], count: int) -> bool:
     """Whether every one of `count` entries (flat, one after another in `cells`) holds `order`'s
     fields, this wire version, and its stream's run and label."""
     width = len(order) * 2
-    for at, name in enumerate(order):
-        if cells[2 * at :: width].count(name) != count:
-            return False
     return (
-        cells[1::width].count(_VERSION) == count
+        cells[0::2] == order * count  # every name, in one comparison
+        and cells[1::width].count(_VERSION) == count
         and cells[5::width].count(names[2]) == count
         and cells[7::width].count(names[3]) == count
     )
@@ -293,16 +366,26 @@ def _kinds_column(kinds_raw: list[bytes], stepless: bool, count: int) -> Iterabl
     return None  # a step on a non-metric, or log, start, heartbeat, finish and meta events
 
 
-def _places_columns(
-    cells: list[bytes], width: int, with_step: bool
-) -> tuple[list[int], list[int], list[float], list[int] | None] | None:
-    """The entries' epochs, seqs, timestamps and steps (None without): each in range, else None."""
-    epochs, seqs = _numbers(cells[9::width], _INT), _numbers(cells[11::width], _INT)
-    stamps = _numbers(cells[13::width], _FLOAT)
-    steps = _numbers(cells[15::width], _INT) if with_step else None
+def _places_columns(cells: list[bytes], width: int, with_step: bool, count: int) -> _Places | None:
+    """The entries' places, each in range, else None."""
+    epochs_raw, seqs_raw, stamps_raw = cells[9::width], cells[11::width], cells[13::width]
+    steps_raw = cells[15::width] if with_step else None
+    epoch = _one_number(epochs_raw)  # the usual stream: one epoch, parsed once
+    epochs = [epoch] if epoch is not None else _numbers(epochs_raw, _INT)
+    seqs, stamps = _numbers(seqs_raw, _INT), _numbers(stamps_raw, _FLOAT)
+    steps = _numbers(steps_raw, _INT) if steps_raw is not None else None
     if epochs is None or seqs is None or stamps is None or (with_step and steps is None):
         return None
-    if not (
+    if not _in_range(epochs, seqs, stamps, steps):
+        return None
+    at_epochs = repeat(epoch, count) if epoch is not None else epochs
+    read = (epochs_raw, seqs_raw, stamps_raw, [b""] * count if steps_raw is None else steps_raw)
+    return _Places(at_epochs, seqs, stamps, steps, read, epoch)
+
+
+def _in_range(epochs: list[int], seqs: list[int], stamps: list[float], steps: list[int] | None) -> bool:
+    """Whether every epoch, seq, timestamp and step is in its range."""
+    return (
         min(epochs) > 0
         and max(epochs) < 2**63
         and min(seqs) > 0
@@ -311,14 +394,20 @@ def _places_columns(
         and min(stamps) >= TS_MIN
         and max(stamps) < TS_MAX
         and (steps is None or (min(steps) >= 0 and max(steps) < 2**63))
-    ):
+    )
+
+
+def _one_number(column: list[bytes]) -> int | None:
+    """The integer every cell of `column` holds, where they all hold the same bytes; else None."""
+    if column.count(column[0]) != len(column):
         return None
-    return epochs, seqs, stamps, steps
+    numbers = _numbers(column[:1], _INT)
+    return None if numbers is None else numbers[0]
 
 
-def _data_column(raws: list[bytes]) -> list[dict[str, Any]] | None:
+def _data_column(raws: list[bytes], longest: int) -> list[dict[str, Any]] | None:
     """The entries' data, if every one is an object of 1 to 256-character names to floats and
-    64-bit integers (at least one); else None."""
+    64-bit integers (at least one); else None. `longest`: the longest of `raws`."""
     try:
         datas = list(map(orjson.loads, raws))
     except orjson.JSONDecodeError:
@@ -326,8 +415,14 @@ def _data_column(raws: list[bytes]) -> list[dict[str, Any]] | None:
     # An empty metric is invalid; an empty system event goes one by one.
     if not (_DICT.issuperset(map(type, datas)) and all(datas)):
         return None
-    if not _plain_numbers(list(chain.from_iterable(map(dict.values, datas)))):
+    if not _FLOAT.issuperset(map(type, chain.from_iterable(map(dict.values, datas)))) and not _plain_numbers(
+        list(chain.from_iterable(map(dict.values, datas)))
+    ):
         return None
+    # Keys are no longer than the JSON holding them, and an empty key is written `""`: names are
+    # looked at one by one only where a data may hold a longer or an empty one.
+    if longest <= 256 and _EMPTY_NAME not in b"".join(raws):
+        return datas
     lengths = list(map(len, chain.from_iterable(datas)))
     return datas if min(lengths) > 0 and max(lengths) <= 256 else None
 

@@ -10,12 +10,13 @@ epoch the record cannot judge arrives. What fails is dead-lettered with the reas
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
-from itertools import chain, groupby, repeat
+from collections.abc import Iterable, Sequence
+from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, cast
 
 from runbus import wire
+from runbus.ingester.batch import Source, Stretch
 from runbus.ingester.deadletter import DeadEntry
 
 if TYPE_CHECKING:
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
 # Labels whose fence a worker remembers at most (then it reads them again as needed).
 FENCES_REMEMBERED = 65536
 
-# Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
-Source = tuple[str, bytes, dict[bytes, bytes] | wire.FlatEntry]
 LabelKey = tuple[str, str]
 _EPOCH = attrgetter("epoch")
 _KEY, _FIELDS = itemgetter(0), itemgetter(2)
@@ -57,25 +56,35 @@ class Fences:
         self._known: dict[LabelKey, wire.Fence] = {}
 
     async def screen(
-        self, redis: AsyncClient, events: list[wire.Event], sources: list[Source], dead: list[DeadEntry]
-    ) -> tuple[list[wire.Event], list[Source]]:
+        self,
+        redis: AsyncClient,
+        events: list[wire.Event],
+        sources: Sequence[Source],
+        dead: list[DeadEntry],
+        stretches: list[Stretch] | None = None,
+    ) -> tuple[list[wire.Event], Sequence[Source]]:
         """The events (and their sources) their epochs' lease holders wrote; the others join
-        `dead` with the reason."""
-        stretches = _stretches(sources)
+        `dead` with the reason. `stretches`: the batch's streams as decoded (else found from
+        `sources`)."""
+        if stretches is None:
+            stretches = [Stretch(stretch, None) for stretch in _stretches(sources)]
         # A stretch's events are of its stream's run and label (the decoders check): its epochs
         # are what is looked up, not a tuple per event.
         unknown = {
             (run, label)
-            for run, label, epochs in map(_places, (events[stretch] for stretch in stretches))
+            for run, label, epochs in (_places(events, stretch) for stretch in stretches)
             if (fence := self._known.get((run, label))) is None or not all(map(fence.knows, epochs))
         }
         if unknown:
             await self._read(redis, unknown)
+        sealed = [self._all_sealed(events, sources, stretch) for stretch in stretches]
+        if all(sealed):  # the common case: the batch as it is
+            return events, sources
         kept: list[wire.Event] = []
         kept_sources: list[Source] = []
-        for stretch in stretches:
-            mine, theirs = events[stretch], sources[stretch]
-            if self._all_sealed(mine, theirs):
+        for (where, _), all_sealed in zip(stretches, sealed, strict=True):
+            mine, theirs = events[where], sources[where]
+            if all_sealed:
                 kept += mine
                 kept_sources += theirs
                 continue
@@ -89,46 +98,36 @@ class Fences:
                     dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
         return kept, kept_sources
 
-    def _all_sealed(self, events: list[wire.Event], sources: list[Source]) -> bool:
-        """Whether one stream's events, all of one sealed epoch and in the producers' field
-        order, all carry their epoch's seal: checked a column at a time (the common case, and the
-        ingester's hot path). False sends them one by one, which finds the reasons."""
-        epoch = events[0].epoch
-        fence = self._known.get((events[0].run, events[0].label))
-        secret = None if fence is None else fence.seals.get(epoch)
-        if secret is None or epoch != max(map(_EPOCH, events)) or epoch != min(map(_EPOCH, events)):
+    def _all_sealed(self, events: list[wire.Event], sources: Sequence[Source], stretch: Stretch) -> bool:
+        """Whether one stream's events (`stretch` of `events`), all of one sealed epoch and in the
+        producers' field order, all carry their epoch's seal: checked a column at a time (the
+        common case, and the ingester's hot path), on the cells the decoder read where it gives
+        them (the stretch's Columns). False sends them one by one, which finds the reasons."""
+        where, columns = stretch
+        first = events[where.start]
+        fence = self._known.get((first.run, first.label))
+        secret = None if fence is None else fence.seals.get(first.epoch)
+        if secret is None:
             return False
-        columns = _columns(list(map(_FIELDS, sources)))
-        if columns is None:
+        if columns is not None and columns.seals is not None and columns.epoch == first.epoch:
+            return _sealed_by(secret, columns.sealed, columns.seals)
+        mine = events[where]
+        if first.epoch != max(map(_EPOCH, mine)) or first.epoch != min(map(_EPOCH, mine)):
             return False
-        width, cells = columns
-        count = len(events)
-        steps = cells[15::width] if width == _WITH_STEP else repeat(b"", count)
-        parts = zip(
+        found = _columns(list(map(_FIELDS, sources[where])))
+        if found is None:
+            return False
+        width, cells = found
+        steps = cells[15::width] if width == _WITH_STEP else [b""] * len(mine)
+        sealed = (
             cells[3::width],
             cells[9::width],
             cells[11::width],
             cells[13::width],
             steps,
             cells[width - 3 :: width],
-            strict=True,
         )
-        stamps = cells[width - 1 :: width]
-        if set(map(len, stamps)) != {wire.SEAL_LENGTH}:
-            return False
-        base = wire.keyed(secret)
-
-        def digest(message: bytes) -> bytes:
-            mac = base.copy()
-            mac.update(message)
-            return mac.digest()
-
-        computed = b"".join(map(digest, map(_NUL.join, parts)))
-        try:
-            given = bytes.fromhex(b"".join(stamps).decode())
-        except (ValueError, UnicodeDecodeError):
-            return False
-        return hmac.compare_digest(computed, given)
+        return _sealed_by(secret, sealed, cells[width - 1 :: width])
 
     def _reason(self, event: wire.Event, source: Source) -> str | None:
         fence = self._known.get((event.run, event.label), wire.Fence({}, None))
@@ -168,7 +167,27 @@ def _columns(flats: list[dict[bytes, bytes] | wire.FlatEntry]) -> tuple[int, lis
     return width, cells
 
 
-def _stretches(sources: list[Source]) -> list[slice]:
+def _sealed_by(secret: bytes, sealed: tuple[list[bytes], ...], stamps: list[bytes]) -> bool:
+    """Whether every entry's `seal` (`stamps`) is its epoch's seal under `secret` of its
+    wire.SEALED_FIELDS (`sealed`: a column each, as read)."""
+    if set(map(len, stamps)) != {wire.SEAL_LENGTH}:
+        return False
+    base = wire.keyed(secret)
+
+    def digest(message: bytes) -> bytes:
+        mac = base.copy()
+        mac.update(message)
+        return mac.digest()
+
+    computed = b"".join(map(digest, map(_NUL.join, zip(*sealed, strict=True))))
+    try:
+        given = bytes.fromhex(b"".join(stamps).decode())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return hmac.compare_digest(computed, given)
+
+
+def _stretches(sources: Sequence[Source]) -> list[slice]:
     """The stretches of `sources` from one stream each (a batch holds each stream's together)."""
     stretches, start = [], 0
     for _, group in groupby(map(_KEY, sources)):
@@ -178,9 +197,13 @@ def _stretches(sources: list[Source]) -> list[slice]:
     return stretches
 
 
-def _places(events: list[wire.Event]) -> tuple[str, str, set[int]]:
+def _places(events: list[wire.Event], stretch: Stretch) -> tuple[str, str, set[int]]:
     """The run, label and epochs of one stream's events."""
-    return events[0].run, events[0].label, set(map(_EPOCH, events))
+    where, columns = stretch
+    first = events[where.start]
+    if columns is not None and columns.epoch is not None:
+        return first.run, first.label, {columns.epoch}
+    return first.run, first.label, set(map(_EPOCH, events[where]))
 
 
 def _as_dict(fields: dict[bytes, bytes] | wire.FlatEntry) -> dict[bytes, bytes]:

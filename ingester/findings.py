@@ -64,10 +64,15 @@ class Findings:
     beats: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def _brought(events: list[Event], run_id: str, key: str) -> bool:
-    """Whether any of `events` of run `run_id` holds a value of `key`."""
+def _brought(events: Sequence[Event], run_id: str, key: str | None) -> bool:
+    """Whether any of `events` of run `run_id` is at a step, and holds a value of `key` where
+    given: lazily, in C, so that a batch is not filtered whole where its first event answers."""
     mine = compress(events, map(eq, map(_RUN, events), repeat(run_id)))
-    return any(map(contains, map(_DATA, mine), repeat(key)))
+    if key is None:
+        return any(map(is_not, map(_STEP, mine), repeat(None)))
+    listed = list(mine)
+    stepped = compress(listed, map(is_not, map(_STEP, listed), repeat(None)))
+    return any(map(contains, map(_DATA, stepped), repeat(key)))
 
 
 def _source(keys: list[str]) -> tuple[str, bool] | None:
@@ -102,22 +107,23 @@ class FindingsReader:
         self.steps_every = steps_every
         self._runs: dict[str, Findings] = {}
 
-    def note(self, events: Sequence[Event]) -> bool:
-        """Note the runs whose stragglers `events` (a stored batch) may change: steps of their
-        key, or of any key while they have none or a key worse than the best (it may have come
-        now); their stragglers are due. Whether there were any."""
+    def note(self, events: Sequence[Event], kinds: Mapping[str, int] | None = None) -> bool:
+        """Note the runs whose stragglers `events` (a stored batch, whose events of each kind
+        `kinds` counts where given) may change: steps of their key, or of any key while they
+        have none or a key worse than the best (it may have come now); their stragglers are due.
+        Whether there were any."""
         sources = {run_id: found.source for run_id, found in self._runs.items()}
         if not sources:
             return False
         # Filtered in C: this runs for every stored batch, where a loop in Python over its events
-        # took a twentieth of a worker's CPU (bench/ingest.py).
-        metrics = of_kind(events, "metric")
-        stepped = list(compress(metrics, map(is_not, map(_STEP, metrics), repeat(None))))
+        # took a twentieth of a worker's CPU (bench/ingest.py); not at all where all are metrics.
+        all_metrics = kinds is not None and kinds.get("metric") == len(events)
+        metrics = events if all_metrics else of_kind(events, "metric")
         best = TIME_KEYS[0]
         runs = [
             run_id
-            for run_id in set(map(_RUN, stepped)).intersection(sources)
-            if sources[run_id] != best or _brought(stepped, run_id, best)
+            for run_id in set(map(_RUN, metrics)).intersection(sources)
+            if _brought(metrics, run_id, best if sources[run_id] == best else None)
         ]
         for run_id in runs:
             self._runs[run_id].arrived = True

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -87,11 +87,14 @@ class HealthKeeper:
         # Each live run's latest health object, for the ops endpoint's gauges.
         self.live: dict[str, dict[str, Any]] = {}
 
-    async def note(self, events: Sequence[Event]) -> None:
-        """Keep the latest heartbeat of each label among `events` (a stored batch); where it
-        brought steps of a run's stragglers' key, check that run's health soon."""
-        if self.findings.note(events):
+    async def note(self, events: Sequence[Event], kinds: Mapping[str, int] | None = None) -> None:
+        """Keep the latest heartbeat of each label among `events` (a stored batch, whose events
+        of each kind `kinds` counts where given); where it brought steps of a run's stragglers'
+        key, check that run's health soon."""
+        if self.findings.note(events, kinds):
             self._steps_arrived.set()
+        if kinds is not None and not kinds.get("heartbeat"):
+            return
         beats = of_kind(events, "heartbeat")
         if not beats:
             return

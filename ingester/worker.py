@@ -17,7 +17,7 @@ import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -28,8 +28,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runbus import config, storage, wire
 from runbus.config import safe_url
-from runbus.errors import AccessDenied, GaveUp, InvalidEntry, StoreError, StoreRejected
+from runbus.errors import AccessDenied, GaveUp, StoreError, StoreRejected
 from runbus.ingester import decoding, maintenance
+from runbus.ingester.batch import Entries, Source, StreamItems, as_dict, decode_batch
 from runbus.ingester.deadletter import DeadEntry, dead_letter_fields
 from runbus.ingester.discovery import Discovery
 from runbus.ingester.fence import Fences
@@ -49,18 +50,10 @@ T = TypeVar("T")
 
 log = logging.getLogger("runbus.ingester")
 
-# An entry's fields: XAUTOCLAIM's reply parses them into a dict; XREADGROUP's stays a flat
-# [name, value, ...] list (_raw_reply).
-Fields = dict[bytes, bytes] | wire.FlatEntry
-# Raw entries as redis-py returns them: (stream key, [(entry id, fields)]).
-StreamItems = list[tuple[bytes, Fields]]
-Entries = list[tuple[str, StreamItems]]
 # Redis unreachable, or a cluster without a master for a slot for now: wait and retry.
 REDIS_AWAY = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError)
 # An entry id as redis-py's commands take it.
 StreamId = int | bytes | str | memoryview
-# Where a decoded event came from: (stream key, entry id, raw fields as a dict or a flat list).
-Source = tuple[str, bytes, Fields]
 # Entries one XREADGROUP may bring at most, over all its streams: a read names at most this many
 # over --batch-size streams (streams_per_read), so a worker's batch stays within bounds whatever
 # the batch size.
@@ -177,48 +170,6 @@ class WorkerSettings:
     on_alert: str | None = None
 
 
-def decode_batch(
-    entries: Entries, deliveries: dict[bytes, int] | None = None, max_deliveries: int = 0
-) -> tuple[list[wire.Event], list[Source], list[DeadEntry]]:
-    """Split raw entries into valid events (with where each came from) and dead entries.
-
-    An entry delivered more than `max_deliveries` times (per `deliveries`) is poison: it is
-    dead-lettered whatever it holds, since processing it keeps failing.
-    """
-    events: list[wire.Event] = []
-    sources: list[Source] = []
-    dead: list[DeadEntry] = []
-    for key, items in entries:
-        if deliveries and max_deliveries:
-            kept = []
-            for entry_id, fields in items:
-                count = deliveries.get(entry_id, 1)
-                if count > max_deliveries:
-                    reason = f"delivered {count} times, over --max-deliveries {max_deliveries}"
-                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason, count))
-                else:
-                    kept.append((entry_id, fields))
-            items = kept
-        if not items:
-            continue
-        ids, fieldses = zip(*items, strict=True)
-        # XAUTOCLAIM's reply comes parsed into dicts; XREADGROUP's stays flat (_raw_reply).
-        flats = fieldses if dict not in set(map(type, fieldses)) else list(map(_as_flat, fieldses))
-        decoded = decoding.decode_stream(key, flats)
-        if _ONLY_EVENTS.issuperset(map(type, decoded)):  # the common case, without a loop in Python
-            events += cast("list[wire.Event]", decoded)
-            sources += zip(repeat(key), ids, fieldses, strict=False)
-            continue
-        for entry_id, fields, event in zip(ids, fieldses, decoded, strict=True):
-            if isinstance(event, InvalidEntry):
-                dead.append(DeadEntry(key, entry_id, _as_dict(fields), str(event)))
-            else:
-                events.append(event)
-                sources.append((key, entry_id, fields))
-    return events, sources, dead
-
-
-_ONLY_EVENTS = frozenset({wire.Event})
 _KIND, _RUN, _DATA = attrgetter("kind"), attrgetter("run"), attrgetter("data")
 _ID = itemgetter(0)
 
@@ -246,14 +197,6 @@ def row_slices(events: Sequence[wire.Event], limit: int) -> list[tuple[int, int]
         label_rows += size
     slices.append((start, len(events)))
     return slices
-
-
-def _as_dict(fields: dict[bytes, bytes] | list[bytes] | None) -> dict[bytes, bytes]:
-    return fields if isinstance(fields, dict) else wire.fields_dict(fields)
-
-
-def _as_flat(fields: dict[bytes, bytes] | list[bytes] | None) -> list[bytes] | None:
-    return [item for pair in fields.items() for item in pair] if isinstance(fields, dict) else fields
 
 
 def _raw_reply(response: T, **options: object) -> T:
@@ -909,13 +852,13 @@ class Worker:
 
     async def _screened(
         self, entries: Entries, deliveries: dict[bytes, int] | None = None
-    ) -> tuple[list[wire.Event], list[Source], list[DeadEntry]] | None:
+    ) -> tuple[list[wire.Event], Sequence[Source], list[DeadEntry]] | None:
         """decode_batch's events (and their sources) that their epochs' lease holders wrote
         (ingester/fence.py), and the dead entries, those the fence stopped included. None if a
         stop gave up on Redis: then `entries` are let go, left pending for another worker."""
-        events, sources, dead = decode_batch(entries, deliveries, self.settings.max_deliveries)
+        events, sources, dead, stretches = decode_batch(entries, deliveries, self.settings.max_deliveries)
         fenced = await self._with_redis(
-            lambda: self._fences.screen(self._redis, events, sources, dead), drain=True
+            lambda: self._fences.screen(self._redis, events, sources, dead, stretches), drain=True
         )
         if fenced is None:
             self._let_go(entries)
@@ -926,7 +869,7 @@ class Worker:
         self,
         entries: Entries,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         started: float,
         written: asyncio.Future[None] | None = None,
@@ -936,7 +879,9 @@ class Worker:
         try:
             try:
                 invalid = len(dead)  # _write adds the events the store rejects
-                holders = await self._holders(events)
+                # Counted once: what the claims, the health keeper and the stats look for.
+                kinds = Counter(map(_KIND, events))
+                holders = await self._holders(events, kinds)
                 stored = None if holders is None else await self._write_sliced(events, sources, dead, holders)
             finally:
                 # Not when the loop awaiting it was cancelled (a drain timing out): then it is.
@@ -944,7 +889,7 @@ class Worker:
                     written.set_result(None)
             if stored is None:
                 return  # draining ran out of time: left pending for another worker
-            await self.health.note(events)
+            await self.health.note(events, kinds)
             # Stored already: keep trying through a drain, so a stop does not cause redelivery.
             await self._with_redis(lambda: self._dead_letter(dead), drain=True)
             await self._with_redis(lambda: self._ack(entries), drain=True)
@@ -959,7 +904,7 @@ class Worker:
         s.dead_lettered += len(dead)
         s.poison += sum(1 for d in dead if d.deliveries > 1)
         s.batch_sizes.observe(count)
-        for kind, n in Counter(map(_KIND, events)).items():
+        for kind, n in kinds.items():
             s.by_kind[kind] = s.by_kind.get(kind, 0) + n
         written_at = time.time()
         for run in set(map(_RUN, events)):
@@ -974,10 +919,11 @@ class Worker:
             (time.monotonic() - started) * 1000,
         )
 
-    async def _holders(self, events: list[wire.Event]) -> dict[str, str | None] | None:
-        """For each run with a primary claim among `events`: the label holding the producers'
-        live claim (wire.primary_key), read once per run; None if a stop gave up on Redis."""
-        if "start" not in map(_KIND, events):
+    async def _holders(self, events: list[wire.Event], kinds: Counter[str]) -> dict[str, str | None] | None:
+        """For each run with a primary claim among `events` (of `kinds`): the label holding the
+        producers' live claim (wire.primary_key), read once per run; None if a stop gave up on
+        Redis."""
+        if not kinds["start"]:
             return {}
         runs = {event.run for event in primary_claims(events)}
         unread = [run for run in runs if run not in self._claim_holders]
@@ -1001,7 +947,7 @@ class Worker:
     async def _write_sliced(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         holders: dict[str, str | None],
     ) -> int | None:
@@ -1021,7 +967,7 @@ class Worker:
     async def _write(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         holders: dict[str, str | None] | None = None,
     ) -> int | None:
@@ -1063,7 +1009,7 @@ class Worker:
     async def _isolate(
         self,
         events: list[wire.Event],
-        sources: list[Source],
+        sources: Sequence[Source],
         dead: list[DeadEntry],
         exc: Exception,
         holders: dict[str, str | None] | None = None,
@@ -1078,7 +1024,7 @@ class Worker:
                 if isinstance(exc, StoreRejected)
                 else f"storage rejected it: {type(exc).__name__}: {exc}"
             )
-            dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
+            dead.append(DeadEntry(key, entry_id, as_dict(fields), reason))
             return 0
         half = len(events) // 2
         first = await self._write(events[:half], sources[:half], dead, holders)

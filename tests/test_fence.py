@@ -23,6 +23,7 @@ import runbus
 from runbus import config, wire
 from runbus.errors import CommandError
 from runbus.ingester import decoding
+from runbus.ingester.batch import Stretch
 from runbus.ingester.fence import Fences
 from runbus.ingester.localredis import LocalRedis
 from tests.conftest import private_redis
@@ -367,7 +368,12 @@ def test_seals_checked_a_column_at_a_time_agree_with_one_by_one(count, with_step
     fences = Fences()
     fences._known[("cols", "rank0")] = wire.Fence({epoch: secret}, epoch)
     one_by_one = [fences._reason(e, s) for e, s in zip(events, sources, strict=True)]
-    assert fences._all_sealed(events, sources) == (hazard == "none")
+    assert fences._all_sealed(events, sources, Stretch(slice(0, count), None)) == (hazard == "none")
+    # On the cells the decoder read (a stream of COLUMNS_FROM entries or more), alike.
+    decoded, columns = decoding.decode_with_columns_fast(key, flats)
+    assert decoded == events and (columns is not None) == (count >= decoding.COLUMNS_FROM)
+    if columns is not None:
+        assert fences._all_sealed(events, sources, Stretch(slice(0, count), columns)) == (hazard == "none")
     assert [n for n, why in enumerate(one_by_one) if why] == ([] if hazard == "none" else [changed])
 
 

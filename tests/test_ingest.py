@@ -393,3 +393,23 @@ def test_row_slices_keep_a_labels_events_of_one_read_together():
     assert all(sum(len(e.data) + 1 for e in events[start:end]) <= 450 for start, end in slices)
     # Under the limit, one slice.
     assert row_slices(events[:10], 450) == [(0, 10)]
+
+
+def test_sources_give_each_events_stream_id_and_fields_as_a_list_would():
+    from runbus.ingester.batch import Sources
+
+    sources, listed = Sources(), []
+    for key, count in (("s1", 3), ("s2", 0), ("s3", 5)):
+        ids = [f"{key}-{n}".encode() for n in range(count)]
+        fieldses = [[b"n", str(n).encode()] for n in range(count)]
+        sources.add(key, ids, fieldses)
+        listed += zip([key] * count, ids, fieldses, strict=True)
+    assert len(sources) == len(listed) == 8
+    assert list(sources) == listed
+    assert [sources[i] for i in range(-8, 8)] == listed + listed
+    for start, end, step in ((0, 8, 1), (2, 5, 1), (3, 3, 1), (5, 100, 1), (-3, None, 1), (1, 7, 2)):
+        part = sources[start:end:step]
+        assert list(part) == listed[start:end:step] and len(part) == len(listed[start:end:step])
+        assert part[:] is not part and list(part[1:][1:]) == listed[start:end:step][2:]
+    with pytest.raises(IndexError):
+        sources[8]
