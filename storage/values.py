@@ -24,8 +24,8 @@ import numpy.typing as npt
 
 from runbus.storage.base import Point
 from runbus.storage.chunking import head_value
-from runbus.storage.columns import Bounds, bounds, is_v1, seqs_column
-from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_many, decode_times
+from runbus.storage.columns import Bounds, FormatError, bounds, is_v1, seqs_column
+from runbus.storage.columns_numpy import Arrays, Floats, Ints, Mask, decode_arrays, decode_many, decode_times
 from runbus.storage.rules import natural_key
 
 # A chunk row as a read selects it: (label, key, epoch, first seq, data).
@@ -116,15 +116,41 @@ def empty(labels: Sequence[str] = (), keys: Sequence[str] = ()) -> Values:
 
 def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Iterable[HeadRow]) -> Values:
     """The points of `chunks` (their timestamps from `clocks`, the chunks of the same label
-    epochs' clocks) and of `head` rows, as one set of columns in (label, key, epoch, seq) order."""
-    chunks, head = list(chunks), list(head)
+    epochs' clocks) and of `head` rows, as one set of columns in (label, key, epoch, seq) order.
+    A stored chunk that does not decode (a store damaged by hand or on disk) raises a FormatError
+    that names its label, key and lease epoch."""
+    chunks, clocks = list(chunks), list(clocks)
+    try:
+        return _assembled(chunks, clocks, list(head))
+    except FormatError as error:
+        raise _damaged(chunks, clocks) or error from None
+
+
+def _damaged(chunks: list[ChunkPart], clocks: list[ClockPart]) -> FormatError | None:
+    """The error of the first of these chunks that does not decode on its own, with its names."""
+    for label, key, epoch, first_seq, blob in chunks:
+        try:
+            decode_arrays(blob)
+        except FormatError as error:
+            where = f"label {label!r}, key {key!r}, lease epoch {epoch}, from seq {first_seq}"
+            return FormatError(f"a stored chunk of {where} does not decode: {error}")
+    for label, epoch, blob in clocks:
+        try:
+            decode_arrays(blob)
+        except FormatError as error:
+            where = f"label {label!r}, lease epoch {epoch}"
+            return FormatError(f"the clock chunk of {where} does not decode: {error}")
+    return None
+
+
+def _assembled(chunks: list[ChunkPart], clocks: list[ClockPart], head: list[HeadRow]) -> Values:
     labels = sorted({c[0] for c in chunks} | {h[0] for h in head}, key=natural_key)
     keys = sorted({c[1] for c in chunks} | {h[1] for h in head})
     if not labels:
         return empty()
     label_code = {name: code for code, name in enumerate(labels)}
     key_code = {name: code for code, name in enumerate(keys)}
-    chunked, ordered = _from_chunks(chunks, list(clocks), label_code, key_code)
+    chunked, ordered = _from_chunks(chunks, clocks, label_code, key_code)
     rows = _from_head(head, label_code, key_code)
     if not len(rows):  # a run's values all in chunks: in order unless chunks overlap
         joined = replace(chunked, labels=labels, keys=keys)

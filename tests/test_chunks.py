@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import redis
 
-from runbus.storage import Store, open_store, reads, values
+from runbus.storage import Store, columns, open_store, reads, values
 from runbus.storage.chunking import COMPACT_EVENTS
 from runbus.storage.columns import bounds
 from tests import old_stores
@@ -609,6 +609,53 @@ async def test_a_compaction_between_a_reads_statements_changes_nothing_it_sees(s
     finally:
         await writer.close()
         await reader.close()
+
+
+async def damage_chunks(url: str, key: str) -> int:
+    """Each chunk of series `key` with its values column's payload replaced by as many bytes of
+    garbage, as a store damaged on disk or by hand would hold it; how many."""
+    chosen = (
+        "SELECT c.label_id, c.series_id, c.epoch, c.first_seq, c.data"
+        " FROM chunks c JOIN series s ON s.id = c.series_id WHERE s.key = "
+    )
+    change = (
+        "UPDATE chunks SET data = {} WHERE label_id = {} AND series_id = {} AND epoch = {} AND first_seq = {}"
+    )
+
+    def garbled(data: bytes) -> bytes:
+        size = len(columns.columns(data)[1][-1][1])
+        return data[:-size] + (bytes(range(256)) * (size // 256 + 1))[:size]
+
+    if url.startswith("sqlite"):
+        with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
+            rows = con.execute(chosen + "?", (key,)).fetchall()
+            for *where, data in rows:
+                con.execute(change.format("?", "?", "?", "?", "?"), (garbled(data), *where))
+            con.commit()
+        return len(rows)
+    con = await asyncpg.connect(url)
+    try:
+        rows = await con.fetch(chosen + "$1", key)
+        for *where, data in rows:
+            await con.execute(change.format("$1", "$2", "$3", "$4", "$5"), garbled(data), *where)
+    finally:
+        await con.close()
+    return len(rows)
+
+
+async def test_a_damaged_chunk_is_a_format_error_that_names_its_label_and_key(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    store = await open_stores(any_store_url)
+    await store.write([start(1, primary=True)])
+    await store.write([metric(s, {"loss": noisy(s), "lr": 0.001}, step=s) for s in range(2, 600)])
+    assert await damage_chunks(any_store_url, "loss") >= 1
+    with pytest.raises(columns.FormatError, match="label 'rank0', key 'loss', lease epoch 1"):
+        await store.values(RUN, keys=["loss"])
+    with pytest.raises(columns.FormatError, match="key 'loss'"):
+        await store.metrics(RUN)
+    lr = await store.metrics(RUN, key="lr")  # the other series reads as it was
+    assert [p.seq for p in lr] == list(range(2, 600)) and {p.value for p in lr} == {0.001}
 
 
 async def test_a_small_read_fetches_only_the_clock_chunks_that_time_its_values(store: Store) -> None:
