@@ -32,11 +32,12 @@ from pcodec import ChunkConfig, DeltaSpec, standalone
 VERSION = 2
 V1 = 1
 VERSIONS = (V1, VERSION)
+_V1_BYTE = bytes([V1])
 
 
 def is_v1(blob: bytes) -> bool:
     """Whether a chunk's header says format 1 (a damaged or empty blob says no: its read raises)."""
-    return blob[:1] == b"\x01"
+    return blob[:1] == _V1_BYTE
 
 # The header: version, flags, count, then the chunk's bounds (first/last seq, min/max step,
 # first/last ts) as little-endian int64s.
@@ -144,6 +145,11 @@ def header(
 
 def column(encoding: int, payload: bytes) -> bytes:
     return COLUMN.pack(encoding, len(payload)) + payload
+
+
+def mask_column(packed: bytes) -> bytes:
+    """The null mask column of a chunk, from its bits packed least significant first."""
+    return column(NULL_MASK, deflate(packed, ZLIB_LEVEL))
 
 
 # A chunk's bytes, or a view of them.
@@ -459,8 +465,8 @@ def _steps_columns(seqs: list[int], steps: list[int | None]) -> tuple[int, list[
     parts = [column(encoding, payload)]
     if len(given) == len(steps):
         return FLAG_STEPS, parts, given
-    mask = deflate(_mask_bytes([step is None for step in steps]), ZLIB_LEVEL)
-    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
+    mask = mask_column(_mask_bytes([step is None for step in steps]))
+    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, mask], given
 
 
 def encode_v1_reference(chunk: Chunk) -> bytes:
@@ -499,7 +505,7 @@ def encode_reference(chunk: Chunk) -> bytes:
         step_parts.append(column(PCO, pco_payload(np.array([step or 0 for step in steps], np.int64))))
         if len(given) != count:
             flags |= FLAG_STEP_NULLS
-            step_parts.append(column(NULL_MASK, deflate(_mask_bytes([s is None for s in steps]), ZLIB_LEVEL)))
+            step_parts.append(mask_column(_mask_bytes([step is None for step in steps])))
     kept = np.array(values, np.int64) if ints else np.array([float(value) for value in values], np.float64)
     return b"".join(
         [

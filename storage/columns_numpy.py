@@ -10,7 +10,7 @@ format 1, for the tests and bench/columns.py's comparison.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import groupby, pairwise
 from typing import Any, NamedTuple
 
@@ -46,6 +46,7 @@ from runbus.storage.columns import (
     header,
     inflate,
     is_v1,
+    mask_column,
     pack_planes,
     pco_into,
     pco_payload,
@@ -185,8 +186,11 @@ def _steps_columns(seqs: Ints, steps: Ints, nulls: Mask | None) -> tuple[int, li
     parts = [column(encoding, payload)]
     if nulls is None or not nulls.any():
         return FLAG_STEPS, parts, given
-    mask = deflate(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
-    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, column(NULL_MASK, mask)], given
+    return FLAG_STEPS | FLAG_STEP_NULLS, [*parts, _mask_column(nulls)], given
+
+
+def _mask_column(nulls: Mask) -> bytes:
+    return mask_column(np.packbits(nulls, bitorder="little").tobytes())
 
 
 def encode_arrays(arrays: Arrays) -> bytes:
@@ -208,8 +212,7 @@ def encode_arrays(arrays: Arrays) -> bytes:
         step_parts.append(column(PCO, pco_payload(filled)))
         if nulls is not None and nulls.any():
             flags |= FLAG_STEP_NULLS
-            mask = deflate(np.packbits(nulls, bitorder="little").tobytes(), ZLIB_LEVEL)
-            step_parts.append(column(NULL_MASK, mask))
+            step_parts.append(_mask_column(nulls))
     # The header's bounds as Python ints: numpy scalars would pack the same, at more cost.
     ends = (seqs[[0, -1]].tolist(), ts[[0, -1]].tolist()) if count else ([], [])
     bounds = [int(given.min()), int(given.max())] if len(given) else []
@@ -635,16 +638,12 @@ def decode_many(blobs: Sequence[bytes], times: bool = True, into: Arrays | None 
     total = sum(head.points for _, head in chunks)
     into = into or _columns_for(total, times, bool(chunks) and all(head.ints for _, head in chunks))
     nulls = np.empty(total, np.bool_) if into.step_nulls is None else into.step_nulls
-    at = 0
-    for version, run in groupby(chunks, key=lambda chunk: chunk[0][0]):
-        found = list(run)
-        end = at + sum(head.points for _, head in found)
+    for version, found, at, end in _runs(chunks):
         part = _part(into, nulls, at, end)
         if version == V1:
             _many_v1([blob for blob, _ in found], times, part)
         else:
             _many_v2(found, times, part, nulls[at:end])
-        at = end
     return into._replace(
         step_nulls=nulls if nulls.any() else None,
         ts=into.ts if times else np.zeros(0, np.int64),
@@ -661,6 +660,16 @@ def _columns_for(total: int, times: bool, ints: bool) -> Arrays:
     values: Floats | Ints = np.empty(total, np.int64) if ints else np.empty(total, np.float64)
     ts = np.empty(total if times else 0, np.int64)
     return Arrays(np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.bool_), ts, values)
+
+
+def _runs(chunks: list[tuple[bytes, Bounds]]) -> Iterator[tuple[int, list[tuple[bytes, Bounds]], int, int]]:
+    """Each run of chunks of one format: (version, its chunks, where its points start and end)."""
+    at = 0
+    for version, run in groupby(chunks, key=lambda chunk: chunk[0][0]):
+        found = list(run)
+        end = at + sum(head.points for _, head in found)
+        yield version, found, at, end
+        at = end
 
 
 def _with_points(blobs: Sequence[bytes]) -> list[tuple[bytes, Bounds]]:
@@ -731,17 +740,13 @@ def decode_times(blobs: Sequence[bytes], into: Ints | None = None) -> Ints:
     chunks = _with_points(blobs)
     total = sum(head.points for _, head in chunks)
     out: Ints = np.empty(total, np.int64) if into is None else into
-    at = 0
-    for version, run in groupby(chunks, key=lambda chunk: chunk[0][0]):
-        found = list(run)
-        end = at + sum(head.points for _, head in found)
+    for version, found, at, end in _runs(chunks):
         if version == V1:
             _times_v1([blob for blob, _ in found], out[at:end])
-        else:
-            for blob, head in found:
-                pco_into(columns(blob)[1][-2][1], out[at : at + head.points])
-                at += head.points
-        at = end
+            continue
+        for blob, head in found:
+            pco_into(columns(blob)[1][-2][1], out[at : at + head.points])
+            at += head.points
     return out
 
 
@@ -753,7 +758,6 @@ def _times_v1(blobs: Sequence[bytes], into: Ints | None) -> Ints:
     if not words.any():
         return words.view(np.int64)
     return _undod_segments(words, np.cumsum(counts) - counts, counts)
-
 
 
 def arrays_of(chunk: Chunk) -> Arrays:
