@@ -17,7 +17,8 @@ Reported, per store (SQLite and PostgreSQL):
   their points: the labels, clocks and log lines both runs hold left out);
 - history() of the whole run and of one key across every label (`keys="loss"`), each in a fresh
   subprocess: values/s (best of two calls) and the peak RSS it added (ru_maxrss after the first
-  call less before it) per value returned;
+  call less before it) per value returned, beside the bytes per value the returned table holds
+  itself (pandas' memory_usage of its columns);
 - ingest points/s (events x keys) of one worker for the 20-key events, and for 2-key and
   WIDE_KEYS-key events (fresh stores), timed from the first entry read to the worker's exit;
 - what a 512-rank x 50-key x 100,000-step run would take on disk, to ingest, and to read one key
@@ -292,6 +293,9 @@ def child_main(store_url: str, run_id: str, keys: str | None) -> None:
         values = len(table)
         if attempt == 0:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            # What the table returned holds itself (its columns, with the API's dtypes): the part
+            # of the peak no reader can avoid, beside what reading it cost on top.
+            held = int(table.memory_usage(index=False).sum())
         del table
     api.close()
     print(
@@ -303,6 +307,7 @@ def child_main(store_url: str, run_id: str, keys: str | None) -> None:
                 "values_per_s": round(values / min(times)),
                 "peak_rss_added_mb": round((peak - before) / 1024, 1),
                 "peak_bytes_per_value": round((peak - before) * 1024 / max(1, values), 1),
+                "table_bytes_per_value": round(held / max(1, values), 1),
             }
         ).decode()
     )
@@ -386,8 +391,10 @@ def table(results: dict) -> str:
         ("  added to the main run", "constants_and_counters", "added_to_main_bytes_per_point", "{:.2f}"),
         ("history() whole run, values/s", "history_whole_run", "values_per_s", "{:,}"),
         ("history() whole run, peak B/value", "history_whole_run", "peak_bytes_per_value", "{}"),
+        ("  the table returned, B/value", "history_whole_run", "table_bytes_per_value", "{}"),
         ("history(keys='loss'), values/s", "history_one_key", "values_per_s", "{:,}"),
         ("history(keys='loss'), peak B/value", "history_one_key", "peak_bytes_per_value", "{}"),
+        ("  the table returned, B/value", "history_one_key", "table_bytes_per_value", "{}"),
         ("ingest 20-key, points/s", "main", "points_per_s", "{:,}"),
     ]
     stores = [name for name in ("sqlite", "postgres") if name in results]
