@@ -733,7 +733,9 @@ async def _grow_heads(
     con: asyncpg.Connection, heads: Mapping[tuple[int, int], int], ended: set[int]
 ) -> list[tuple[int, int]]:
     """Add a batch's value events to their label epochs' heads: the label epochs now due for
-    compaction, those of `ended` labels (ended now or before) included."""
+    compaction, those of `ended` labels (ended now or before) and those the batch brings events
+    enough to go into chunks at once (chunking.direct_heads) included."""
+    heads, direct = chunking.direct_heads(heads)
     grown = (
         await con.fetch(
             "UPDATE label_epochs e SET head = e.head + u.added "
@@ -745,6 +747,7 @@ async def _grow_heads(
         else []
     )
     due = {(r[0], r[1]) for r in grown if chunking.is_due(r[2], heads[r[0], r[1]], r[0] in ended)}
+    due.update(direct)
     if ended:
         due |= {
             (r[0], r[1])
@@ -798,7 +801,7 @@ async def _compact(
     await con.copy_records_to_table("chunks", records=records, columns=_CHUNK_COLUMNS)
     await con.execute(
         "UPDATE label_epochs e SET head = 0 FROM unnest($1::int8[], $2::int8[]) AS u(label_id, epoch) "
-        "WHERE e.label_id = u.label_id AND e.epoch = u.epoch",
+        "WHERE e.label_id = u.label_id AND e.epoch = u.epoch AND e.head <> 0",
         *pairs,
     )
 
