@@ -159,6 +159,19 @@ def head_events(fresh: Iterable[tuple[int, Sequence[Event]]]) -> dict[tuple[int,
     return counts
 
 
+def direct_heads(
+    heads: Mapping[tuple[int, int], int],
+) -> tuple[dict[tuple[int, int], int], list[tuple[int, int]]]:
+    """A batch's growth of its label epochs' heads (head_events) in two: that of the label
+    epochs which keep a head, for the store to add, and the label epochs it brings so many events
+    that they go into chunks at once (is_due, whatever their head holds). Those need no growth,
+    only the compaction that empties their head: a burst then writes its label epochs' rows once,
+    where growing them first left a dead row version behind and an entry in the index of those
+    due (PostgreSQL: 8 kB of bench/history.py's constants-and-counters run)."""
+    grown = {key: added for key, added in heads.items() if not is_due(0, added, False)}
+    return grown, sorted(key for key in heads if key not in grown)
+
+
 def is_due(head: int, added: int, ended: bool) -> bool:
     """Whether a label epoch whose head holds `head` events, `added` of them by this batch, is
     compacted now: its head is full, its label has ended, or the batch brings so many events

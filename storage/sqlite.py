@@ -696,7 +696,9 @@ def _grow_heads(
     con: sqlite3.Connection, heads: Mapping[tuple[int, int], int], ended: set[int]
 ) -> list[tuple[int, int]]:
     """Add a batch's value events to their label epochs' heads: the label epochs now due for
-    compaction, those of `ended` labels (ended now or before) included."""
+    compaction, those of `ended` labels (ended now or before) and those the batch brings events
+    enough to go into chunks at once (chunking.direct_heads) included."""
+    heads, direct = chunking.direct_heads(heads)
     due = []
     for chunk in _chunks([(*key, count) for key, count in heads.items()], MAX_ROWS_PER_INSERT):
         statement = _given_rows(
@@ -718,7 +720,7 @@ def _grow_heads(
             f"WHERE head > 0 AND label_id IN ({_rows_sql(1, len(ids))})",
             ids,
         ).fetchall()
-    return sorted(set(map(tuple, due)))
+    return sorted(set(map(tuple, due)).union(direct))
 
 
 # The head tables, and what each holds as a value's step.
@@ -758,7 +760,8 @@ def _compact(
                 "label_id, epoch",
                 len(chunk),
                 "UPDATE label_epochs SET head = 0 FROM u "
-                "WHERE label_epochs.label_id = u.label_id AND label_epochs.epoch = u.epoch",
+                "WHERE label_epochs.label_id = u.label_id AND label_epochs.epoch = u.epoch "
+                "AND label_epochs.head <> 0",
             ),
             list(chain.from_iterable(chunk)),
         )

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from runbus.storage import Store, columns, open_store, reads, values
-from runbus.storage.chunking import COMPACT_EVENTS
+from runbus.storage.chunking import COMPACT_EVENTS, DIRECT_EVENTS
 from runbus.storage.columns import bounds
 from tests import old_stores
 from tests.helpers import (
@@ -510,6 +510,48 @@ async def test_a_crashed_labels_values_are_compacted(open_stores: OpenStore, any
     head, chunks = await head_and_chunks(any_store_url)
     assert head == 0 and chunks == 2 * 4  # per label: loss, zero, cpu and the clock
     assert (await point_rows(store), await point_rows(store, "system")) == want
+
+
+async def test_a_batch_that_makes_its_own_chunks_takes_its_head_with_it_and_counts_none(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    """A batch that brings a label epoch DIRECT_EVENTS events or more writes them into chunks at
+    once, its head count never grown (chunking.direct_heads): a fresh label epoch's count is
+    never written (PostgreSQL: the index of the label epochs due never holds it), the head rows
+    before such a batch go into the chunks with it, nothing is left due, and the next small
+    batch's head counts from 0."""
+    store = await open_stores()
+    heads = "SELECT label_id, epoch, head FROM label_epochs ORDER BY label_id, epoch"
+    burst = [metric(s, {"loss": noisy(s)}, step=s, label="rank1") for s in range(1, 1 + DIRECT_EVENTS)]
+    await store.write(burst)
+    assert await head_and_chunks(any_store_url) == (0, 2)  # the key's chunk and the clock's
+    assert await run_sql(any_store_url, heads) == [(1, 1, 0)]
+    if not any_store_url.startswith("sqlite"):
+        # Its metapage alone: never given an entry.
+        assert await run_sql(any_store_url, "SELECT pg_relation_size('label_epochs_due')") == [(8192,)]
+    await store.write([start(1, primary=True)])
+    first = [metric(s, {"loss": noisy(s)}, step=s) for s in range(2, 52)]
+    await store.write(first)  # too few to make chunks: a head of 50 events
+    assert (await head_and_chunks(any_store_url), (await run_sql(any_store_url, heads))[1:]) == (
+        (50, 2),
+        [(2, 1, 50)],
+    )
+    more = [metric(s, {"loss": noisy(s)}, step=s) for s in range(52, 52 + DIRECT_EVENTS)]
+    await store.write(more)
+    # One chunk of the key and the clock's, the head's 50 events in them.
+    assert (await head_and_chunks(any_store_url), (await run_sql(any_store_url, heads))[1:]) == (
+        (0, 4),
+        [(2, 1, 0)],
+    )
+    assert await store.compact_due() == 0
+    late = [metric(s, {"loss": noisy(s)}, step=s) for s in range(52 + DIRECT_EVENTS, 62 + DIRECT_EVENTS)]
+    await store.write(late)
+    assert (await run_sql(any_store_url, heads))[1:] == [(2, 1, 10)]
+    loss = await store.metrics(RUN, key="loss")
+    written = burst + first + more + late
+    assert [(p.label, p.seq, bits(p.value)) for p in loss] == [
+        (e.label, e.seq, bits(e.data["loss"])) for e in sorted(written, key=lambda e: (e.label, e.seq))
+    ]
 
 
 async def test_compaction_while_batches_are_written_loses_and_doubles_nothing(
