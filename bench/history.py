@@ -19,13 +19,15 @@ Reported, per store (SQLite and PostgreSQL):
   subprocess: values/s (best of two calls) and the peak RSS it added (ru_maxrss after the first
   call less before it) per value returned, beside the bytes per value the returned table holds
   itself (pandas' memory_usage of its columns);
+- history(keys="loss") of a longer run (LONG_KEYS keys, --long-steps steps: 10x by default) in a
+  fresh subprocess alike: one key's read where its values outnumber a read's fixed costs;
 - ingest points/s (events x keys) of one worker for the 20-key events, and for 2-key and
   WIDE_KEYS-key events (fresh stores), timed from the first entry read to the worker's exit;
 - what a 512-rank x 50-key x 100,000-step run would take on disk, to ingest, and to read one key
-  across its ranks (time and memory), from these rates.
+  across its ranks (time and memory), from these rates (the one key's from the long run's read).
 
     python bench/history.py [--store sqlite,postgres] [--labels 64] [--steps 2000] [--keys 20]
-                            [--wide-keys 50] [--quick]
+                            [--wide-keys 50] [--long-steps 20000] [--quick]
 
 PostgreSQL is RUNBUS_BENCH_POSTGRES_DSN, else postgresql://root@127.0.0.1:5432/postgres; each
 store is a throwaway database there, dropped after. Redis is RUNBUS_BENCH_REDIS_URL, else a
@@ -77,6 +79,7 @@ COUNTER_KINDS = ("constant", "int_counter", "float_counter")
 PRELOAD_BATCH = 2000
 DEFAULT_DSN = "postgresql://root@127.0.0.1:5432/postgres"
 EXTRAPOLATE = {"ranks": 512, "keys": 50, "steps": 100_000}
+LONG_KEYS = 2  # the long run's keys (loss and loss_lm): one key's read of many values, soon ingested
 
 
 class Key(NamedTuple):
@@ -343,6 +346,8 @@ def measure_store(backend: Backend, redis_url: str, args: argparse.Namespace) ->
             f"{backend.kind} history: {found['history_whole_run']} / {found['history_one_key']}",
             file=sys.stderr,
         )
+    if args.long_steps:
+        found["history_one_key_long"] = one_key_at_length(backend, redis_url, labels, args.long_steps)
     with backend.fresh("counters") as url:
         counters = ingest(redis_url, url, "bench-counters", labels, steps, key_specs(7, COUNTER_KINDS))
         counters["bytes_per_point"] = round((backend.size(url) - empty) / counters["points"], 2)
@@ -365,12 +370,25 @@ def measure_store(backend: Backend, redis_url: str, args: argparse.Namespace) ->
     return found
 
 
+def one_key_at_length(backend: Backend, redis_url: str, labels: int, steps: int) -> dict:
+    """history(keys="loss") of a run LONG_KEYS keys wide and `steps` long: one key's read where
+    its values outnumber a read's fixed costs (its statements, its first pages), as they do in
+    the 512-rank run extrapolate() speaks of."""
+    with backend.fresh("long") as url:
+        ingest(redis_url, url, "bench-long", labels, steps, key_specs(LONG_KEYS))
+        read = read_in_child(url, "bench-long", "loss")
+    read["complete"] = read["values"] == labels * steps
+    print(f"{backend.kind} one key of {labels} x {steps}: {read}", file=sys.stderr, flush=True)
+    return read
+
+
 def extrapolate(found: dict, wide_keys: int) -> dict:
     """A 512-rank x 50-key x 100k-step run at the measured rates."""
     ranks, keys, steps = EXTRAPOLATE["ranks"], EXTRAPOLATE["keys"], EXTRAPOLATE["steps"]
     points = ranks * keys * steps
     one_key = ranks * steps
-    read = found["history_one_key"]
+    # The longest one-key read measured: the nearest to 51M values.
+    read = found.get("history_one_key_long", found["history_one_key"])
     ingest_rate = found[f"ingest_{wide_keys}_keys"]["points_per_s"]
     return {
         "run": f"{ranks} ranks x {keys} keys x {steps} steps",
@@ -395,12 +413,16 @@ def table(results: dict) -> str:
         ("history(keys='loss'), values/s", "history_one_key", "values_per_s", "{:,}"),
         ("history(keys='loss'), peak B/value", "history_one_key", "peak_bytes_per_value", "{}"),
         ("  the table returned, B/value", "history_one_key", "table_bytes_per_value", "{}"),
+        ("history(keys='loss'), long run, values/s", "history_one_key_long", "values_per_s", "{:,}"),
+        ("  its peak B/value", "history_one_key_long", "peak_bytes_per_value", "{}"),
         ("ingest 20-key, points/s", "main", "points_per_s", "{:,}"),
     ]
     stores = [name for name in ("sqlite", "postgres") if name in results]
     lines = [f"{'':38}" + "".join(f"{name:>16}" for name in stores)]
     for title, part, field, shape in rows:
-        lines.append(f"{title:38}" + "".join(f"{shape.format(results[s][part][field]):>16}" for s in stores))
+        if all(part in results[s] for s in stores):
+            cells = [shape.format(results[s][part][field]) for s in stores]
+            lines.append(f"{title:38}" + "".join(f"{cell:>16}" for cell in cells))
     for part in [p for p in results[stores[0]] if p.startswith("ingest_")]:
         title = f"ingest {part.split('_')[1]}-key, points/s"
         lines.append(f"{title:38}" + "".join(f"{results[s][part]['points_per_s']:>16,}" for s in stores))
@@ -418,6 +440,9 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=20)
     parser.add_argument("--wide-keys", type=int, default=50)
     parser.add_argument("--wide-steps", type=int, default=None, help="steps of the 2- and wide-key runs")
+    parser.add_argument(
+        "--long-steps", type=int, default=None, help="the one-key long run's steps (0: none; 10x --steps)"
+    )
     parser.add_argument("--quick", action="store_true", help="8 labels x 250 steps: a smoke run")
     parser.add_argument("--child-read", nargs=2, metavar=("STORE", "RUN"), help=argparse.SUPPRESS)
     parser.add_argument("--child-keys", default=None, help=argparse.SUPPRESS)
@@ -429,6 +454,7 @@ def main() -> None:
     if args.quick:
         args.labels, args.steps = 8, 250
     args.wide_steps = args.wide_steps or args.steps
+    args.long_steps = 10 * args.steps if args.long_steps is None else args.long_steps
     stores = ["postgres"] if args.postgres else args.store.split(",")
     logging.disable(logging.WARNING)
     dsn = os.environ.get("RUNBUS_BENCH_POSTGRES_DSN", DEFAULT_DSN)
