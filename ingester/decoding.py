@@ -238,24 +238,17 @@ def _plain_numbers(values: Collection[object]) -> bool:
     )
 
 
-def _decode_by_columns(
+def _decoded_by_columns(
     key: str, names: KeyNames, flats: list[FlatEntry]
-) -> list[Event | InvalidEntry] | None:
+) -> tuple[list[Event | InvalidEntry], Columns | None] | None:
     """Many entries decoded a column at a time, for the common case of plainly valid entries in
-    the producers' field order.
+    the producers' field order: their results, with their Columns where the entries are all of
+    one shape.
 
     Metrics at a step go by columns, and so do metrics and system figures without one; logs,
     start, heartbeat, finish and meta events go one by one. None when an entry of the first two kinds
     is not plainly valid: then every entry goes one by one, and the reason is found.
     """
-    decoded = _decoded_by_columns(key, names, flats)
-    return None if decoded is None else decoded[0]
-
-
-def _decoded_by_columns(
-    key: str, names: KeyNames, flats: list[FlatEntry]
-) -> tuple[list[Event | InvalidEntry], Columns | None] | None:
-    """_decode_by_columns's results, with their Columns where the entries are all of one shape."""
     if None in flats:  # a deleted entry, among pending entries
         return None
     entries = cast("list[list[bytes]]", flats)

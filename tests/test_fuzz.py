@@ -347,7 +347,7 @@ def test_the_fast_path_agrees_with_the_reference_on_whole_streams(stream):
     reference's Events and, for every bad entry, the reference's message."""
     key, flats = stream
     names = decoding._key_names(key)
-    by_columns = names is not None and decoding._decode_by_columns(key, names, flats) is not None
+    by_columns = names is not None and decoding._decoded_by_columns(key, names, flats) is not None
     event(f"decoded by columns: {by_columns}")
     reference = outcomes(wire.decode_stream(key, flats))
     assert outcomes(decoding.decode_stream_fast(key, flats)) == reference
@@ -370,8 +370,10 @@ def test_clean_streams_are_decoded_by_columns(flavour, sealed):
         flats.append(as_read(fields) + ([wire.SEAL_FIELD, b"0" * 32] if sealed else []))
     names = decoding._key_names(key)
     assert names is not None
-    by_columns = decoding._decode_by_columns(key, names, flats)
-    assert by_columns is not None and all(isinstance(e, wire.Event) for e in by_columns)
+    decoded = decoding._decoded_by_columns(key, names, flats)
+    assert decoded is not None
+    by_columns = decoded[0]
+    assert all(isinstance(e, wire.Event) for e in by_columns)
     assert by_columns == wire.decode_stream(key, flats)
 
 
@@ -386,7 +388,7 @@ def test_sealed_streams_are_decoded_by_columns():
         sealed.append([*flat, wire.SEAL_FIELD, wire.seal_event(b"k", "metric", 1, seq, 1e9 + seq, seq, data)])
     names = decoding._key_names(key)
     assert names is not None
-    assert decoding._decode_by_columns(key, names, sealed) is not None
+    assert decoding._decoded_by_columns(key, names, sealed) is not None
     assert (
         decoding.decode_stream_fast(key, sealed)
         == wire.decode_stream(key, sealed)
