@@ -16,7 +16,7 @@ from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, cast
 
 from runbus import wire
-from runbus.ingester.batch import Source, Stretch
+from runbus.ingester.batch import Source, Stretch, as_dict
 from runbus.ingester.deadletter import DeadEntry
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class Fences:
                     kept_sources.append(source)
                 else:
                     key, entry_id, fields = source
-                    dead.append(DeadEntry(key, entry_id, _as_dict(fields), reason))
+                    dead.append(DeadEntry(key, entry_id, as_dict(fields), reason))
         return kept, kept_sources
 
     def _all_sealed(self, events: list[wire.Event], sources: Sequence[Source], stretch: Stretch) -> bool:
@@ -206,10 +206,6 @@ def _places(events: list[wire.Event], stretch: Stretch) -> tuple[str, str, set[i
     return first.run, first.label, set(map(_EPOCH, events[where]))
 
 
-def _as_dict(fields: dict[bytes, bytes] | wire.FlatEntry) -> dict[bytes, bytes]:
-    return fields if isinstance(fields, dict) else wire.fields_dict(fields)
-
-
 # Where a producer's entry holds the fields its seal covers (wire.XADD_MANY_SCRIPT's order, flat).
 _AT = {b"kind": 2, b"epoch": 8, b"seq": 10, b"ts": 12}
 _WITH_STEP, _WITHOUT_STEP = 20, 18
@@ -228,5 +224,5 @@ def sealed_fields(fields: dict[bytes, bytes] | wire.FlatEntry) -> tuple[list[byt
     ):
         step = fields[15] if len(fields) == _WITH_STEP else b""
         return [fields[3], fields[9], fields[11], fields[13], step, fields[-3]], fields[-1]
-    named = _as_dict(fields)
+    named = as_dict(fields)
     return [named.get(name, b"") for name in wire.SEALED_FIELDS], named.get(wire.SEAL_FIELD)

@@ -128,18 +128,18 @@ def assemble(chunks: Iterable[ChunkPart], clocks: Iterable[ClockPart], head: Ite
 
 def _damaged(chunks: list[ChunkPart], clocks: list[ClockPart]) -> FormatError | None:
     """The error of the first of these chunks that does not decode on its own, with its names."""
-    for label, key, epoch, first_seq, blob in chunks:
+    named = [
+        (f"a stored chunk of label {label!r}, key {key!r}, lease epoch {epoch}, from seq {first_seq}", blob)
+        for label, key, epoch, first_seq, blob in chunks
+    ]
+    named += [
+        (f"the clock chunk of label {label!r}, lease epoch {epoch}", blob) for label, epoch, blob in clocks
+    ]
+    for where, blob in named:
         try:
             decode_arrays(blob)
         except FormatError as error:
-            where = f"label {label!r}, key {key!r}, lease epoch {epoch}, from seq {first_seq}"
-            return FormatError(f"a stored chunk of {where} does not decode: {error}")
-    for label, epoch, blob in clocks:
-        try:
-            decode_arrays(blob)
-        except FormatError as error:
-            where = f"label {label!r}, lease epoch {epoch}"
-            return FormatError(f"the clock chunk of {where} does not decode: {error}")
+            return FormatError(f"{where} does not decode: {error}")
     return None
 
 

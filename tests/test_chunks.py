@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from runbus.storage import Store, columns, open_store, reads, values
-from runbus.storage.chunking import COMPACT_EVENTS, DIRECT_EVENTS
+from runbus.storage.chunking import CLOCK, COMPACT_EVENTS, DIRECT_EVENTS
 from runbus.storage.columns import bounds
 from tests import old_stores
 from tests.helpers import (
@@ -653,31 +653,33 @@ async def test_a_compaction_between_a_reads_statements_changes_nothing_it_sees(s
         await reader.close()
 
 
-async def damage_chunks(url: str, key: str) -> int:
-    """Each chunk of series `key` with its values column's payload replaced by as many bytes of
-    garbage, as a store damaged on disk or by hand would hold it; how many."""
-    chosen = (
-        "SELECT c.label_id, c.series_id, c.epoch, c.first_seq, c.data"
-        " FROM chunks c JOIN series s ON s.id = c.series_id WHERE s.key = "
-    )
+async def damage_chunks(url: str, key: str | None) -> int:
+    """Each chunk of series `key` (None: each clock chunk) with the payload of the column a read
+    decodes of it (a key's values, a clock's timestamps) replaced by as many bytes of garbage, as
+    a store damaged on disk or by hand would hold it; how many."""
+    of = f"= {CLOCK}" if key is None else "IN (SELECT id FROM series WHERE key = {})"
+    chosen = f"SELECT label_id, series_id, epoch, first_seq, data FROM chunks WHERE series_id {of}"
     change = (
         "UPDATE chunks SET data = {} WHERE label_id = {} AND series_id = {} AND epoch = {} AND first_seq = {}"
     )
 
     def garbled(data: bytes) -> bytes:
-        size = len(columns.columns(data)[1][-1][1])
-        return data[:-size] + (bytes(range(256)) * (size // 256 + 1))[:size]
+        parts = columns.columns(data)[1]
+        # The values column is the last; a clock's timestamps the one before it.
+        end = len(data) if key is not None else len(data) - columns.COLUMN.size - len(parts[-1][1])
+        size = len(parts[-1 if key is not None else -2][1])
+        return data[: end - size] + (bytes(range(256)) * (size // 256 + 1))[:size] + data[end:]
 
     if url.startswith("sqlite"):
         with closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as con:
-            rows = con.execute(chosen + "?", (key,)).fetchall()
+            rows = con.execute(chosen.format("?"), () if key is None else (key,)).fetchall()
             for *where, data in rows:
                 con.execute(change.format("?", "?", "?", "?", "?"), (garbled(data), *where))
             con.commit()
         return len(rows)
     con = await asyncpg.connect(url)
     try:
-        rows = await con.fetch(chosen + "$1", key)
+        rows = await con.fetch(chosen.format("$1"), *([] if key is None else [key]))
         for *where, data in rows:
             await con.execute(change.format("$1", "$2", "$3", "$4", "$5"), garbled(data), *where)
     finally:
@@ -698,6 +700,19 @@ async def test_a_damaged_chunk_is_a_format_error_that_names_its_label_and_key(
         await store.metrics(RUN)
     lr = await store.metrics(RUN, key="lr")  # the other series reads as it was
     assert [p.seq for p in lr] == list(range(2, 600)) and {p.value for p in lr} == {0.001}
+
+
+async def test_a_damaged_clock_chunk_is_a_format_error_that_names_its_label(
+    open_stores: OpenStore, any_store_url: str
+) -> None:
+    store = await open_stores(any_store_url)
+    await store.write([start(1, primary=True)])
+    await store.write([metric(s, {"loss": noisy(s), "lr": 0.001}, step=s) for s in range(2, 600)])
+    assert await damage_chunks(any_store_url, None) >= 1
+    with pytest.raises(columns.FormatError, match="the clock chunk of label 'rank0', lease epoch 1 does not"):
+        await store.values(RUN, keys=["loss"])
+    with pytest.raises(columns.FormatError, match="the clock chunk of label 'rank0'"):
+        await store.metrics(RUN)
 
 
 async def test_a_small_read_fetches_only_the_clock_chunks_that_time_its_values(store: Store) -> None:
