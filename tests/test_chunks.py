@@ -687,13 +687,20 @@ async def damage_chunks(url: str, key: str | None) -> int:
     return len(rows)
 
 
+async def store_with_damaged(open_stores: OpenStore, url: str, key: str | None) -> Store:
+    """A store of rank0's `loss` and `lr` over 598 steps, in chunks, whose chunks of `key` (None:
+    its clock chunks) damage_chunks garbled."""
+    store = await open_stores(url)
+    await store.write([start(1, primary=True)])
+    await store.write([metric(s, {"loss": noisy(s), "lr": 0.001}, step=s) for s in range(2, 600)])
+    assert await damage_chunks(url, key) >= 1
+    return store
+
+
 async def test_a_damaged_chunk_is_a_format_error_that_names_its_label_and_key(
     open_stores: OpenStore, any_store_url: str
 ) -> None:
-    store = await open_stores(any_store_url)
-    await store.write([start(1, primary=True)])
-    await store.write([metric(s, {"loss": noisy(s), "lr": 0.001}, step=s) for s in range(2, 600)])
-    assert await damage_chunks(any_store_url, "loss") >= 1
+    store = await store_with_damaged(open_stores, any_store_url, "loss")
     with pytest.raises(columns.FormatError, match="label 'rank0', key 'loss', lease epoch 1"):
         await store.values(RUN, keys=["loss"])
     with pytest.raises(columns.FormatError, match="key 'loss'"):
@@ -705,10 +712,7 @@ async def test_a_damaged_chunk_is_a_format_error_that_names_its_label_and_key(
 async def test_a_damaged_clock_chunk_is_a_format_error_that_names_its_label(
     open_stores: OpenStore, any_store_url: str
 ) -> None:
-    store = await open_stores(any_store_url)
-    await store.write([start(1, primary=True)])
-    await store.write([metric(s, {"loss": noisy(s), "lr": 0.001}, step=s) for s in range(2, 600)])
-    assert await damage_chunks(any_store_url, None) >= 1
+    store = await store_with_damaged(open_stores, any_store_url, None)
     with pytest.raises(columns.FormatError, match="the clock chunk of label 'rank0', lease epoch 1 does not"):
         await store.values(RUN, keys=["loss"])
     with pytest.raises(columns.FormatError, match="the clock chunk of label 'rank0'"):
